@@ -1,0 +1,104 @@
+"""`vramlab estimate train|infer ...`: the memory calculator on the command line.
+
+Exit codes: 0 success, 2 bad input (one line on stderr, never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from . import memory, specs
+from .units import fmt_bytes
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse prints usage too; keep it short)
+        self.exit(2, f"vramlab: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="vramlab", description="Where GPU memory goes: estimate training and inference memory.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    est = sub.add_parser("estimate", help="estimate the peak memory of a training step or an inference prefill")
+    est.add_argument("mode", choices=("train", "infer"))
+    src = est.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help=f"a preset: {', '.join(specs.preset_names())}")
+    src.add_argument("--hf-config", metavar="PATH", help="a transformers config.json (or a folder holding one)")
+    est.add_argument("--batch-size", type=_positive_int, required=True, help="sequences per step")
+    est.add_argument("--seq-len", type=_positive_int, required=True, help="tokens per sequence")
+    est.add_argument("--precision", default=None,
+                     help="train: fp32 | bf16-mixed | fp16-mixed | bf16 (default fp32); infer: fp32 | bf16 | fp16 | int8 (default bf16)")
+    est.add_argument("--optimizer", default="adamw", choices=memory.OPTIMIZERS)
+    est.add_argument("--optimizer-impl", default="foreach", choices=memory.OPTIMIZER_IMPLS)
+    est.add_argument("--attention", default="sdpa", choices=memory.ATTENTIONS)
+    est.add_argument("--recompute", default="none", choices=memory.RECOMPUTES)
+    est.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="whose kernels run (default cuda)")
+    est.add_argument("--gpu", help=f"check the fit on: {', '.join(specs.GPUS)}")
+    est.add_argument("--json", action="store_true", help="print one JSON object")
+    sub.add_parser("presets", help="list the built-in models")
+    sub.add_parser("gpus", help="list the GPU catalogue")
+    return p
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    spec = specs.preset(args.model) if args.model else specs.from_config(args.hf_config)
+    gpu = specs.gpu(args.gpu) if args.gpu else None
+    if args.mode == "train":
+        options = dict(seq_len=args.seq_len, precision=args.precision or "fp32", optimizer=args.optimizer,
+                       optimizer_impl=args.optimizer_impl, attention=args.attention, recompute=args.recompute,
+                       device=args.device)
+        est = memory.estimate_training(spec, batch_size=args.batch_size, **options)
+    else:
+        options = dict(seq_len=args.seq_len, dtype=args.precision or "bf16", attention=args.attention)
+        est = memory.estimate_inference(spec, batch_size=args.batch_size, **options)
+    verdict = memory.fit(spec, gpu, batch_size=args.batch_size, mode=args.mode, **options) if gpu else None
+    if args.json:
+        out = {"model": spec.name, "model_type": spec.model_type, "mode": args.mode, "params": spec.params,
+               "batch_size": args.batch_size, "seq_len": args.seq_len, "options": options,
+               "total_bytes": est.total, "breakdown": est.to_dict(), "peak_phase": est.phase}
+        if verdict:
+            out["gpu"] = {"name": verdict.gpu.name, "memory_bytes": verdict.available, "fits": verdict.fits,
+                          "needed_bytes": verdict.needed, "reserve_bytes": verdict.reserve,
+                          "max_batch_size": verdict.max_batch_size}
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{spec.name}: {spec.params:,} parameters ({spec.model_type})")
+    print(est.table())
+    if verdict:
+        print(verdict)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "estimate":
+            return _estimate(args)
+        if args.command == "presets":
+            for name in specs.preset_names():
+                s = specs.preset(name)
+                print(f"{name:16s}{s.model_type:10s}{s.params:>16,d} params  ({fmt_bytes(memory.checkpoint_bytes(s))} in fp32)")
+            return 0
+        for g in specs.GPUS.values():
+            print(f"{g.name:14s}{fmt_bytes(g.memory_bytes):>12}  {g.bandwidth_GBps:>6.0f} GB/s  {g.architecture}")
+        return 0
+    except (ValueError, KeyError) as e:  # SpecError is a ValueError
+        print(f"vramlab: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,534 @@
+"""What a model and a GPU are, as far as memory is concerned. Pure Python: no torch import.
+
+A `ModelSpec` names every weight tensor a transformers model of a supported family holds, so that
+`spec.params` equals `sum(p.numel() for p in model.parameters())` of the real model exactly.
+Families: GPT-2, GPT-NeoX, OPT, Llama / Mistral / Qwen2 (grouped-query attention, gated MLP),
+BERT (masked-LM head) and T5 / mT5 (encoder-decoder).
+
+Build one with `from_config` (a transformers config object, a config dict, or a `config.json` path)
+or `preset("gpt2")`. What-if questions: `dataclasses.replace(spec, num_layers=48)`.
+`gpu("a100-80gb")` looks up the GPU catalogue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any, Literal, Mapping
+
+from .units import GB, GiB, MiB
+
+Family = Literal["gpt2", "gpt_neox", "opt", "llama", "bert", "t5"]
+Norm = Literal["layernorm", "rmsnorm"]
+
+# transformers model_type -> the family whose layer layout it shares
+MODEL_TYPES: dict[str, Family] = {
+    "gpt2": "gpt2",
+    "gpt_neox": "gpt_neox",
+    "opt": "opt",
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "bert": "bert",
+    "t5": "t5",
+    "mt5": "t5",
+}
+
+
+class SpecError(ValueError):
+    """A model or GPU description that vramlab cannot use; the message says what is wrong."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Every shape that decides a transformer's memory. Sizes are counts (not bytes).
+
+    num_layers is the decoder depth of a decoder-only model, the encoder depth of BERT and T5;
+    num_decoder_layers is T5's decoder depth (0 elsewhere). head_dim * num_heads may differ from
+    hidden_size (T5's d_kv, Llama's explicit head_dim).
+    """
+
+    name: str
+    model_type: str
+    vocab_size: int  # V
+    hidden_size: int  # h
+    num_layers: int  # L
+    num_heads: int  # a
+    num_kv_heads: int  # grouped-query attention: a_kv <= a
+    head_dim: int
+    intermediate_size: int  # MLP width (each of gate/up for a gated MLP)
+    max_position_embeddings: int  # learned position table size, or context length for RoPE
+    activation: str
+    gated_mlp: bool = False
+    tie_word_embeddings: bool = True
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    norm: Norm = "layernorm"
+    norm_bias: bool = True  # LayerNorm with a bias (RMSNorm has none)
+    norm_affine: bool = True  # OPT's layer_norm_elementwise_affine=False drops norm weights
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    # family-specific extras (0 / defaults where the family has none)
+    num_decoder_layers: int = 0  # T5
+    relative_attention_num_buckets: int = 0  # T5
+    type_vocab_size: int = 0  # BERT
+    word_embed_proj_dim: int = 0  # OPT (0 = hidden_size)
+    final_norm: bool = True  # OPT can drop its final LayerNorm
+    parallel_residual: bool = False  # GPT-NeoX
+    rotary_fraction: float = 0.0  # GPT-NeoX partial rotary; 1.0 for Llama-style
+
+    def __post_init__(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            raise SpecError(f"unsupported model_type {self.model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+        for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                      "intermediate_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise SpecError(f"{field} must be a positive integer, got {value!r}")
+        if self.family in ("gpt2", "gpt_neox", "opt", "bert"):
+            if self.num_heads * self.head_dim != self.hidden_size or self.num_kv_heads != self.num_heads:
+                raise SpecError(f"{self.model_type}: num_heads x head_dim must equal hidden_size and every head has "
+                                f"its own k, v (got {self.num_heads} x {self.head_dim} vs {self.hidden_size}, "
+                                f"num_kv_heads {self.num_kv_heads}); replace them together")
+        if self.num_heads % self.num_kv_heads:
+            raise SpecError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.family == "t5" and self.num_decoder_layers <= 0:
+            raise SpecError("a T5 model needs num_decoder_layers > 0")
+
+    @property
+    def family(self) -> Family:
+        return MODEL_TYPES[self.model_type]
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self.family == "t5"
+
+    @property
+    def is_causal_lm(self) -> bool:
+        return self.family not in ("bert", "t5")
+
+    @property
+    def q_dim(self) -> int:  # width of the query projection, a * d
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:  # width of each of the key and value projections, a_kv * d
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def params(self) -> int:
+        """Exact parameter count, as `sum(p.numel() for p in model.parameters())` reports it
+        (tied tensors counted once)."""
+        return sum(self.param_groups().values())
+
+    def param_groups(self) -> dict[str, int]:
+        """Parameter counts by role: embeddings, layers (all blocks), head (norms and LM head)."""
+        return _COUNTERS[self.family](self)
+
+    def largest_layer_params(self) -> int:
+        """Parameters of the largest single tensor-holding unit (one block or the embedding):
+        what ZeRO-3 must gather at once."""
+        g = self.param_groups()
+        per_block = g["layers"] // max(1, self.num_layers + self.num_decoder_layers)
+        return max(per_block, g["embeddings"], g["head"])
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The transformers config dict that builds this model (inverse of `from_config`)."""
+        return _TO_HF[self.family](self)
+
+
+# ----------------------------------------------------------------------------- parameter counts
+# Each counter mirrors the modules of the transformers 5.x implementation, tensor by tensor.
+
+def _linear(d_in: int, d_out: int, bias: bool) -> int:
+    return d_in * d_out + (d_out if bias else 0)
+
+
+def _norm(s: ModelSpec, width: int) -> int:
+    if not s.norm_affine:
+        return 0
+    return width * (2 if s.norm == "layernorm" and s.norm_bias else 1)
+
+
+def _mlp(s: ModelSpec) -> int:
+    h, i, b = s.hidden_size, s.intermediate_size, s.mlp_bias
+    n_in = 2 if s.gated_mlp else 1  # gate and up, or a single fc
+    return n_in * _linear(h, i, b) + _linear(i, h, b)
+
+
+def _attention(s: ModelSpec, *, fused_qkv: bool = False) -> int:
+    h = s.hidden_size
+    if fused_qkv:  # GPT-2 c_attn / NeoX query_key_value: one h x 3h matrix
+        return _linear(h, 3 * h, s.qkv_bias) + _linear(h, h, s.out_bias)
+    return (_linear(h, s.q_dim, s.qkv_bias) + 2 * _linear(h, s.kv_dim, s.qkv_bias)
+            + _linear(s.q_dim, h, s.out_bias))
+
+
+def _lm_head(s: ModelSpec, d: int) -> int:
+    return 0 if s.tie_word_embeddings else s.vocab_size * d
+
+
+def _count_gpt2(s: ModelSpec) -> dict[str, int]:
+    h = s.hidden_size
+    block = 2 * _norm(s, h) + _attention(s, fused_qkv=True) + _mlp(s)
+    return {"embeddings": s.vocab_size * h + s.max_position_embeddings * h,  # wte, wpe
+            "layers": s.num_layers * block,
+            "head": _norm(s, h) + _lm_head(s, h)}  # ln_f, lm_head
+
+
+def _count_gpt_neox(s: ModelSpec) -> dict[str, int]:
+    h = s.hidden_size
+    block = 2 * _norm(s, h) + _attention(s, fused_qkv=True) + _mlp(s)
+    return {"embeddings": s.vocab_size * h, "layers": s.num_layers * block,
+            "head": _norm(s, h) + _lm_head(s, h)}
+
+
+def _count_opt(s: ModelSpec) -> dict[str, int]:
+    h = s.hidden_size
+    e = s.word_embed_proj_dim or h
+    proj = 2 * e * h if e != h else 0  # project_in, project_out (no bias)
+    block = 2 * _norm(s, h) + _attention(s) + _mlp(s)
+    return {"embeddings": s.vocab_size * e + (s.max_position_embeddings + 2) * h + proj,  # +2: OPT offset
+            "layers": s.num_layers * block,
+            "head": (_norm(s, h) if s.final_norm else 0) + _lm_head(s, e)}
+
+
+def _count_llama(s: ModelSpec) -> dict[str, int]:
+    h = s.hidden_size
+    block = 2 * _norm(s, h) + _attention(s) + _mlp(s)
+    return {"embeddings": s.vocab_size * h, "layers": s.num_layers * block,
+            "head": _norm(s, h) + _lm_head(s, h)}
+
+
+def _count_bert(s: ModelSpec) -> dict[str, int]:
+    h = s.hidden_size
+    emb = (s.vocab_size + s.max_position_embeddings + s.type_vocab_size) * h + _norm(s, h)
+    block = _attention(s) + _mlp(s) + 2 * _norm(s, h)
+    # masked-LM head: transform dense + LayerNorm, decoder (tied to word embeddings) + its bias (V)
+    head = _linear(h, h, True) + _norm(s, h) + _lm_head(s, h) + s.vocab_size
+    return {"embeddings": emb, "layers": s.num_layers * block, "head": head}
+
+
+def _count_t5(s: ModelSpec) -> dict[str, int]:
+    h = s.hidden_size
+    attn = _attention(s)  # q, k, v, o without bias; inner width a * d_kv
+    rel = s.relative_attention_num_buckets * s.num_heads  # in the first block of each stack
+    enc_block = attn + _mlp(s) + 2 * _norm(s, h)
+    dec_block = 2 * attn + _mlp(s) + 3 * _norm(s, h)  # self-attn, cross-attn, FF
+    layers = s.num_layers * enc_block + s.num_decoder_layers * dec_block + 2 * rel
+    return {"embeddings": s.vocab_size * h, "layers": layers,
+            "head": 2 * _norm(s, h) + _lm_head(s, h)}  # encoder and decoder final norms
+
+
+_COUNTERS = {"gpt2": _count_gpt2, "gpt_neox": _count_gpt_neox, "opt": _count_opt,
+             "llama": _count_llama, "bert": _count_bert, "t5": _count_t5}
+
+
+# ----------------------------------------------------------------------------- config parsing
+
+def _get(cfg: Mapping[str, Any], key: str, default: Any) -> Any:
+    value = cfg.get(key)
+    return default if value is None else value
+
+
+def _from_gpt2(cfg: Mapping[str, Any], name: str) -> ModelSpec:
+    h, a = _get(cfg, "n_embd", 768), _get(cfg, "n_head", 12)
+    _divides(h, a, "n_embd", "n_head")
+    return ModelSpec(
+        name=name, model_type="gpt2", vocab_size=_get(cfg, "vocab_size", 50257), hidden_size=h,
+        num_layers=_get(cfg, "n_layer", 12), num_heads=a, num_kv_heads=a, head_dim=h // a,
+        intermediate_size=_get(cfg, "n_inner", 4 * h), max_position_embeddings=_get(cfg, "n_positions", 1024),
+        activation=_get(cfg, "activation_function", "gelu_new"),
+        tie_word_embeddings=_get(cfg, "tie_word_embeddings", True),
+        qkv_bias=True, out_bias=True, mlp_bias=True,
+        hidden_dropout=_get(cfg, "resid_pdrop", 0.1), attention_dropout=_get(cfg, "attn_pdrop", 0.1))
+
+
+def _from_gpt_neox(cfg: Mapping[str, Any], name: str) -> ModelSpec:
+    h, a = _get(cfg, "hidden_size", 6144), _get(cfg, "num_attention_heads", 64)
+    _divides(h, a, "hidden_size", "num_attention_heads")
+    bias = _get(cfg, "attention_bias", True)
+    rope = cfg.get("rope_parameters") or {}
+    return ModelSpec(
+        name=name, model_type="gpt_neox", vocab_size=_get(cfg, "vocab_size", 50432), hidden_size=h,
+        num_layers=_get(cfg, "num_hidden_layers", 44), num_heads=a, num_kv_heads=a, head_dim=h // a,
+        intermediate_size=_get(cfg, "intermediate_size", 24576),
+        max_position_embeddings=_get(cfg, "max_position_embeddings", 2048),
+        activation=_get(cfg, "hidden_act", "gelu"), tie_word_embeddings=_get(cfg, "tie_word_embeddings", False),
+        qkv_bias=bias, out_bias=bias, mlp_bias=True,
+        hidden_dropout=_get(cfg, "hidden_dropout", 0.0), attention_dropout=_get(cfg, "attention_dropout", 0.0),
+        parallel_residual=_get(cfg, "use_parallel_residual", True),
+        rotary_fraction=_get(rope, "partial_rotary_factor", _get(cfg, "rotary_pct", 0.25)))
+
+
+def _from_opt(cfg: Mapping[str, Any], name: str) -> ModelSpec:
+    h, a = _get(cfg, "hidden_size", 768), _get(cfg, "num_attention_heads", 12)
+    _divides(h, a, "hidden_size", "num_attention_heads")
+    bias = _get(cfg, "enable_bias", True)
+    return ModelSpec(
+        name=name, model_type="opt", vocab_size=_get(cfg, "vocab_size", 50272), hidden_size=h,
+        num_layers=_get(cfg, "num_hidden_layers", 12), num_heads=a, num_kv_heads=a, head_dim=h // a,
+        intermediate_size=_get(cfg, "ffn_dim", 3072), max_position_embeddings=_get(cfg, "max_position_embeddings", 2048),
+        activation=_get(cfg, "activation_function", "relu"), tie_word_embeddings=_get(cfg, "tie_word_embeddings", True),
+        qkv_bias=bias, out_bias=bias, mlp_bias=bias, norm_affine=_get(cfg, "layer_norm_elementwise_affine", True),
+        hidden_dropout=_get(cfg, "dropout", 0.1), attention_dropout=_get(cfg, "attention_dropout", 0.0),
+        word_embed_proj_dim=_get(cfg, "word_embed_proj_dim", h),
+        final_norm=bool(_get(cfg, "do_layer_norm_before", True)) and not _get(cfg, "_remove_final_layer_norm", False))
+
+
+def _from_llama(cfg: Mapping[str, Any], name: str) -> ModelSpec:
+    mt = cfg["model_type"]
+    h, a = _get(cfg, "hidden_size", 4096), _get(cfg, "num_attention_heads", 32)
+    kv = _get(cfg, "num_key_value_heads", 8 if mt == "mistral" else a)
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        _divides(h, a, "hidden_size", "num_attention_heads")
+        head_dim = h // a
+    if mt == "qwen2":  # Qwen2: q, k, v always carry a bias, o never does
+        qkv_bias, out_bias, mlp_bias = True, False, False
+    elif mt == "mistral":
+        qkv_bias = out_bias = mlp_bias = False
+    else:
+        qkv_bias = out_bias = bool(_get(cfg, "attention_bias", False))
+        mlp_bias = bool(_get(cfg, "mlp_bias", False))
+    defaults = {"llama": (32000, 11008, 2048), "mistral": (32000, 14336, 131072), "qwen2": (151936, 22016, 32768)}[mt]
+    return ModelSpec(
+        name=name, model_type=mt, vocab_size=_get(cfg, "vocab_size", defaults[0]), hidden_size=h,
+        num_layers=_get(cfg, "num_hidden_layers", 32), num_heads=a, num_kv_heads=kv, head_dim=head_dim,
+        intermediate_size=_get(cfg, "intermediate_size", defaults[1]),
+        max_position_embeddings=_get(cfg, "max_position_embeddings", defaults[2]),
+        activation=_get(cfg, "hidden_act", "silu"), gated_mlp=True,
+        tie_word_embeddings=_get(cfg, "tie_word_embeddings", False),
+        qkv_bias=qkv_bias, out_bias=out_bias, mlp_bias=mlp_bias, norm="rmsnorm", norm_bias=False,
+        attention_dropout=_get(cfg, "attention_dropout", 0.0), rotary_fraction=1.0)
+
+
+def _from_bert(cfg: Mapping[str, Any], name: str) -> ModelSpec:
+    h, a = _get(cfg, "hidden_size", 768), _get(cfg, "num_attention_heads", 12)
+    _divides(h, a, "hidden_size", "num_attention_heads")
+    return ModelSpec(
+        name=name, model_type="bert", vocab_size=_get(cfg, "vocab_size", 30522), hidden_size=h,
+        num_layers=_get(cfg, "num_hidden_layers", 12), num_heads=a, num_kv_heads=a, head_dim=h // a,
+        intermediate_size=_get(cfg, "intermediate_size", 3072),
+        max_position_embeddings=_get(cfg, "max_position_embeddings", 512), activation=_get(cfg, "hidden_act", "gelu"),
+        tie_word_embeddings=_get(cfg, "tie_word_embeddings", True), qkv_bias=True, out_bias=True, mlp_bias=True,
+        hidden_dropout=_get(cfg, "hidden_dropout_prob", 0.1),
+        attention_dropout=_get(cfg, "attention_probs_dropout_prob", 0.1),
+        type_vocab_size=_get(cfg, "type_vocab_size", 2))
+
+
+def _from_t5(cfg: Mapping[str, Any], name: str) -> ModelSpec:
+    mt = cfg["model_type"]
+    proj = _get(cfg, "feed_forward_proj", "gated-gelu" if mt == "mt5" else "relu")
+    parts = proj.split("-")
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
+        raise SpecError(f"feed_forward_proj {proj!r} is not 'ACT' or 'gated-ACT'")
+    gated = parts[0] == "gated"
+    act = "gelu_new" if proj == "gated-gelu" else parts[-1]
+    n_layers = _get(cfg, "num_layers", 8 if mt == "mt5" else 6)
+    return ModelSpec(
+        name=name, model_type=mt, vocab_size=_get(cfg, "vocab_size", 250112 if mt == "mt5" else 32128),
+        hidden_size=_get(cfg, "d_model", 512), num_layers=n_layers,
+        num_decoder_layers=_get(cfg, "num_decoder_layers", n_layers),
+        num_heads=_get(cfg, "num_heads", 6 if mt == "mt5" else 8), num_kv_heads=_get(cfg, "num_heads", 6 if mt == "mt5" else 8),
+        head_dim=_get(cfg, "d_kv", 64), intermediate_size=_get(cfg, "d_ff", 1024 if mt == "mt5" else 2048),
+        max_position_embeddings=_get(cfg, "n_positions", 512), activation=act, gated_mlp=gated,
+        # transformers 5.x ties T5/mT5's LM head to the embedding whatever `tie_word_embeddings` says
+        # (it only switches output scaling). The published mT5 and T5 v1.1 checkpoints have an untied
+        # head: vramlab's own key `untied_lm_head` (used by the mt5 presets) describes those.
+        tie_word_embeddings=not _get(cfg, "untied_lm_head", False),
+        norm="rmsnorm", norm_bias=False, hidden_dropout=_get(cfg, "dropout_rate", 0.1), attention_dropout=_get(cfg, "dropout_rate", 0.1),
+        relative_attention_num_buckets=_get(cfg, "relative_attention_num_buckets", 32))
+
+
+_PARSERS = {"gpt2": _from_gpt2, "gpt_neox": _from_gpt_neox, "opt": _from_opt, "llama": _from_llama,
+            "bert": _from_bert, "t5": _from_t5}
+
+
+def _divides(h: int, a: int, h_name: str, a_name: str) -> None:
+    if not isinstance(h, int) or not isinstance(a, int) or h <= 0 or a <= 0:
+        raise SpecError(f"{h_name} and {a_name} must be positive integers, got {h!r} and {a!r}")
+    if h % a:
+        raise SpecError(f"{a_name} ({a}) must divide {h_name} ({h}): each head gets {h_name}/{a_name} dimensions")
+
+
+# ----------------------------------------------------------------------------- back to transformers
+
+def _hf_common(s: ModelSpec) -> dict[str, Any]:
+    return {"model_type": s.model_type, "vocab_size": s.vocab_size, "tie_word_embeddings": s.tie_word_embeddings}
+
+
+def _to_gpt2(s: ModelSpec) -> dict[str, Any]:
+    return {**_hf_common(s), "n_embd": s.hidden_size, "n_layer": s.num_layers, "n_head": s.num_heads,
+            "n_inner": s.intermediate_size, "n_positions": s.max_position_embeddings,
+            "activation_function": s.activation, "resid_pdrop": s.hidden_dropout, "embd_pdrop": s.hidden_dropout,
+            "attn_pdrop": s.attention_dropout}
+
+
+def _to_gpt_neox(s: ModelSpec) -> dict[str, Any]:
+    return {**_hf_common(s), "hidden_size": s.hidden_size, "num_hidden_layers": s.num_layers,
+            "num_attention_heads": s.num_heads, "intermediate_size": s.intermediate_size,
+            "max_position_embeddings": s.max_position_embeddings, "hidden_act": s.activation,
+            "attention_bias": s.qkv_bias, "hidden_dropout": s.hidden_dropout,
+            "attention_dropout": s.attention_dropout, "use_parallel_residual": s.parallel_residual,
+            "rotary_pct": s.rotary_fraction}
+
+
+def _to_opt(s: ModelSpec) -> dict[str, Any]:
+    return {**_hf_common(s), "hidden_size": s.hidden_size, "num_hidden_layers": s.num_layers,
+            "num_attention_heads": s.num_heads, "ffn_dim": s.intermediate_size,
+            "max_position_embeddings": s.max_position_embeddings, "activation_function": s.activation,
+            "enable_bias": s.qkv_bias, "layer_norm_elementwise_affine": s.norm_affine,
+            "word_embed_proj_dim": s.word_embed_proj_dim or s.hidden_size, "dropout": s.hidden_dropout,
+            "attention_dropout": s.attention_dropout, "do_layer_norm_before": True,
+            "_remove_final_layer_norm": not s.final_norm}
+
+
+def _to_llama(s: ModelSpec) -> dict[str, Any]:
+    d = {**_hf_common(s), "hidden_size": s.hidden_size, "num_hidden_layers": s.num_layers,
+         "num_attention_heads": s.num_heads, "num_key_value_heads": s.num_kv_heads, "head_dim": s.head_dim,
+         "intermediate_size": s.intermediate_size, "max_position_embeddings": s.max_position_embeddings,
+         "hidden_act": s.activation, "attention_dropout": s.attention_dropout}
+    if s.model_type == "llama":
+        d.update(attention_bias=s.qkv_bias, mlp_bias=s.mlp_bias)
+    return d
+
+
+def _to_bert(s: ModelSpec) -> dict[str, Any]:
+    return {**_hf_common(s), "hidden_size": s.hidden_size, "num_hidden_layers": s.num_layers,
+            "num_attention_heads": s.num_heads, "intermediate_size": s.intermediate_size,
+            "max_position_embeddings": s.max_position_embeddings, "type_vocab_size": s.type_vocab_size,
+            "hidden_act": s.activation, "hidden_dropout_prob": s.hidden_dropout,
+            "attention_probs_dropout_prob": s.attention_dropout}
+
+
+def _to_t5(s: ModelSpec) -> dict[str, Any]:
+    act = "gelu" if s.activation == "gelu_new" and s.gated_mlp else s.activation
+    return {**_hf_common(s), "untied_lm_head": not s.tie_word_embeddings, "decoder_start_token_id": 0,
+            "pad_token_id": 0, "d_model": s.hidden_size, "num_layers": s.num_layers,
+            "num_decoder_layers": s.num_decoder_layers, "num_heads": s.num_heads, "d_kv": s.head_dim,
+            "d_ff": s.intermediate_size, "feed_forward_proj": ("gated-" if s.gated_mlp else "") + act,
+            "relative_attention_num_buckets": s.relative_attention_num_buckets, "dropout_rate": s.hidden_dropout}
+
+
+_TO_HF = {"gpt2": _to_gpt2, "gpt_neox": _to_gpt_neox, "opt": _to_opt, "llama": _to_llama,
+          "bert": _to_bert, "t5": _to_t5}
+
+
+# ----------------------------------------------------------------------------- public constructors
+
+def from_config(config: Any, *, name: str | None = None) -> ModelSpec:
+    """A ModelSpec from a transformers config object, a config dict, or a path to a `config.json`.
+
+    Raises SpecError (a ValueError) for an unreadable file, an unsupported model_type or
+    inconsistent sizes, with a message that says which.
+    """
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        except OSError as e:
+            raise SpecError(f"cannot read config {path!r}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise SpecError(f"{path!r} is not valid JSON: {e.msg} (line {e.lineno})") from None
+        name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or "model"
+    elif isinstance(config, Mapping):
+        cfg = dict(config)
+    elif hasattr(config, "to_dict"):
+        cfg = config.to_dict()
+    else:
+        raise SpecError(f"expected a transformers config, a dict or a config.json path, got {type(config).__name__}")
+    if not isinstance(cfg, Mapping):
+        raise SpecError("a model config must be a JSON object")
+    model_type = cfg.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise SpecError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+    try:
+        return _PARSERS[MODEL_TYPES[model_type]](cfg, name or cfg.get("_name_or_path") or model_type)
+    except TypeError as e:  # e.g. a string where a size belongs
+        raise SpecError(f"malformed {model_type} config: {e}") from None
+
+
+def _preset_dir():
+    return resources.files("vramlab") / "presets"
+
+
+@cache
+def preset_names() -> tuple[str, ...]:
+    return tuple(sorted(p.name[:-5] for p in _preset_dir().iterdir() if p.name.endswith(".json")))
+
+
+def preset(name: str) -> ModelSpec:
+    """A built-in model (configs stored in the package; nothing is downloaded)."""
+    key = name.lower()
+    if key not in preset_names():
+        raise SpecError(f"unknown model preset {name!r}; known: {', '.join(preset_names())}")
+    cfg = json.loads((_preset_dir() / f"{key}.json").read_text(encoding="utf-8"))
+    return from_config(cfg, name=key)
+
+
+# ----------------------------------------------------------------------------- GPUs
+
+@dataclass(frozen=True, kw_only=True)
+class GPUSpec:
+    """A GPU's memory and speed. memory_bytes is what the driver reports as total (nvidia-smi's
+    'Total', which torch.cuda.mem_get_info also returns); marketing GB are decimal and larger."""
+
+    name: str
+    memory_bytes: int
+    bandwidth_GBps: float  # HBM/GDDR bandwidth, vendor figure, decimal GB/s
+    peak_tflops_fp32: float  # dense, no tensor cores
+    peak_tflops_16: float  # dense fp16/bf16 tensor-core peak, fp32 accumulate (vendor figure)
+    interconnect: str  # host link (and NVLink, if any)
+    host_link_GBps: float  # PCIe x16 per direction, decimal GB/s
+    architecture: str
+
+
+def _g(name, mem_mib, bw, f32, f16, link, link_bw, arch):
+    return GPUSpec(name=name, memory_bytes=mem_mib * MiB, bandwidth_GBps=bw, peak_tflops_fp32=f32,
+                   peak_tflops_16=f16, interconnect=link, host_link_GBps=link_bw, architecture=arch)
+
+
+# Vendor data sheets (NVIDIA); memory as reported by nvidia-smi on each card.
+GPUS: dict[str, GPUSpec] = {g.name: g for g in (
+    _g("gtx-1060-6gb", 6144, 192, 4.4, 0.07, "PCIe 3.0 x16", 15.75, "Pascal"),
+    _g("t4", 15360, 320, 8.1, 65, "PCIe 3.0 x16", 15.75, "Turing"),
+    _g("rtx-3090", 24576, 936, 35.6, 71, "PCIe 4.0 x16, NVLink 112.5 GB/s", 31.5, "Ampere"),
+    _g("rtx-4090", 24564, 1008, 82.6, 165.2, "PCIe 4.0 x16", 31.5, "Ada"),
+    _g("a100-40gb", 40960, 1555, 19.5, 312, "PCIe 4.0 x16, NVLink 600 GB/s", 31.5, "Ampere"),
+    _g("a100-80gb", 81920, 2039, 19.5, 312, "PCIe 4.0 x16, NVLink 600 GB/s", 31.5, "Ampere"),
+    _g("h100-80gb", 81559, 3350, 67, 989, "PCIe 5.0 x16, NVLink 900 GB/s", 63, "Hopper"),
+    _g("h200", 143771, 4800, 67, 989, "PCIe 5.0 x16, NVLink 900 GB/s", 63, "Hopper"),
+)}
+_GPU_ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "gtx-1060": "gtx-1060-6gb", "gtx1060": "gtx-1060-6gb",
+                "3090": "rtx-3090", "4090": "rtx-4090", "rtx3090": "rtx-3090", "rtx4090": "rtx-4090",
+                "a100-40": "a100-40gb", "a100-80": "a100-80gb", "h200-141gb": "h200"}
+
+
+def gpu(name: str) -> GPUSpec:
+    """Look up a GPU by catalogue name ('t4', 'a100-80gb', 'h100', ...), case-insensitive."""
+    key = name.lower().replace("_", "-").replace(" ", "-")
+    key = _GPU_ALIASES.get(key, key)
+    if key not in GPUS:
+        raise SpecError(f"unknown GPU {name!r}; known: {', '.join(GPUS)}")
+    return GPUS[key]
+
+
+def custom_gpu(memory: int, *, name: str = "custom") -> GPUSpec:
+    """A GPU known only by its memory in bytes (speed fields zero)."""
+    if memory <= 0:
+        raise SpecError("GPU memory must be positive")
+    return GPUSpec(name=name, memory_bytes=int(memory), bandwidth_GBps=0.0, peak_tflops_fp32=0.0,
+                   peak_tflops_16=0.0, interconnect="unknown", host_link_GBps=0.0, architecture="unknown")
+
+
+__all__ = ["ModelSpec", "GPUSpec", "SpecError", "from_config", "preset", "preset_names", "gpu", "custom_gpu",
+           "GPUS", "MODEL_TYPES", "GB", "GiB"]

@@ -1,0 +1,75 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vramlab import preset
+from vramlab.cli import main
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "vramlab", *args], capture_output=True, text=True)
+
+
+def test_json_output(capsys):
+    assert main(["estimate", "train", "--model", "gpt2", "--batch-size", "8", "--seq-len", "1024", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == 124_439_808
+    assert isinstance(out["total_bytes"], int) and out["total_bytes"] == sum(out["breakdown"].values())
+    assert set(out["breakdown"]) >= {"parameters", "gradients", "optimizer_states", "activations"}
+
+
+def test_table_and_fit_verdict(capsys):
+    assert main(["estimate", "train", "--model", "gpt2", "--batch-size", "64", "--seq-len", "1024",
+                 "--gpu", "t4"]) == 0
+    out = capsys.readouterr().out
+    assert "GiB" in out and "does NOT fit on t4" in out and "largest batch size that fits" in out
+
+
+def test_infer_and_hf_config(tmp_path, capsys):
+    cfg = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2,
+           "num_hidden_layers": 2, "vocab_size": 1000, "intermediate_size": 512}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["estimate", "infer", "--hf-config", str(tmp_path / "config.json"), "--batch-size", "2",
+                 "--seq-len", "128", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["breakdown"]["kv_cache"] == 2 * 2 * 2 * 32 * 128 * 2 * 2  # 2 L kv d s b bytes
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model", "gpt2", "--batch-size", "0", "--seq-len", "8"], "positive integer"),
+    (["--model", "gpt2", "--batch-size", "-3", "--seq-len", "8"], "positive integer"),
+    (["--model", "gpt5", "--batch-size", "1", "--seq-len", "8"], "unknown model preset"),
+    (["--model", "gpt2", "--batch-size", "1", "--seq-len", "8", "--gpu", "voodoo"], "unknown GPU"),
+    (["--model", "gpt2", "--batch-size", "1", "--seq-len", "8", "--precision", "fp7"], "unknown precision"),
+    (["--model", "gpt2", "--batch-size", "1", "--seq-len", "8", "--optimizer", "lion"], "invalid choice"),
+])
+def test_bad_input_one_line_exit_2(args, needle):
+    r = run("estimate", "train", *args)
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bad_configs_exit_2(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{oops")
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"model_type": "gpt2", "n_embd": 100, "n_head": 12}))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"model_type": "mamba"}))
+    for path, needle in [(bad, "not valid JSON"), (heads, "must divide"), (other, "unsupported model_type"),
+                         (tmp_path / "nope.json", "cannot read")]:
+        r = run("estimate", "train", "--hf-config", str(path), "--batch-size", "1", "--seq-len", "8")
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_console_script_and_lists():
+    import shutil
+
+    exe = shutil.which("vramlab", path=str(__import__("pathlib").Path(sys.executable).parent))
+    assert exe, "the vramlab console script is installed beside the interpreter"
+    r = subprocess.run([exe, "presets"], capture_output=True, text=True)
+    assert r.returncode == 0 and "llama-3.1-70b" in r.stdout and f"{preset('gpt2').params:,}" in r.stdout
+    assert "h100-80gb" in run("gpus").stdout

@@ -1,0 +1,137 @@
+"""Parameter counts must equal sum(p.numel()) of the real transformers model, built offline on the
+meta device (no memory, no download), for the presets and for configs of unseen sizes."""
+
+import dataclasses
+import json
+import random
+
+import pytest
+
+from vramlab import specs
+from vramlab.specs import SpecError, from_config, gpu, preset, preset_names
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from vramlab.models import build_model, count_parameters  # noqa: E402
+
+
+def real_count(spec) -> int:
+    return count_parameters(build_model(spec, device="meta"))
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_preset_params_exact(name):
+    spec = preset(name)
+    assert spec.params == real_count(spec)
+
+
+def test_required_presets_exist():
+    for name in ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "bert-base", "bert-large", "mt5-base",
+                 "llama-3.1-8b", "llama-3.1-70b", "mistral-7b", "qwen2.5-7b"]:
+        assert name in preset_names()
+
+
+def test_published_sizes():
+    # sizes reported by the models' authors / the seeds: GPT-2 124M (HF), mT5-base ~582M (seeds)
+    assert preset("gpt2").params == 124_439_808
+    assert abs(preset("mt5-base").params - 582e6) / 582e6 < 0.001
+    assert abs(preset("bert-base").params - 110e6) / 110e6 < 0.01
+    assert abs(preset("llama-3.1-8b").params - 8.03e9) / 8.03e9 < 0.001
+
+
+# --- configs of sizes never tried: random, but each built by transformers itself --------------
+
+def _rand_configs(seed: int):
+    r = random.Random(seed)
+    heads = r.choice([2, 4, 8])
+    h = heads * r.choice([8, 16, 24])
+    kv = r.choice([k for k in (1, 2, heads) if heads % k == 0])
+    L, V, I = r.randint(1, 3), r.randint(100, 900), r.choice([32, 48, 96, 112])
+    b = r.random() < 0.5
+    return [
+        transformers.GPT2Config(n_embd=h, n_head=heads, n_layer=L, vocab_size=V, n_positions=r.randint(16, 200),
+                                n_inner=r.choice([None, I]), tie_word_embeddings=b),
+        transformers.GPTNeoXConfig(hidden_size=h, num_attention_heads=heads, num_hidden_layers=L, vocab_size=V,
+                                   intermediate_size=I, attention_bias=b, tie_word_embeddings=not b),
+        transformers.OPTConfig(hidden_size=h, num_attention_heads=heads, num_hidden_layers=L, vocab_size=V, ffn_dim=I,
+                               max_position_embeddings=r.randint(16, 200), enable_bias=b,
+                               word_embed_proj_dim=r.choice([h, h // 2]), layer_norm_elementwise_affine=r.random() < 0.7),
+        transformers.LlamaConfig(hidden_size=h, num_attention_heads=heads, num_key_value_heads=kv, num_hidden_layers=L,
+                                 vocab_size=V, intermediate_size=I, attention_bias=b, mlp_bias=not b,
+                                 tie_word_embeddings=r.random() < 0.5, head_dim=r.choice([None, 16])),
+        transformers.MistralConfig(hidden_size=h, num_attention_heads=heads, num_key_value_heads=kv, num_hidden_layers=L,
+                                   vocab_size=V, intermediate_size=I, head_dim=h // heads),
+        transformers.Qwen2Config(hidden_size=h, num_attention_heads=heads, num_key_value_heads=kv, num_hidden_layers=L,
+                                 vocab_size=V, intermediate_size=I, tie_word_embeddings=b),
+        transformers.BertConfig(hidden_size=h, num_attention_heads=heads, num_hidden_layers=L, vocab_size=V,
+                                intermediate_size=I, type_vocab_size=r.randint(1, 3), max_position_embeddings=64),
+        transformers.T5Config(d_model=h, d_kv=r.choice([8, 16]), num_heads=heads, num_layers=L,
+                              num_decoder_layers=r.randint(1, 3), d_ff=I, vocab_size=V,
+                              feed_forward_proj=r.choice(["relu", "gated-gelu"]),
+                              relative_attention_num_buckets=r.choice([8, 32])),
+        transformers.MT5Config(d_model=h, d_kv=16, num_heads=heads, num_layers=L, d_ff=I, vocab_size=V),
+    ]
+
+
+def _hf_model(cfg):
+    auto = {"bert": transformers.AutoModelForMaskedLM, "t5": transformers.AutoModelForSeq2SeqLM,
+            "mt5": transformers.AutoModelForSeq2SeqLM}.get(cfg.model_type, transformers.AutoModelForCausalLM)
+    with torch.device("meta"):
+        return auto.from_config(cfg)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_unseen_configs_exact(seed):
+    for cfg in _rand_configs(seed):
+        expected = sum(p.numel() for p in _hf_model(cfg).parameters())
+        assert from_config(cfg).params == expected, (cfg.model_type, cfg.to_dict())
+        # the same config read back from a config.json, as the CLI does
+        assert from_config(json.loads(cfg.to_json_string())).params == expected
+
+
+def test_config_json_path(tmp_path):
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=2, vocab_size=300, intermediate_size=96)
+    cfg.save_pretrained(tmp_path)
+    spec = from_config(tmp_path / "config.json")
+    assert spec.params == sum(p.numel() for p in _hf_model(cfg).parameters())
+    assert from_config(tmp_path).params == spec.params  # a folder works too
+
+
+def test_what_if_replace_rebuilds():
+    spec = dataclasses.replace(preset("gpt2"), num_layers=3, hidden_size=128, num_heads=4, num_kv_heads=4,
+                               head_dim=32, intermediate_size=512)
+    assert spec.params == real_count(spec)
+    with pytest.raises(SpecError, match="replace them together"):
+        dataclasses.replace(preset("gpt2"), num_heads=4)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"model_type": "gpt2", "n_embd": 100, "n_head": 12}, "divide"),
+    ({"model_type": "llama", "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 4}, "multiple"),
+    ({"model_type": "mamba"}, "unsupported model_type"),
+    ({"n_embd": 10}, "unsupported model_type"),
+    ({"model_type": "bert", "num_hidden_layers": 0}, "positive"),
+    ({"model_type": "gpt2", "n_embd": "wide"}, "positive integers|malformed"),
+])
+def test_bad_configs(bad, match):
+    with pytest.raises(SpecError, match=match):
+        from_config(bad)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(SpecError, match="cannot read"):
+        from_config(tmp_path / "missing.json")
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(SpecError, match="not valid JSON"):
+        from_config(tmp_path / "x.json")
+
+
+def test_gpu_catalogue():
+    for name in ["t4", "rtx-3090", "rtx-4090", "a100-40gb", "a100-80gb", "h100", "h200", "gtx-1060-6gb"]:
+        g = gpu(name)
+        assert g.memory_bytes > 0 and g.bandwidth_GBps > 0 and g.peak_tflops_16 > 0
+    assert gpu("A100-80GB") is specs.GPUS["a100-80gb"]
+    assert gpu("h100").memory_bytes < 80 * 2**30 < gpu("h200").memory_bytes  # 80 GB (decimal) < 80 GiB
+    with pytest.raises(SpecError, match="unknown GPU"):
+        gpu("voodoo2")
