@@ -54,14 +54,14 @@ def _unseen(seed):
     ]
 
 
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed", range(3))
 def test_unseen_configs_fp32(seed):
     r = random.Random(seed)
     for cfg in _unseen(seed):
         spec = from_config(cfg)
-        kw = dict(batch_size=r.choice([1, 2, 4]), seq_len=r.choice([32, 64, 128]),
-                  attention=r.choice(["eager", "sdpa"]), recompute=r.choice(["none", "full"]),
-                  optimizer_impl=r.choice(["foreach", "for-loop"]))
+        kw = dict(batch_size=r.choice([1, 2, 4, 8]), seq_len=r.choice([32, 64, 128, 256]),
+                  attention=r.choice(["eager", "sdpa"]), optimizer_impl=r.choice(["foreach", "for-loop", "fused"]),
+                  optimizer=r.choice(["adamw", "adamw", "sgd", "sgd-momentum"]))
         measured = measure_training(spec, mode="trace", **kw).total
         est = estimate_training(spec, device="cpu", **kw).total
         assert abs(est - measured) / measured <= 0.05, (cfg.model_type, kw, est, measured)

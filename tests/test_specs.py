@@ -135,3 +135,15 @@ def test_gpu_catalogue():
     assert gpu("h100").memory_bytes < 80 * 2**30 < gpu("h200").memory_bytes  # 80 GB (decimal) < 80 GiB
     with pytest.raises(SpecError, match="unknown GPU"):
         gpu("voodoo2")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_param_tensors_match_named_parameters(seed):
+    # the order matters to for-loop optimizers; names are the module paths without the model prefix
+    for cfg in _rand_configs(seed):
+        spec = from_config(cfg)
+        real = [(n, p.numel()) for n, p in _hf_model(cfg).named_parameters()]
+        mine = spec.param_tensors()
+        assert [n for _, n in mine] == [n for _, n in real], cfg.model_type
+        assert all(r.endswith(m) for (m, _), (r, _) in zip(mine, real)), (mine, real)
+        assert sum(n for _, n in mine) == spec.params

@@ -121,7 +121,9 @@ def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: 
     """Transient memory inside optimizer.step() (PyTorch 2.x implementations):
     - foreach (the CUDA default): each _foreach_ op over the whole parameter list returns a full new
       list, so AdamW briefly holds one extra copy of all parameters (the denominator sqrt(v)+eps);
-    - for-loop: the same ops one tensor at a time: about two copies of the largest tensor;
+    - for-loop: the same ops one tensor at a time: sqrt(v) and sqrt(v)/c make two copies of the
+      tensor being updated, while the previous tensor's denominator is still referenced (Python frees
+      it only when the name is rebound): max over neighbours of size[i-1] + 2 size[i];
     - fused: one kernel updates in place: ~0. SGD (no momentum) updates in place."""
     pb = param_bytes(precision)
     if impl == "fused" or optimizer in ("sgd", "sgd-momentum"):  # SGD updates buffers and params in place
@@ -131,7 +133,7 @@ def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: 
     if impl == "foreach":
         return n_params * pb
     if impl == "for-loop":
-        return 2 * _largest_tensor(spec) * pb
+        return _for_loop_peak(spec) * pb
     raise ValueError(f"unknown optimizer implementation {impl!r}; choose from {', '.join(OPTIMIZER_IMPLS)}")
 
 
@@ -152,10 +154,17 @@ def model_states(model: ModelSpec | str, *, precision: Precision = "fp32", optim
                            label=f"{spec.name} model states ({precision}, {optimizer})")
 
 
+def _for_loop_peak(spec: ModelSpec) -> int:
+    sizes = [0] + [n for _, n in spec.param_tensors()]
+    return max(a + 2 * b for a, b in zip(sizes, sizes[1:]))
+
+
 def _largest_tensor(spec: ModelSpec) -> int:
     h, V = spec.hidden_size, spec.vocab_size
     e = spec.word_embed_proj_dim or h
-    return max(V * e, 3 * h * h, h * spec.intermediate_size, h * spec.q_dim)
+    positions = {"gpt2": spec.max_position_embeddings, "opt": spec.max_position_embeddings + 2,
+                 "bert": spec.max_position_embeddings}.get(spec.family, 0) * h  # learned position tables
+    return max(V * e, positions, 3 * h * h, h * spec.intermediate_size, h * spec.q_dim)
 
 
 # ============================================================================ activations
@@ -173,6 +182,7 @@ class Saved:
     width: int
     kind: str
     per_score: bool = False  # one element per attention score, i.e. b * a * s^2 in all
+    part: str = "attn"  # "mlp" for the MLP's tensors (freed first in the block's backward)
 
 
 # elements per token the activation function saves: transformers' gelu_new is written out
@@ -221,6 +231,10 @@ def _attention(spec: ModelSpec, *, attention: AttentionImpl, device: str, precis
 
 
 def _mlp(spec: ModelSpec, *, dropout_inside: bool = False) -> list[Saved]:
+    return [dataclasses.replace(x, part="mlp") for x in _mlp_saved(spec, dropout_inside=dropout_inside)]
+
+
+def _mlp_saved(spec: ModelSpec, *, dropout_inside: bool) -> list[Saved]:
     h, i = spec.hidden_size, spec.intermediate_size
     n_act = _ACT_SAVES.get(spec.activation, 1)
     saved = [Saved(name="mlp input", width=h, kind="half")]
@@ -245,25 +259,32 @@ def _drop(spec: ModelSpec, name: str, n: int = 1) -> list[Saved]:
 
 
 def _qkv_separate(spec: ModelSpec) -> list[Saved]:
-    # q, k, v outputs; grouped-query k and v are expanded to all heads (repeat_kv) before attention
-    return [Saved(name="q", width=spec.q_dim, kind="half"), Saved(name="k (all heads)", width=spec.q_dim, kind="half"),
-            Saved(name="v (all heads)", width=spec.q_dim, kind="half")]
+    # q, k, v outputs; grouped-query k and v are expanded to all heads (repeat_kv) before attention.
+    # With a single KV head the expansion is a stride-0 view: no copy.
+    kv = spec.kv_dim if spec.num_kv_heads == 1 else spec.q_dim
+    return [Saved(name="q", width=spec.q_dim, kind="half"), Saved(name="k (all heads)", width=kv, kind="half"),
+            Saved(name="v (all heads)", width=kv, kind="half")]
 
 
 def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: str = "cuda",
-                precision: Precision = "fp32", decoder: bool = False) -> list[Saved]:
-    """The tensors one transformer block saves for backward (T5: `decoder=True` for a decoder block)."""
+                precision: Precision = "fp32", decoder: bool = False, batch_size: int = 2) -> list[Saved]:
+    """The tensors one transformer block saves for backward (T5: `decoder=True` for a decoder block).
+    `batch_size` matters only at 1, where some views need no copy."""
     f = spec.family
     h = spec.hidden_size
     kw = dict(attention=attention, device=device, precision=precision)
+    math = _math_path(spec, attention, device)
     if f == "gpt2":
         fused = [Saved(name="c_attn out (q,k,v views)", width=3 * h, kind="half")]
+        if math and attention == "sdpa" and batch_size == 1:  # math SDPA scales q and k into copies;
+            # at batch 1, v's view needs no copy and keeps the whole qkv output alive
+            fused.append(Saved(name="scaled q, k", width=2 * h, kind="half"))
         return (_norm(spec, "ln_1") + [Saved(name="c_attn input", width=h, kind="half")]
                 + _attention(spec, qkv=fused, **kw) + _drop(spec, "resid")
                 + _norm(spec, "ln_2") + _mlp(spec) + _drop(spec, "mlp"))
     if f == "gpt_neox":
         qkv = [Saved(name="q, k after rotary", width=2 * h, kind="half")]
-        if _math_path(spec, attention, device):  # matmul(probs, v) saves a contiguous copy of v
+        if math and batch_size > 1:  # matmul(probs, v) saves a contiguous copy of v
             qkv.append(Saved(name="v", width=h, kind="half"))
         else:  # SDPA saves v, a view of the fused qkv output, which keeps all of it alive
             qkv.append(Saved(name="qkv out (v view)", width=3 * h, kind="half"))
@@ -293,10 +314,10 @@ def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: s
         ff = _norm(spec, "ff norm") + _mlp(spec, dropout_inside=spec.hidden_dropout > 0) + _drop(spec, "ff")
         if not decoder:
             return self_attn + ff
+        # cross-attention's bias needs no gradient, so SDPA may use its fused kernel; k and v are
+        # projections of the encoder's output (kept once, see activation_bytes)
         cross = (_norm(spec, "cross-attn norm") + [Saved(name="cross q input", width=h, kind="half")]
-                 + _attention(spec, qkv=[Saved(name="q", width=spec.q_dim, kind="half"),  # k, v: encoder tokens
-                                         Saved(name="k, v of encoder output", width=2 * spec.q_dim, kind="half")],
-                              **{**kw, "attention": "eager"}) + _drop(spec, "cross-attn"))
+                 + _attention(spec, qkv=_qkv_separate(spec), **kw) + _drop(spec, "cross-attn"))
         return self_attn + cross + ff
     raise ValueError(f"no activation model for family {f!r}")
 
@@ -322,8 +343,9 @@ def model_saved(spec: ModelSpec) -> list[Saved]:
     e = spec.word_embed_proj_dim or h
     saved += [Saved(name="lm_head input", width=e, kind="half"),
               # the loss upcasts the logits to fp32; cross-entropy keeps log_softmax(logits)
-              Saved(name="log_softmax(logits)", width=V, kind="f32"),
-              Saved(name="targets", width=1, kind="i64")]
+              Saved(name="log_softmax(logits)", width=V, kind="f32")]
+    if spec.is_causal_lm:  # causal LMs shift (pad) the labels into a new int64 tensor
+        saved.append(Saved(name="shifted targets", width=1, kind="i64"))
     return saved
 
 
@@ -350,10 +372,11 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     nb = _dtype_bytes(precision, device)
     b, s, a = batch_size, seq_len, spec.num_heads
     tokens, scores = b * s, b * a * s * s
-    kw = dict(attention=attention, device=device, precision=precision)
+    kw = dict(attention=attention, device=device, precision=precision, batch_size=b)
+    block = layer_saved(spec, decoder=spec.family == "t5", **kw)  # T5: the decoder block is the larger
     enc = _ledger_bytes(layer_saved(spec, **kw), tokens=tokens, scores=scores, nbytes=nb)
-    dec = _ledger_bytes(layer_saved(spec, decoder=True, **kw), tokens=tokens, scores=scores, nbytes=nb) \
-        if spec.family == "t5" else 0
+    dec = _ledger_bytes(block, tokens=tokens, scores=scores, nbytes=nb) if spec.family == "t5" else 0
+    mlp_part = _ledger_bytes([x for x in block if x.part == "mlp"], tokens=tokens, scores=scores, nbytes=nb)
     n_enc, n_dec = spec.num_layers, spec.num_decoder_layers
     one = max(enc, dec)
     if recompute == "full":  # checkpoint keeps each block's input (Chen+16; Korthikanti+22: 2sbh in 16-bit)
@@ -367,15 +390,20 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     if spec.family == "t5":
         # relative-position buckets: an (s, s) int64 index per stack, kept by the bias embedding
         outside += 2 * s * s * nb["i64"]
-        if recompute == "full":  # checkpointed blocks also keep their shared inputs: a (1, a, s, s)
-            # position bias and the encoder's output (read by every cross-attention)
-            outside += a * s * s * nb["x"] + tokens * spec.hidden_size * nb["x"]
-    # a block's backward holds gradients of its largest saved tensors for a moment: with the scores
-    # materialised, d(probs) and d(scores) (b * a * s^2 each)
+        outside += tokens * spec.hidden_size * nb["x"]  # the encoder's output, read by every cross-attention
+        if not _math_path(spec, attention, device):  # SDPA keeps the (zero) cross-attention bias
+            outside += a * s * s * nb["x"]
+        if recompute == "full":  # checkpointed blocks also keep their shared inputs: a (1, a, s, s) bias
+            outside += a * s * s * nb["x"]
+    # A block's backward runs the MLP first (all the block's tensors still saved, plus the MLP's
+    # d(hidden)s), then attention (the MLP's tensors freed; with the scores materialised, d(probs)
+    # and d(scores), b * a * s^2 each). The extra over the block's saved tensors at its worst:
     math = _math_path(spec, attention, device) or spec.family == "t5"
-    transient = 2 * scores * nb["f32"] if math else 2 * tokens * spec.intermediate_size * nb["half"]
+    mlp_grads = (3 if spec.gated_mlp else 2) * tokens * spec.intermediate_size * nb["half"]
+    attn_grads = 2 * scores * nb["f32"] if math else 3 * tokens * spec.q_dim * nb["half"]
+    transient = max(mlp_grads, attn_grads - mlp_part, 0)
     return {"layers": layers, "one_layer": one, "outside": outside, "weight_copies": copies,
-            "block_backward": transient}
+            "block_backward": transient, "block_grad_in": 2 * tokens * spec.hidden_size * nb["x"]}
 
 
 # ============================================================================ training
@@ -404,7 +432,20 @@ def estimate_training(model: ModelSpec | str, *, batch_size: int, seq_len: int, 
                       optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
                       attention: AttentionImpl = "sdpa", recompute: Recompute = "none",
                       device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None) -> MemoryBreakdown:
-    """Peak memory of one steady-state training step, in bytes, with the breakdown at the peak.
+    """Peak memory of one steady-state training step: the largest of `training_phases(...)`, whose
+    docstring describes the arguments."""
+    phases = training_phases(model, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
+                             optimizer_impl=optimizer_impl, attention=attention, recompute=recompute, device=device,
+                             trainable_params=trainable_params)
+    return max(phases, key=lambda m: m.total)
+
+
+def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
+                    optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
+                    attention: AttentionImpl = "sdpa", recompute: Recompute = "none",
+                    device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None) -> list[MemoryBreakdown]:
+    """Memory at each candidate peak of one steady-state training step, in step order (`.phase`
+    names each); `estimate_training` returns the largest. Peak memory of one steady-state training step, in bytes, with the breakdown at the peak.
 
     batch_size  # sequences per step (micro-batch)
     seq_len     # tokens per sequence (T5: encoder and decoder each)
@@ -423,7 +464,11 @@ def estimate_training(model: ModelSpec | str, *, batch_size: int, seq_len: int, 
     activations follow the op-by-op ledger in `layer_saved` (cf. Korthikanti+22, Table 2).
 
     Known limitations: allocator rounding and fragmentation, the CUDA context and cuBLAS/NCCL
-    workspaces are not included (see `fit`'s reserve); transient temporaries inside one op are.
+    workspaces are not included (see `fit`'s reserve). Where the peak falls inside one block's
+    backward (tiny models with small vocabularies, especially under full recompute) the transient
+    gradients are modelled, not traced: errors up to ~10-20 % there, against < 1 % for real models
+    (benchmarks/estimator_accuracy.py). CUDA kernels are modelled from their documentation: the GPU
+    validation run is still outstanding.
     """
     spec = _resolve(model)
     _check_positive(batch_size=batch_size, seq_len=seq_len)
@@ -458,6 +503,16 @@ def estimate_training(model: ModelSpec | str, *, batch_size: int, seq_len: int, 
         MemoryBreakdown(**base, activations=A - b * s * V * 4, temporaries=logits32, gradients=head_grad,
                         phase="LM head backward"),
     ]
+    loss_side = b * s * (V * 4 + e * nb_half(precision) + (8 if spec.is_causal_lm else 0))  # freed by now
+    block_grads = spec.param_groups()["layers"] * pb // (spec.num_layers + spec.num_decoder_layers)
+    if recompute == "full":  # a block is recomputed (all it saves, at once) while its gradient flows
+        phases.append(MemoryBreakdown(**base, activations=act["layers"] + act["outside"] - loss_side + act["one_layer"],
+                                      temporaries=act["block_grad_in"], gradients=head_grad + block_grads,
+                                      phase="backward of a recomputed block"))
+    else:  # the last block's backward: its gradients in flight (small vocabularies peak here)
+        phases.append(MemoryBreakdown(**base, activations=A - loss_side, gradients=head_grad,
+                                      temporaries=act["block_backward"] + act["block_grad_in"],
+                                      phase="backward of the last block"))
     # the embedding's backward makes a dense V x e gradient; tied to the LM head, AccumulateGrad then
     # adds it to the head's gradient: old, new and sum coexist for a moment
     emb = V * e * pb if n_train == n_all else 0
@@ -466,12 +521,7 @@ def estimate_training(model: ModelSpec | str, *, batch_size: int, seq_len: int, 
                                   phase="embedding backward (gradient accumulation)"))
     phases.append(MemoryBreakdown(parameters=P, gradients=G, optimizer_states=O, temporaries=T_opt, inputs=inputs,
                                   label=base["label"], phase="optimizer.step()"))
-    if recompute == "full":  # the last block is recomputed while its gradient flows
-        loss_side = b * s * (V * 4 + e * nb_half(precision) + 8)  # log-softmax, head input, targets: freed by now
-        phases.append(MemoryBreakdown(**base, activations=act["layers"] + act["outside"] - loss_side + act["one_layer"],
-                                      temporaries=act["block_backward"], gradients=head_grad,
-                                      phase="backward of a recomputed block"))
-    return max(phases, key=lambda m: m.total)
+    return phases
 
 
 # ============================================================================ inference

@@ -137,6 +137,11 @@ class ModelSpec:
         per_block = g["layers"] // max(1, self.num_layers + self.num_decoder_layers)
         return max(per_block, g["embeddings"], g["head"])
 
+    def param_tensors(self) -> list[tuple[str, int]]:
+        """Every parameter tensor as (name, numel), in `model.named_parameters()` order (tied
+        tensors once). The order matters to a for-loop optimizer's temporaries."""
+        return _TENSORS[self.family](self)
+
     def to_hf_config(self) -> dict[str, Any]:
         """The transformers config dict that builds this model (inverse of `from_config`)."""
         return _TO_HF[self.family](self)
@@ -227,6 +232,116 @@ def _count_t5(s: ModelSpec) -> dict[str, int]:
 
 _COUNTERS = {"gpt2": _count_gpt2, "gpt_neox": _count_gpt_neox, "opt": _count_opt,
              "llama": _count_llama, "bert": _count_bert, "t5": _count_t5}
+
+
+# ----------------------------------------------------------------------------- tensors, in order
+
+def _lin(name: str, d_in: int, d_out: int, bias: bool) -> list[tuple[str, int]]:
+    return [(f"{name}.weight", d_in * d_out)] + ([(f"{name}.bias", d_out)] if bias else [])
+
+
+def _nrm(s: ModelSpec, name: str, width: int) -> list[tuple[str, int]]:
+    if not s.norm_affine:
+        return []
+    return [(f"{name}.weight", width)] + ([(f"{name}.bias", width)] if s.norm == "layernorm" and s.norm_bias else [])
+
+
+def _mlp_tensors(s: ModelSpec, names: tuple[str, ...]) -> list[tuple[str, int]]:
+    h, i, b = s.hidden_size, s.intermediate_size, s.mlp_bias
+    ins = names[:-1] if s.gated_mlp else names[:1]
+    return [t for n in ins for t in _lin(n, h, i, b)] + _lin(names[-1], i, h, b)
+
+
+def _head_tensor(s: ModelSpec, d: int) -> list[tuple[str, int]]:
+    return [] if s.tie_word_embeddings else [("lm_head.weight", s.vocab_size * d)]
+
+
+def _t_gpt2(s: ModelSpec) -> list[tuple[str, int]]:
+    h = s.hidden_size
+    out = [("wte.weight", s.vocab_size * h), ("wpe.weight", s.max_position_embeddings * h)]
+    for i in range(s.num_layers):
+        p = f"h.{i}."
+        out += (_nrm(s, p + "ln_1", h) + _lin(p + "attn.c_attn", h, 3 * h, s.qkv_bias) + _lin(p + "attn.c_proj", h, h, s.out_bias)
+                + _nrm(s, p + "ln_2", h) + _mlp_tensors(s, (p + "mlp.c_fc", p + "mlp.c_proj")))
+    return out + _nrm(s, "ln_f", h) + _head_tensor(s, h)
+
+
+def _t_gpt_neox(s: ModelSpec) -> list[tuple[str, int]]:
+    h = s.hidden_size
+    out = [("embed_in.weight", s.vocab_size * h)]
+    for i in range(s.num_layers):
+        p = f"layers.{i}."
+        out += (_nrm(s, p + "input_layernorm", h) + _nrm(s, p + "post_attention_layernorm", h)
+                + _lin(p + "attention.query_key_value", h, 3 * h, s.qkv_bias) + _lin(p + "attention.dense", h, h, s.out_bias)
+                + _mlp_tensors(s, (p + "mlp.dense_h_to_4h", p + "mlp.dense_4h_to_h")))
+    return out + _nrm(s, "final_layer_norm", h) + _head_tensor(s, h)
+
+
+def _t_opt(s: ModelSpec) -> list[tuple[str, int]]:
+    h = s.hidden_size
+    e = s.word_embed_proj_dim or h
+    out = [("embed_tokens.weight", s.vocab_size * e), ("embed_positions.weight", (s.max_position_embeddings + 2) * h)]
+    if e != h:
+        out += [("project_out.weight", h * e), ("project_in.weight", e * h)]
+    if s.final_norm:
+        out += _nrm(s, "final_layer_norm", h)
+    for i in range(s.num_layers):
+        p = f"layers.{i}."
+        out += [t for n in ("k_proj", "v_proj", "q_proj") for t in _lin(p + "self_attn." + n, h, h, s.qkv_bias)]
+        out += (_lin(p + "self_attn.out_proj", h, h, s.out_bias) + _nrm(s, p + "self_attn_layer_norm", h)
+                + _mlp_tensors(s, (p + "fc1", p + "fc2")) + _nrm(s, p + "final_layer_norm", h))
+    return out + _head_tensor(s, e)
+
+
+def _t_llama(s: ModelSpec) -> list[tuple[str, int]]:
+    h = s.hidden_size
+    out = [("embed_tokens.weight", s.vocab_size * h)]
+    for i in range(s.num_layers):
+        p = f"layers.{i}."
+        out += (_lin(p + "self_attn.q_proj", h, s.q_dim, s.qkv_bias) + _lin(p + "self_attn.k_proj", h, s.kv_dim, s.qkv_bias)
+                + _lin(p + "self_attn.v_proj", h, s.kv_dim, s.qkv_bias) + _lin(p + "self_attn.o_proj", s.q_dim, h, s.out_bias)
+                + _mlp_tensors(s, (p + "mlp.gate_proj", p + "mlp.up_proj", p + "mlp.down_proj"))
+                + _nrm(s, p + "input_layernorm", h) + _nrm(s, p + "post_attention_layernorm", h))
+    return out + _nrm(s, "norm", h) + _head_tensor(s, h)
+
+
+def _t_bert(s: ModelSpec) -> list[tuple[str, int]]:
+    h = s.hidden_size
+    out = [("word_embeddings.weight", s.vocab_size * h), ("position_embeddings.weight", s.max_position_embeddings * h),
+           ("token_type_embeddings.weight", s.type_vocab_size * h)] + _nrm(s, "embeddings.LayerNorm", h)
+    for i in range(s.num_layers):
+        p = f"layer.{i}."
+        out += [t for n in ("query", "key", "value") for t in _lin(p + "attention.self." + n, h, h, s.qkv_bias)]
+        out += (_lin(p + "attention.output.dense", h, h, s.out_bias) + _nrm(s, p + "attention.output.LayerNorm", h)
+                + _mlp_tensors(s, (p + "intermediate.dense", p + "output.dense")) + _nrm(s, p + "output.LayerNorm", h))
+    head = [("cls.predictions.bias", s.vocab_size)] + _lin("cls.predictions.transform.dense", h, h, True)
+    head += _nrm(s, "cls.predictions.transform.LayerNorm", h)
+    return out + head + ([] if s.tie_word_embeddings else [("cls.predictions.decoder.weight", s.vocab_size * h)])
+
+
+def _t_t5(s: ModelSpec) -> list[tuple[str, int]]:
+    h, q = s.hidden_size, s.q_dim
+    ffn = ("DenseReluDense.wi_0", "DenseReluDense.wi_1", "DenseReluDense.wo") if s.gated_mlp else \
+        ("DenseReluDense.wi", "DenseReluDense.wo")
+
+    def attn(p: str, rel: bool) -> list[tuple[str, int]]:
+        t = [(f"{p}.{n}.weight", h * q) for n in ("q", "k", "v")] + [(f"{p}.o.weight", q * h)]
+        return t + ([(f"{p}.relative_attention_bias.weight", s.relative_attention_num_buckets * s.num_heads)] if rel else [])
+
+    out = [("shared.weight", s.vocab_size * h)]
+    for stack, n, dec in (("encoder", s.num_layers, False), ("decoder", s.num_decoder_layers, True)):
+        for i in range(n):
+            p = f"{stack}.block.{i}.layer."
+            out += attn(p + "0.SelfAttention", i == 0) + _nrm(s, p + "0.layer_norm", h)
+            if dec:
+                out += attn(p + "1.EncDecAttention", False) + _nrm(s, p + "1.layer_norm", h)
+            f = p + ("2." if dec else "1.")
+            out += _mlp_tensors(s, tuple(f + x for x in ffn)) + _nrm(s, f + "layer_norm", h)
+        out += _nrm(s, f"{stack}.final_layer_norm", h)
+    return out + _head_tensor(s, h)
+
+
+_TENSORS = {"gpt2": _t_gpt2, "gpt_neox": _t_gpt_neox, "opt": _t_opt, "llama": _t_llama, "bert": _t_bert, "t5": _t_t5}
 
 
 # ----------------------------------------------------------------------------- config parsing

@@ -1,0 +1,53 @@
+"""ipywidgets calculators, one per chapter, built on the pure-Python estimators.
+ipywidgets and matplotlib are imported when a widget is made, never at `import vramlab`."""
+
+from __future__ import annotations
+
+from . import memory, plots, specs
+from .units import fmt_bytes
+
+
+def training_calculator(*, model: str = "gpt2", batch_size: int = 8, seq_len: int = 1024,
+                        precision: str = "bf16-mixed", optimizer: str = "adamw", gpu: str = "t4"):
+    """Chapter 1: model, batch, sequence, precision, optimizer, GPU -> stacked breakdown of training
+    and inference, the fit verdict and the largest batch that fits."""
+    import ipywidgets as W
+    import matplotlib.pyplot as plt
+
+    style = {"description_width": "110px"}
+    w_model = W.Dropdown(options=specs.preset_names(), value=model, description="model", style=style)
+    w_batch = W.IntSlider(value=batch_size, min=1, max=128, description="batch size", style=style)
+    w_seq = W.Dropdown(options=[128, 256, 512, 1024, 2048, 4096, 8192], value=seq_len, description="seq length",
+                       style=style)
+    w_prec = W.Dropdown(options=memory.PRECISIONS, value=precision, description="precision", style=style)
+    w_opt = W.Dropdown(options=memory.OPTIMIZERS, value=optimizer, description="optimizer", style=style)
+    w_attn = W.Dropdown(options=memory.ATTENTIONS, value="sdpa", description="attention", style=style)
+    w_rec = W.Dropdown(options=memory.RECOMPUTES, value="none", description="recompute", style=style)
+    w_gpu = W.Dropdown(options=list(specs.GPUS), value=gpu, description="GPU", style=style)
+    out = W.Output()
+
+    def update(*_):
+        spec = specs.preset(w_model.value)
+        g = specs.gpu(w_gpu.value)
+        opts = dict(seq_len=w_seq.value, precision=w_prec.value, optimizer=w_opt.value, attention=w_attn.value,
+                    recompute=w_rec.value)
+        train = memory.estimate_training(spec, batch_size=w_batch.value, **opts)
+        infer_dtype = "fp32" if w_prec.value == "fp32" else "bf16"
+        infer = memory.estimate_inference(spec, batch_size=w_batch.value, seq_len=w_seq.value, dtype=infer_dtype)
+        verdict = memory.fit(spec, g, batch_size=w_batch.value, **opts)
+        with out:
+            out.clear_output(wait=True)
+            fig, ax = plt.subplots(figsize=(7, 3.6))
+            plots.stacked([train, infer], ["training step", f"inference prefill ({infer_dtype})"], ax=ax,
+                          capacity=g.memory_bytes, capacity_label=g.name,
+                          title=f"{spec.name}: {spec.params / 1e6:,.0f} M params, b={w_batch.value}, s={w_seq.value}")
+            plt.show()
+            print(train.table(title="training step"))
+            print(f"\n{verdict}")
+            print(f"inference prefill: {fmt_bytes(infer.total)} (KV cache {fmt_bytes(infer.kv_cache)})")
+
+    controls = [w_model, w_batch, w_seq, w_prec, w_opt, w_attn, w_rec, w_gpu]
+    for w in controls:
+        w.observe(update, names="value")
+    update()
+    return W.VBox([W.HBox([W.VBox(controls[:4]), W.VBox(controls[4:])]), out])
