@@ -1,0 +1,172 @@
+"""Release and grade the labs.
+
+The instructor sources are MyST Markdown (labs/source/<lab>/<lab>.md) with nbgrader cell metadata.
+
+    python labs/tools.py release            # regenerate labs/release/ (commit the result)
+    python labs/tools.py check              # fail if labs/release/ is not what `release` produces
+    python labs/tools.py grade NOTEBOOK.ipynb [--lab lab01_where_memory_goes]
+
+`release` and `grade` are the light path: nbgrader's own preprocessors, run without its database
+(generate_assignment's chain minus SaveCells and the header; autograde's minus SaveAutoGrades).
+With a real nbgrader course (this folder is one: nbgrader_config.py), instructors run
+`nbgrader generate_assignment LAB` and `nbgrader autograde LAB` from labs/ after `python
+labs/tools.py sources`, which writes the .ipynb sources nbgrader reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import sys
+from pathlib import Path
+
+import nbformat
+
+LABS = Path(__file__).resolve().parent
+SOURCE, RELEASE = LABS / "source", LABS / "release"
+KERNEL = {"display_name": "Python 3", "language": "python", "name": "python3"}
+
+
+def labs() -> list[str]:
+    return sorted(p.name for p in SOURCE.iterdir() if (p / f"{p.name}.md").exists())
+
+
+def source_notebook(lab: str) -> nbformat.NotebookNode:
+    """The instructor notebook, from its MyST source, with stable cell ids (jupytext would make
+    random ones, so every regeneration would differ)."""
+    import jupytext
+
+    nb = jupytext.read(SOURCE / lab / f"{lab}.md")
+    nb.metadata = {"kernelspec": KERNEL, "language_info": {"name": "python"}}
+    for i, cell in enumerate(nb.cells):
+        gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+        cell.id = gid or f"cell-{i:03d}-{hashlib.sha1(cell.source.encode()).hexdigest()[:8]}"
+        cell.pop("outputs", None) if cell.cell_type != "code" else None
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    nbformat.validate(nb)
+    return nb
+
+
+def _run(preprocessors, nb: nbformat.NotebookNode, resources: dict | None = None) -> nbformat.NotebookNode:
+    resources = resources or {}
+    for pp in preprocessors:
+        nb, resources = pp.preprocess(nb, resources)
+    return nb
+
+
+def student_notebook(lab: str) -> nbformat.NotebookNode:
+    """nbgrader generate_assignment's preprocessors, without the database: solutions replaced by
+    `raise NotImplementedError()`, hidden tests removed, checksums and locks set."""
+    from nbgrader.preprocessors import (CheckCellMetadata, ClearHiddenTests, ClearMarkScheme, ClearOutput,
+                                        ClearSolutions, ComputeChecksums, LockCells)
+
+    nb = source_notebook(lab)
+    chain = [LockCells(), ClearSolutions(), ClearOutput(), CheckCellMetadata(), ComputeChecksums(),
+             ClearHiddenTests(), ClearMarkScheme(), ComputeChecksums(), CheckCellMetadata()]
+    nb = _run(chain, nb)
+    nb.metadata = {"kernelspec": KERNEL, "language_info": {"name": "python"}}
+    return nb
+
+
+def release(lab: str, dest: Path = RELEASE) -> Path:
+    out = dest / lab / f"{lab}.ipynb"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(student_notebook(lab), out)
+    return out
+
+
+def write_sources() -> None:
+    """The .ipynb instructor sources that real nbgrader reads (ignored by git)."""
+    for lab in labs():
+        nbformat.write(source_notebook(lab), SOURCE / lab / f"{lab}.ipynb")
+
+
+def grade(submission: nbformat.NotebookNode, lab: str, *, timeout: int = 600, env: dict | None = None,
+          executed: list | None = None) -> dict:
+    """Autograde a submission: restore every test cell from the instructor source (hidden tests
+    included, whatever the student did to them), execute, and score each graded cell: full points
+    when it raises nothing. Returns {grade_id: (points earned, points possible, error or None)};
+    the executed notebook is appended to `executed` when given."""
+    from nbclient import NotebookClient
+
+    src = {c.metadata["nbgrader"]["grade_id"]: c for c in source_notebook(lab).cells
+           if c.metadata.get("nbgrader", {}).get("grade")}
+    nb = copy.deepcopy(submission)
+    for cell in nb.cells:
+        gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if gid in src and not src[gid].metadata["nbgrader"].get("solution"):
+            cell.source = src[gid].source
+            cell.metadata = copy.deepcopy(src[gid].metadata)
+    import os
+
+    old_env = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                       resources={"metadata": {"path": str(SOURCE / lab)}}).execute()
+    finally:
+        os.environ.clear()
+        os.environ.update(old_env)
+    if executed is not None:
+        executed.append(nb)
+    scores = {}
+    for cell in nb.cells:
+        meta = cell.metadata.get("nbgrader", {})
+        if meta.get("grade") and not meta.get("solution"):
+            # nbgrader's rule (utils.determine_grade): an error, or anything written to stderr, fails
+            errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"
+                      or (o.get("output_type") == "stream" and o.get("name") == "stderr")]
+            err = None
+            if errors:
+                e = errors[0]
+                err = f"{e['ename']}: {e['evalue']}" if e["output_type"] == "error" else f"stderr: {e['text'][:300]}"
+            scores[meta["grade_id"]] = (0 if errors else meta["points"], meta["points"], err)
+    return scores
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("release")
+    sub.add_parser("check")
+    sub.add_parser("sources")
+    r = sub.add_parser("record", help="run a lab's instructor version and store its results in labs/results/")
+    r.add_argument("lab")
+    g = sub.add_parser("grade")
+    g.add_argument("notebook", type=Path)
+    g.add_argument("--lab", default=None)
+    args = p.parse_args(argv)
+    if args.cmd == "release":
+        for lab in labs():
+            print(f"wrote {release(lab).relative_to(LABS.parent)}")
+    elif args.cmd == "sources":
+        write_sources()
+    elif args.cmd == "record":
+        out = LABS / "results" / f"{args.lab}.json"
+        scores = grade(source_notebook(args.lab), args.lab, env={
+            "VRAMLAB_RESULTS": str(out), "VRAMLAB_COMMAND": f"python labs/tools.py record {args.lab}"})
+        print(f"wrote {out.relative_to(LABS.parent)}; instructor score "
+              f"{sum(v[0] for v in scores.values())}/{sum(v[1] for v in scores.values())}")
+    elif args.cmd == "check":
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            stale = [lab for lab in labs()
+                     if release(lab, Path(tmp)).read_bytes() != (RELEASE / lab / f"{lab}.ipynb").read_bytes()]
+        if stale:
+            print(f"labs/release is stale for {', '.join(stale)}: run python labs/tools.py release")
+            return 1
+        print("labs/release is up to date")
+    else:
+        lab = args.lab or args.notebook.stem
+        scores = grade(nbformat.read(args.notebook, as_version=4), lab)
+        for gid, (got, possible, err) in scores.items():
+            print(f"{gid:12s}{got:>3}/{possible}  {err or 'ok'}")
+        print(f"total {sum(s[0] for s in scores.values())}/{sum(s[1] for s in scores.values())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""The grading workflow: the instructor version scores full marks and runs end to end on the CPU
+in under 90 s; the released version scores zero and leaks no solution or hidden test; a plausible
+wrong answer loses its exercise's points; labs/release/ is exactly what regenerating it produces;
+and real nbgrader (generate_assignment, autograde) agrees with the light path."""
+
+import copy
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("labtools", ROOT / "labs" / "tools.py")
+tools = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tools)
+
+LAB = "lab01_where_memory_goes"
+RELEASED = ROOT / "labs" / "release" / LAB / f"{LAB}.ipynb"
+
+
+def _solution_lines(nb):
+    """The instructor's solution code: the lines between the BEGIN/END SOLUTION markers."""
+    lines = []
+    for cell in nb.cells:
+        inside = False
+        for line in cell.source.splitlines():
+            if "END SOLUTION" in line:
+                inside = False
+            if inside and line.strip():
+                lines.append(line.strip())
+            if "BEGIN SOLUTION" in line:
+                inside = True
+    return lines
+
+
+def _total(scores):
+    return sum(s[0] for s in scores.values()), sum(s[1] for s in scores.values())
+
+
+def _exercises_only(nb):
+    """Setup, solutions and tests only: grading the exercises without re-running the measurements."""
+    nb = copy.deepcopy(nb)
+    keep = ("setup", "ex1-", "ex2-", "ex3-")
+    nb.cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id", "").startswith(keep)]
+    return nb
+
+
+def test_release_is_regenerated_exactly(tmp_path):
+    fresh = tools.release(LAB, tmp_path)
+    assert fresh.read_bytes() == RELEASED.read_bytes(), "run: python labs/tools.py release"
+
+
+def test_released_version_leaks_nothing():
+    released = nbformat.read(RELEASED, as_version=4)
+    text = RELEASED.read_text()
+    assert "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text
+    solution = _solution_lines(tools.source_notebook(LAB))
+    assert len(solution) >= 5
+    code = "\n".join(c.source for c in released.cells if c.cell_type == "code")
+    leaked = [line for line in solution if line in code and not line.startswith(("return", "h = n_embd"))]
+    assert not leaked, leaked
+    assert code.count("raise NotImplementedError()") == 3
+    # hidden-test content (the Llama-3.1-8B KV-cache check) is gone, the visible test stays
+    assert "Llama-3.1-8B, 8192 tokens" not in code and "819_200" in code
+    assert all(not c.get("outputs") for c in released.cells if c.cell_type == "code")
+
+
+def test_instructor_version_full_marks_and_cpu_run(tmp_path):
+    results = tmp_path / "lab01.json"
+    executed = []
+    t0 = time.perf_counter()
+    scores = tools.grade(tools.source_notebook(LAB), LAB, env={"VRAMLAB_RESULTS": str(results)}, executed=executed)
+    elapsed = time.perf_counter() - t0
+    assert _total(scores) == (9, 9), scores
+    errors = [o for c in executed[0].cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, errors
+    assert elapsed < 90, f"lab 1 must run in CPU mode in under 90 s, took {elapsed:.0f} s"
+    saved = json.loads(results.read_text())
+    assert saved["mode"] == "trace" and "not a GPU measurement" in saved["note"]
+    assert {"date", "torch", "platform"} <= set(saved["provenance"])
+    train = [r for r in saved["rows"] if r["kind"] == "train"]
+    assert len(train) == 3
+    for r in train:  # the CPU run's own check: predicted within 5 % of the traced peak
+        assert abs(r["predicted_total"] - r["measured_total"]) / r["measured_total"] < 0.05, r
+    out = "".join(o.get("text", "") for c in executed[0].cells for o in c.get("outputs", []))
+    assert "No GPU found" in out and "largest batch that fits" in out
+
+
+def test_student_version_scores_zero():
+    scores = tools.grade(_exercises_only(nbformat.read(RELEASED, as_version=4)), LAB)
+    assert _total(scores) == (0, 9), scores
+    assert all("NotImplementedError" in s[2] for s in scores.values())
+
+
+def _with_solution(nb, grade_id, code):
+    nb = copy.deepcopy(nb)
+    for cell in nb.cells:
+        if cell.metadata.get("nbgrader", {}).get("grade_id") == grade_id:
+            cell.source = code
+    return nb
+
+
+WRONG_EX1 = '''def gpt2_param_count(*, n_layer, n_embd, vocab_size, n_positions, n_inner=None):
+    h = n_embd
+    inner = n_inner or 4 * h
+    block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * inner + inner) + (inner * h + h)
+    return vocab_size * h + n_positions * h + n_layer * block + 2 * h + vocab_size * h  # untied head: wrong
+'''
+WRONG_EX3 = '''def kv_cache_bytes(*, n_layers, n_kv_heads, head_dim, seq_len, batch_size, bytes_per_value):
+    return 2 * n_layers * 4 * n_kv_heads * head_dim * seq_len * batch_size * bytes_per_value  # query heads: wrong
+'''
+WRONG_EX2 = '''def model_state_bytes(n_params, recipe):
+    return 16 * n_params  # the same for every recipe: wrong
+'''
+
+
+def test_wrong_answers_lose_their_points():
+    base = _exercises_only(tools.source_notebook(LAB))
+    wrong = _with_solution(_with_solution(base, "ex1-solution", WRONG_EX1), "ex3-solution", WRONG_EX3)
+    scores = tools.grade(wrong, LAB)
+    assert scores["ex1-test"][0] == 0 and scores["ex3-test"][0] == 0 and scores["ex2-test"][0] == 3
+    assert "tie" in scores["ex1-test"][2]  # the feedback explains the mistake
+    # a wrong answer that passes the visible test still fails the hidden ones
+    scores = tools.grade(_with_solution(base, "ex2-solution", WRONG_EX2), LAB)
+    assert scores["ex2-test"][0] == 0 and _total(scores) == (6, 9)
+
+
+def test_tampered_tests_are_restored():
+    nb = _with_solution(nbformat.read(RELEASED, as_version=4), "ex1-test", "pass  # the student deleted the test")
+    scores = tools.grade(_exercises_only(nb), LAB)
+    assert scores["ex1-test"][0] == 0
+
+
+@pytest.mark.skipif(shutil.which("nbgrader", path=str(Path(sys.executable).parent)) is None,
+                    reason="nbgrader not installed")
+def test_real_nbgrader_generate_and_autograde(tmp_path):
+    nbg = shutil.which("nbgrader", path=str(Path(sys.executable).parent))
+    course = tmp_path / "labs"
+    (course / "source" / LAB).mkdir(parents=True)
+    shutil.copy(ROOT / "labs" / "nbgrader_config.py", course)
+    nbformat.write(_exercises_only(tools.source_notebook(LAB)), course / "source" / LAB / f"{LAB}.ipynb")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    r = subprocess.run([nbg, "generate_assignment", LAB, "--force"], cwd=course, capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    real = nbformat.read(course / "release" / LAB / f"{LAB}.ipynb", as_version=4)
+    light = tools.student_notebook(LAB)
+    light.cells = _exercises_only(light).cells
+    assert [c.source for c in real.cells] == [c.source for c in light.cells]
+    # autograde the instructor's answers as a submission: full marks in nbgrader's gradebook
+    sub = course / "submitted" / "alice" / LAB
+    sub.mkdir(parents=True)
+    nbformat.write(_exercises_only(tools.source_notebook(LAB)), sub / f"{LAB}.ipynb")
+    r = subprocess.run([nbg, "autograde", LAB, "--create", "--force"], cwd=course, capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        submission = gb.find_submission(LAB, "alice")
+        assert (submission.score, submission.max_score) == (9, 9)
