@@ -478,6 +478,12 @@ def _hf_common(s: ModelSpec) -> dict[str, Any]:
     return {"model_type": s.model_type, "vocab_size": s.vocab_size, "tie_word_embeddings": s.tie_word_embeddings}
 
 
+def _hf_standard(s: ModelSpec) -> dict[str, Any]:
+    """The keys that NeoX, OPT, Llama and BERT configs name alike."""
+    return {**_hf_common(s), "hidden_size": s.hidden_size, "num_hidden_layers": s.num_layers,
+            "num_attention_heads": s.num_heads, "max_position_embeddings": s.max_position_embeddings}
+
+
 def _to_gpt2(s: ModelSpec) -> dict[str, Any]:
     return {**_hf_common(s), "n_embd": s.hidden_size, "n_layer": s.num_layers, "n_head": s.num_heads,
             "n_inner": s.intermediate_size, "n_positions": s.max_position_embeddings,
@@ -486,18 +492,14 @@ def _to_gpt2(s: ModelSpec) -> dict[str, Any]:
 
 
 def _to_gpt_neox(s: ModelSpec) -> dict[str, Any]:
-    return {**_hf_common(s), "hidden_size": s.hidden_size, "num_hidden_layers": s.num_layers,
-            "num_attention_heads": s.num_heads, "intermediate_size": s.intermediate_size,
-            "max_position_embeddings": s.max_position_embeddings, "hidden_act": s.activation,
+    return {**_hf_standard(s), "intermediate_size": s.intermediate_size, "hidden_act": s.activation,
             "attention_bias": s.qkv_bias, "hidden_dropout": s.hidden_dropout,
             "attention_dropout": s.attention_dropout, "use_parallel_residual": s.parallel_residual,
             "rotary_pct": s.rotary_fraction}
 
 
 def _to_opt(s: ModelSpec) -> dict[str, Any]:
-    return {**_hf_common(s), "hidden_size": s.hidden_size, "num_hidden_layers": s.num_layers,
-            "num_attention_heads": s.num_heads, "ffn_dim": s.intermediate_size,
-            "max_position_embeddings": s.max_position_embeddings, "activation_function": s.activation,
+    return {**_hf_standard(s), "ffn_dim": s.intermediate_size, "activation_function": s.activation,
             "enable_bias": s.qkv_bias, "layer_norm_elementwise_affine": s.norm_affine,
             "word_embed_proj_dim": s.word_embed_proj_dim or s.hidden_size, "dropout": s.hidden_dropout,
             "attention_dropout": s.attention_dropout, "do_layer_norm_before": True,
@@ -505,19 +507,15 @@ def _to_opt(s: ModelSpec) -> dict[str, Any]:
 
 
 def _to_llama(s: ModelSpec) -> dict[str, Any]:
-    d = {**_hf_common(s), "hidden_size": s.hidden_size, "num_hidden_layers": s.num_layers,
-         "num_attention_heads": s.num_heads, "num_key_value_heads": s.num_kv_heads, "head_dim": s.head_dim,
-         "intermediate_size": s.intermediate_size, "max_position_embeddings": s.max_position_embeddings,
-         "hidden_act": s.activation, "attention_dropout": s.attention_dropout}
+    d = {**_hf_standard(s), "num_key_value_heads": s.num_kv_heads, "head_dim": s.head_dim,
+         "intermediate_size": s.intermediate_size, "hidden_act": s.activation, "attention_dropout": s.attention_dropout}
     if s.model_type == "llama":
         d.update(attention_bias=s.qkv_bias, mlp_bias=s.mlp_bias)
     return d
 
 
 def _to_bert(s: ModelSpec) -> dict[str, Any]:
-    return {**_hf_common(s), "hidden_size": s.hidden_size, "num_hidden_layers": s.num_layers,
-            "num_attention_heads": s.num_heads, "intermediate_size": s.intermediate_size,
-            "max_position_embeddings": s.max_position_embeddings, "type_vocab_size": s.type_vocab_size,
+    return {**_hf_standard(s), "intermediate_size": s.intermediate_size, "type_vocab_size": s.type_vocab_size,
             "hidden_act": s.activation, "hidden_dropout_prob": s.hidden_dropout,
             "attention_probs_dropout_prob": s.attention_dropout}
 

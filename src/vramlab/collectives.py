@@ -1,0 +1,183 @@
+"""Collective communication: what each operation does, what it moves, and how long it takes.
+Pure Python: no torch import.
+
+Conventions follow nccl-tests (doc/PERFORMANCE.md): `size` S is the buffer in bytes as nccl-tests
+reports it (all-reduce: the buffer; all-gather: the gathered output; reduce-scatter: the input),
+algorithm bandwidth algbw = S / t, and bus bandwidth busbw = algbw x factor(op, n), the factor that
+makes busbw comparable with the link's peak whatever n is.
+
+Time model: alpha-beta (Hockney): a step that moves m bytes over a link costs alpha + m / B.
+Ring algorithms (Thakur, Rabenseifner and Gropp 2005; Patarasuk and Yuan 2009):
+    all-gather, reduce-scatter   (n-1) (alpha + S/(nB))
+    all-reduce                   2 (n-1) (alpha + S/(nB))      = reduce-scatter + all-gather
+    broadcast, reduce (pipelined chain, S split into k chunks)  (n-1+k-1)(alpha + S/(kB))
+Tree (binary, pipelining ignored): all-reduce 2 ceil(log2 n) (alpha + S/B).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Literal, Sequence
+
+Op = Literal["broadcast", "reduce", "all_reduce", "reduce_scatter", "all_gather", "all_to_all"]
+OPS: tuple[str, ...] = ("broadcast", "reduce", "all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+Algorithm = Literal["ring", "tree"]
+
+# What each collective does, for the book's figures: (before, after) per rank r of n, chunks c.
+SEMANTICS = {
+    "broadcast": "the root's buffer is copied to every rank",
+    "reduce": "the element-wise sum of all ranks' buffers lands on the root",
+    "all_reduce": "every rank ends with the element-wise sum of all ranks' buffers",
+    "reduce_scatter": "rank r ends with chunk r of the element-wise sum (1/n of the buffer)",
+    "all_gather": "every rank ends with the concatenation of all ranks' chunks",
+    "all_to_all": "rank r sends its chunk j to rank j and receives chunk r from every rank",
+}
+
+
+def _check(op: str, n: int) -> None:
+    if op not in OPS:
+        raise ValueError(f"unknown collective {op!r}; choose from {', '.join(OPS)}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"the number of ranks must be a positive integer, got {n!r}")
+
+
+def busbw_factor(op: Op, n: int) -> Fraction:
+    """nccl-tests' bus-bandwidth factor: all-reduce 2(n-1)/n; reduce-scatter, all-gather and
+    all-to-all (n-1)/n; broadcast and reduce 1. Exact, as a Fraction."""
+    _check(op, n)
+    if op == "all_reduce":
+        return Fraction(2 * (n - 1), n)
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
+        return Fraction(n - 1, n)
+    return Fraction(1)
+
+
+def algbw(size_bytes: int, seconds: float) -> float:
+    """Algorithm bandwidth, bytes per second."""
+    if seconds <= 0:
+        raise ValueError("time must be positive")
+    return size_bytes / seconds
+
+
+def busbw(op: Op, n: int, size_bytes: int, seconds: float) -> float:
+    """Bus bandwidth, bytes per second: algbw x busbw_factor."""
+    return algbw(size_bytes, seconds) * float(busbw_factor(op, n))
+
+
+def bytes_sent_per_rank(op: Op, n: int, size_bytes: int, *, algorithm: Algorithm = "ring") -> float:
+    """Bytes each rank sends (and receives) for one collective on `size_bytes`, by the ring
+    algorithm (broadcast/reduce: a pipelined chain, every non-terminal rank forwards S)."""
+    _check(op, n)
+    if n == 1:
+        return 0.0
+    if algorithm == "tree" and op == "all_reduce":
+        return 2.0 * size_bytes  # up the tree and down again
+    return float(busbw_factor(op, n)) * size_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """A link's per-direction bandwidth (decimal GB/s) and per-message latency (microseconds).
+    Presets are vendor peak figures; latencies are typical orders of magnitude (measure yours:
+    lab 2 fits them)."""
+
+    name: str
+    bandwidth_GBps: float
+    latency_us: float
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_GBps * 1e9
+
+    @property
+    def alpha_s(self) -> float:
+        return self.latency_us * 1e-6
+
+
+LINKS: dict[str, Link] = {lk.name: lk for lk in (
+    Link(name="pcie4-x16", bandwidth_GBps=32.0, latency_us=5.0),      # PCI-SIG: 16 GT/s x 16 lanes
+    Link(name="pcie5-x16", bandwidth_GBps=64.0, latency_us=5.0),      # 32 GT/s x 16 lanes
+    Link(name="nvlink3", bandwidth_GBps=300.0, latency_us=3.0),       # A100: 600 GB/s bidirectional
+    Link(name="nvlink4", bandwidth_GBps=450.0, latency_us=3.0),       # H100 SXM: 900 GB/s bidirectional
+    Link(name="ib-hdr", bandwidth_GBps=25.0, latency_us=5.0),         # InfiniBand HDR 200 Gb/s
+    Link(name="ib-ndr", bandwidth_GBps=50.0, latency_us=5.0),         # InfiniBand NDR 400 Gb/s
+    Link(name="ethernet-100g", bandwidth_GBps=12.5, latency_us=20.0),  # 100 GbE
+)}
+
+
+def link(name: str) -> Link:
+    if name not in LINKS:
+        raise ValueError(f"unknown link {name!r}; choose from {', '.join(LINKS)}")
+    return LINKS[name]
+
+
+def collective_time(op: Op, n: int, size_bytes: int, lk: Link | str, *, algorithm: Algorithm = "ring",
+                    chunks: int = 1) -> float:
+    """Seconds for one collective by the alpha-beta model (formulas in the module docstring)."""
+    _check(op, n)
+    if size_bytes < 0:
+        raise ValueError("size must be non-negative")
+    lk = link(lk) if isinstance(lk, str) else lk
+    a, B, S = lk.alpha_s, lk.bytes_per_s, size_bytes
+    if n == 1:
+        return 0.0
+    if algorithm == "tree":
+        if op != "all_reduce":
+            raise ValueError("the tree model covers all_reduce only")
+        return 2 * math.ceil(math.log2(n)) * (a + S / B)
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) * (a + S / (n * B))
+    if op == "all_reduce":
+        return 2 * (n - 1) * (a + S / (n * B))
+    if op == "all_to_all":  # n-1 pairwise exchanges of S/n
+        return (n - 1) * (a + S / (n * B))
+    k = max(1, chunks)  # broadcast / reduce: pipelined chain
+    return (n - 2 + k) * (a + S / (k * B))
+
+
+def alpha_beta_coefficients(op: Op, n: int) -> tuple[float, float]:
+    """(c_alpha, c_beta) with time = c_alpha * alpha + c_beta * S / B for the ring algorithm."""
+    _check(op, n)
+    if op == "all_reduce":
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return float(n - 1), (n - 1) / n
+    return float(n - 1), 1.0
+
+
+def fit_alpha_beta(op: Op, n: int, sizes: Sequence[int], seconds: Sequence[float]) -> Link:
+    """Least-squares fit of the ring model t = c_a alpha + c_b S / B to measured (size, time) pairs.
+    Returns the fitted Link (bandwidth in GB/s, latency in us)."""
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError("need at least two (size, time) pairs of equal length")
+    ca, cb = alpha_beta_coefficients(op, n)
+    xs, ys = [float(s) for s in sizes], [float(t) for t in seconds]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        raise ValueError("sizes must differ")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx  # seconds per byte
+    intercept = my - slope * mx
+    bandwidth = cb / slope if slope > 0 else float("inf")
+    return Link(name="fitted", bandwidth_GBps=bandwidth / 1e9, latency_us=max(intercept, 0.0) / ca * 1e6)
+
+
+def data_parallel_sync(n_params: int, n_workers: int, lk: Link | str, *, bytes_per_grad: int = 4,
+                       scheme: Literal["all_reduce", "parameter_server"] = "all_reduce") -> dict[str, float]:
+    """One data-parallel gradient synchronisation of n_params gradients across n_workers.
+    all_reduce (ring): each worker sends 2(n-1)/n of the gradients, whatever n is.
+    parameter_server (one server on the same link): every worker pushes its gradients and pulls
+    the parameters, so the server's link carries 2 n Psi bytes and time grows with n."""
+    lk = link(lk) if isinstance(lk, str) else lk
+    S = n_params * bytes_per_grad
+    if scheme == "all_reduce":
+        return {"seconds": collective_time("all_reduce", n_workers, S, lk),
+                "bytes_per_worker": bytes_sent_per_rank("all_reduce", n_workers, S),
+                "bytes_busiest_link": bytes_sent_per_rank("all_reduce", n_workers, S)}
+    if scheme == "parameter_server":
+        busiest = 2.0 * n_workers * S
+        return {"seconds": 2 * lk.alpha_s + busiest / lk.bytes_per_s, "bytes_per_worker": 2.0 * S,
+                "bytes_busiest_link": busiest}
+    raise ValueError(f"unknown scheme {scheme!r}")

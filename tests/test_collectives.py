@@ -1,0 +1,112 @@
+"""The collectives' cost model against nccl-tests' definitions, an independent simulation of the
+ring algorithm, and a real gloo run."""
+
+import json
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+
+from vramlab import collectives as C
+
+
+def test_busbw_factors_match_nccl_tests():
+    # nccl-tests doc/PERFORMANCE.md: allreduce 2(n-1)/n; reducescatter, allgather, alltoall (n-1)/n;
+    # broadcast, reduce 1
+    for n in (1, 2, 3, 4, 8, 16, 64):
+        assert C.busbw_factor("all_reduce", n) == Fraction(2 * (n - 1), n)
+        for op in ("reduce_scatter", "all_gather", "all_to_all"):
+            assert C.busbw_factor(op, n) == Fraction(n - 1, n)
+        assert C.busbw_factor("broadcast", n) == C.busbw_factor("reduce", n) == 1
+    assert C.busbw_factor("all_reduce", 8) == Fraction(7, 4)
+    assert C.busbw("all_reduce", 8, 8 * 10**9, 1.0) == pytest.approx(14e9)
+
+
+def _simulate_ring_all_reduce(n, values):
+    """Ring all-reduce on n ranks, chunk by chunk: reduce-scatter then all-gather.
+    Returns each rank's result and the number of chunk messages each rank sent."""
+    data = [list(v) for v in values]  # data[r][c]: rank r's copy of chunk c
+    sent = [0] * n
+    for step in range(n - 1):  # reduce-scatter
+        msgs = [(r, (r - step) % n, data[r][(r - step) % n]) for r in range(n)]
+        for r, c, v in msgs:
+            data[(r + 1) % n][c] += v
+            sent[r] += 1
+    for step in range(n - 1):  # all-gather: rank r owns the full sum of chunk (r + 1) % n
+        msgs = [(r, (r + 1 - step) % n, data[r][(r + 1 - step) % n]) for r in range(n)]
+        for r, c, v in msgs:
+            data[(r + 1) % n][c] = v
+            sent[r] += 1
+    return data, sent
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7])
+def test_ring_model_matches_simulation(n):
+    values = [[10 * r + c for c in range(n)] for r in range(n)]
+    data, sent = _simulate_ring_all_reduce(n, values)
+    expected = [sum(values[r][c] for r in range(n)) for c in range(n)]
+    assert all(d == expected for d in data)  # the simulation is a correct all-reduce
+    S = 1_000_000 * n
+    assert all(s == 2 * (n - 1) for s in sent)  # 2(n-1) messages of S/n each
+    assert C.bytes_sent_per_rank("all_reduce", n, S) == pytest.approx(2 * (n - 1) * S / n)
+    lk = C.Link(name="x", bandwidth_GBps=10, latency_us=7)
+    assert C.collective_time("all_reduce", n, S, lk) == pytest.approx(sent[0] * (7e-6 + (S / n) / 10e9))
+
+
+def test_all_reduce_is_reduce_scatter_plus_all_gather():
+    for name, lk in C.LINKS.items():
+        for n in (2, 8, 64):
+            S = 256 << 20
+            rs_ag = C.collective_time("reduce_scatter", n, S, lk) + C.collective_time("all_gather", n, S, lk)
+            assert C.collective_time("all_reduce", n, S, lk) == pytest.approx(rs_ag), name
+
+
+def test_latency_and_bandwidth_regimes():
+    lk = C.link("nvlink4")
+    small = C.collective_time("all_reduce", 8, 1024, lk)
+    assert small == pytest.approx(14 * lk.alpha_s, rel=0.01)  # latency-bound
+    big = C.collective_time("all_reduce", 8, 1 << 30, lk)
+    assert big == pytest.approx(2 * 7 / 8 * (1 << 30) / lk.bytes_per_s, rel=0.02)  # bandwidth-bound: latency < 2 %
+
+
+def test_fit_recovers_the_model():
+    lk = C.Link(name="true", bandwidth_GBps=3.0, latency_us=40.0)
+    sizes = [1 << k for k in range(10, 25, 2)]
+    times = [C.collective_time("all_reduce", 4, s, lk) for s in sizes]
+    fitted = C.fit_alpha_beta("all_reduce", 4, sizes, times)
+    assert fitted.bandwidth_GBps == pytest.approx(3.0) and fitted.latency_us == pytest.approx(40.0)
+
+
+def test_parameter_server_vs_all_reduce():
+    psi = 1_000_000_000
+    lk = C.link("ethernet-100g")
+    ar = [C.data_parallel_sync(psi, n, lk)["seconds"] for n in (2, 8, 64)]
+    ps = [C.data_parallel_sync(psi, n, lk, scheme="parameter_server")["seconds"] for n in (2, 8, 64)]
+    assert ar[-1] < 2 * 4 * psi / lk.bytes_per_s * 1.01  # ring: bounded by 2 S / B whatever n is
+    assert ps[-1] / ps[0] == pytest.approx(32, rel=0.01)  # the server's link: linear in n
+    assert ps[-1] > 10 * ar[-1]
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="unknown collective"):
+        C.busbw_factor("all_sum", 4)
+    with pytest.raises(ValueError, match="positive integer"):
+        C.collective_time("all_reduce", 0, 10, "nvlink4")
+    with pytest.raises(ValueError, match="unknown link"):
+        C.link("carrier-pigeon")
+
+
+def test_commbench_gloo_two_ranks(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "ar.json"
+    r = subprocess.run([sys.executable, "-m", "vramlab.commbench", "--nproc", "2", "--sizes", "4096,65536,1048576",
+                        "--warmup", "1", "--iters", "3", "--out", str(out), "--port", "29533"],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "all_reduce_perf" in r.stdout and "busbw" in r.stdout
+    res = json.loads(out.read_text())
+    assert [row["size"] for row in res["rows"]] == [4096, 65536, 1048576]
+    for row in res["rows"]:
+        assert row["time_us"] > 0
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 1.0)  # 2(n-1)/n = 1 for n = 2
