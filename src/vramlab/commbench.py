@@ -5,8 +5,9 @@
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 -m vramlab.commbench --backend nccl
 
 Under torchrun (RANK/WORLD_SIZE set) it runs in place; otherwise it spawns --nproc local
-processes. Each size: warm-up iterations, then timed ones; the reported time is the median over
-iterations of the slowest rank. Results (with provenance) go to --out as JSON. Imports torch.
+processes. Each size: warm-up operations, then --runs timed runs of --iters back-to-back operations
+(as nccl-tests times them); the reported time per operation is the median over runs of the slowest
+rank. Results (with provenance) go to --out as JSON. Imports torch.
 """
 
 from __future__ import annotations
@@ -68,19 +69,21 @@ def _bench(rank: int, world: int, args) -> list[dict] | None:
             buf, out = torch.ones(c, device=dev), torch.empty(c, device=dev)
         else:
             buf, out = torch.ones(count, device=dev), None
+        for _ in range(args.warmup):
+            _run_op(dist, torch, args.op, buf, out, n)
         times = []
-        for it in range(args.warmup + args.iters):
+        for _ in range(args.runs):  # as nccl-tests: time `iters` back-to-back ops, divide; median of runs
             dist.barrier()
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            _run_op(dist, torch, args.op, buf, out, n)
+            for _ in range(args.iters):
+                _run_op(dist, torch, args.op, buf, out, n)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dt = torch.tensor([(time.perf_counter() - t0) / args.iters], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank decides
-            if it >= args.warmup:
-                times.append(dt.item())
+            times.append(dt.item())
         t = statistics.median(times)
         nbytes = (out if args.op == "all_gather" else buf).numel() * 4
         rows.append({"size": nbytes, "count": nbytes // 4, "type": "float", "redop": "sum", "root": 0 if args.op in
@@ -114,6 +117,7 @@ def _report(rows: list[dict], args, world: int) -> None:
         from .measure import provenance
 
         out = {"op": args.op, "backend": args.backend, "ranks": world, "warmup": args.warmup, "iters": args.iters,
+               "runs": args.runs,
                "command": " ".join(["python -m vramlab.commbench", *sys.argv[1:]]),
                "provenance": provenance("cuda" if args.backend == "nccl" else "cpu"), "rows": rows}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -129,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=default_sizes(),
                    help="comma-separated sizes in bytes (default 1 KiB .. 16 MiB, x4)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10, help="back-to-back operations per timed run")
+    p.add_argument("--runs", type=int, default=5, help="timed runs per size (the median is reported)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--port", type=int, default=29511)
     args = p.parse_args(argv)
