@@ -2,7 +2,6 @@
 is every fp32 case within 5 % and the median within 2 %. The expected values are measurements of
 real transformers models, never the estimator's own output."""
 
-import dataclasses
 import importlib.util
 import random
 import statistics

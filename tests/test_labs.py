@@ -7,7 +7,6 @@ import copy
 import importlib.util
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys

@@ -159,14 +159,6 @@ def _for_loop_peak(spec: ModelSpec) -> int:
     return max(a + 2 * b for a, b in zip(sizes, sizes[1:]))
 
 
-def _largest_tensor(spec: ModelSpec) -> int:
-    h, V = spec.hidden_size, spec.vocab_size
-    e = spec.word_embed_proj_dim or h
-    positions = {"gpt2": spec.max_position_embeddings, "opt": spec.max_position_embeddings + 2,
-                 "bert": spec.max_position_embeddings}.get(spec.family, 0) * h  # learned position tables
-    return max(V * e, positions, 3 * h * h, h * spec.intermediate_size, h * spec.q_dim)
-
-
 # ============================================================================ activations
 # Every tensor autograd saves for backward, per token of one layer, derived op by op from the
 # transformers 5.x forward code (the method of Korthikanti+22, arXiv:2205.05198, sec. 4, which

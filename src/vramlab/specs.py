@@ -12,7 +12,6 @@ or `preset("gpt2")`. What-if questions: `dataclasses.replace(spec, num_layers=48
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -129,13 +128,6 @@ class ModelSpec:
     def param_groups(self) -> dict[str, int]:
         """Parameter counts by role: embeddings, layers (all blocks), head (norms and LM head)."""
         return _COUNTERS[self.family](self)
-
-    def largest_layer_params(self) -> int:
-        """Parameters of the largest single tensor-holding unit (one block or the embedding):
-        what ZeRO-3 must gather at once."""
-        g = self.param_groups()
-        per_block = g["layers"] // max(1, self.num_layers + self.num_decoder_layers)
-        return max(per_block, g["embeddings"], g["head"])
 
     def param_tensors(self) -> list[tuple[str, int]]:
         """Every parameter tensor as (name, numel), in `model.named_parameters()` order (tied
