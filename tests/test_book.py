@@ -66,3 +66,11 @@ def test_lab_page_opens_in_colab(built):
     links = re.findall(r'https://colab\.research\.google\.com/github/[^"]+', page)
     assert links and links[0].endswith("/blob/main/labs/release/lab01_where_memory_goes/lab01_where_memory_goes.ipynb")
     assert "NotImplementedError" in page and "BEGIN SOLUTION" not in page  # the student version, not executed
+
+
+def test_chapter2_figures_and_measurements(built):
+    html, _ = built
+    page = (html / "book" / "02_collectives.html").read_text()
+    assert len(re.findall(r'<img[^>]+src="[^"]*_images/[^"]+\.png"', page)) >= 4
+    assert "application/vnd.jupyter.widget-view+json" in page
+    assert "fitted alpha" in page and "gloo" in page

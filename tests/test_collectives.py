@@ -110,3 +110,23 @@ def test_commbench_gloo_two_ranks(tmp_path):
     for row in res["rows"]:
         assert row["time_us"] > 0
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 1.0)  # 2(n-1)/n = 1 for n = 2
+
+
+def test_before_after_semantics():
+    b, a = C.before_after("all_reduce", 3)
+    assert a == [["Σ0", "Σ1", "Σ2"]] * 3 and b[1] == ["b0", "b1", "b2"]
+    b, a = C.before_after("reduce_scatter", 3)
+    assert a[1] == ["", "Σ1", ""]
+    b, a = C.before_after("all_gather", 3)
+    assert b[2] == ["", "", "c2"] and a[0] == ["a0", "b1", "c2"]
+    b, a = C.before_after("all_to_all", 3)
+    assert a[0] == ["a0", "b0", "c0"]  # rank 0 receives every rank's chunk 0
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_ring_steps_end_in_all_reduce(n):
+    steps = C.ring_all_reduce_steps(n)
+    assert len(steps) == 1 + 2 * (n - 1)  # n-1 reduce-scatter + n-1 all-gather steps
+    assert steps[-1][1] == [[f"Σ{c}" for c in range(n)]] * n
+    after_rs = steps[n - 1][1]
+    assert sum(cell.startswith("Σ") for row in after_rs for cell in row) == n  # one full sum per rank

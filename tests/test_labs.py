@@ -23,6 +23,11 @@ _spec.loader.exec_module(tools)
 
 LAB = "lab01_where_memory_goes"
 RELEASED = ROOT / "labs" / "release" / LAB / f"{LAB}.ipynb"
+LABS = tools.labs()
+
+
+def released(lab):
+    return ROOT / "labs" / "release" / lab / f"{lab}.ipynb"
 
 
 def _solution_lines(nb):
@@ -52,24 +57,33 @@ def _exercises_only(nb):
     return nb
 
 
-def test_release_is_regenerated_exactly(tmp_path):
-    fresh = tools.release(LAB, tmp_path)
-    assert fresh.read_bytes() == RELEASED.read_bytes(), "run: python labs/tools.py release"
+def test_every_lab_is_released():
+    assert LABS == ["lab01_where_memory_goes", "lab02_collectives"]
+    assert sorted(p.name for p in (ROOT / "labs" / "release").iterdir()) == LABS
 
 
-def test_released_version_leaks_nothing():
-    released = nbformat.read(RELEASED, as_version=4)
-    text = RELEASED.read_text()
+@pytest.mark.parametrize("lab", LABS)
+def test_release_is_regenerated_exactly(tmp_path, lab):
+    fresh = tools.release(lab, tmp_path)
+    assert fresh.read_bytes() == released(lab).read_bytes(), "run: python labs/tools.py release"
+
+
+@pytest.mark.parametrize("lab, hidden, visible", [
+    (LAB, "Llama-3.1-8B, 8192 tokens", "819_200"),          # lab 1: a hidden KV-cache check
+    ("lab02_collectives", "(4, 1001)", "((2, 8), (3, 10))"),  # lab 2: the hidden 4-rank ring check
+])
+def test_released_version_leaks_nothing(lab, hidden, visible):
+    nb = nbformat.read(released(lab), as_version=4)
+    text = released(lab).read_text()
     assert "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text
-    solution = _solution_lines(tools.source_notebook(LAB))
+    solution = _solution_lines(tools.source_notebook(lab))
     assert len(solution) >= 5
-    code = "\n".join(c.source for c in released.cells if c.cell_type == "code")
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     leaked = [line for line in solution if line in code and not line.startswith(("return", "h = n_embd"))]
     assert not leaked, leaked
     assert code.count("raise NotImplementedError()") == 3
-    # hidden-test content (the Llama-3.1-8B KV-cache check) is gone, the visible test stays
-    assert "Llama-3.1-8B, 8192 tokens" not in code and "819_200" in code
-    assert all(not c.get("outputs") for c in released.cells if c.cell_type == "code")
+    assert hidden not in code and visible in code  # hidden tests gone, visible ones kept
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
 
 
 def test_instructor_version_full_marks_and_cpu_run(tmp_path):
@@ -93,10 +107,52 @@ def test_instructor_version_full_marks_and_cpu_run(tmp_path):
     assert "No GPU found" in out and "largest batch that fits" in out
 
 
-def test_student_version_scores_zero():
-    scores = tools.grade(_exercises_only(nbformat.read(RELEASED, as_version=4)), LAB)
-    assert _total(scores) == (0, 9), scores
+@pytest.mark.parametrize("lab, points", [(LAB, 9), ("lab02_collectives", 8)])
+def test_student_version_scores_zero(lab, points):
+    scores = tools.grade(_exercises_only(nbformat.read(released(lab), as_version=4)), lab)
+    assert _total(scores) == (0, points), scores
     assert all("NotImplementedError" in s[2] for s in scores.values())
+
+
+def test_lab2_instructor_full_marks_and_cpu_run(tmp_path):
+    results = tmp_path / "lab02.json"
+    executed = []
+    t0 = time.perf_counter()
+    scores = tools.grade(tools.source_notebook("lab02_collectives"), "lab02_collectives",
+                         env={"VRAMLAB_RESULTS": str(results)}, executed=executed)
+    assert _total(scores) == (8, 8), scores
+    assert time.perf_counter() - t0 < 90
+    errors = [o for c in executed[0].cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, errors
+    saved = json.loads(results.read_text())
+    rows = saved["runs"]["gloo"]["rows"]
+    assert saved["runs"]["gloo"]["ranks"] == 2 and len(rows) == 8 and all(r["time_us"] > 0 for r in rows)
+    assert saved["fits"]["gloo"]["bandwidth_GBps"] > 0 and len(saved["fits"]["gloo"]["held_out_errors_pct"]) == 4
+
+
+WRONG_BUSBW = '''def busbw_factor(op, n):
+    return (n - 1) / n if op != "broadcast" else 1.0  # all-reduce counted once: wrong
+'''
+WRONG_RING = '''def ring_all_reduce(tensor, rank, world_size):
+    import torch
+    import torch.distributed as dist
+    chunks = list(torch.chunk(tensor, world_size))  # uneven lengths break: wrong
+    for step in range(world_size - 1):
+        send_c, recv_c = (rank - step) % world_size, (rank - step - 1) % world_size
+        buf = torch.empty_like(chunks[send_c])
+        req = dist.isend(chunks[send_c].clone(), (rank + 1) % world_size)
+        dist.recv(buf, (rank - 1) % world_size)
+        req.wait()
+        chunks[recv_c] += buf[: chunks[recv_c].numel()]
+'''
+
+
+def test_lab2_wrong_answers_lose_their_points():
+    base = _exercises_only(tools.source_notebook("lab02_collectives"))
+    wrong = _with_solution(_with_solution(base, "ex1-solution", WRONG_BUSBW), "ex3-solution", WRONG_RING)
+    scores = tools.grade(wrong, "lab02_collectives")
+    assert scores["ex1-test"][0] == 0 and "1.75" in scores["ex1-test"][2]
+    assert scores["ex3-test"][0] == 0 and scores["ex2-test"][0] == 2
 
 
 def _with_solution(nb, grade_id, code):

@@ -181,3 +181,54 @@ def data_parallel_sync(n_params: int, n_workers: int, lk: Link | str, *, bytes_p
         return {"seconds": 2 * lk.alpha_s + busiest / lk.bytes_per_s, "bytes_per_worker": 2.0 * S,
                 "bytes_busiest_link": busiest}
     raise ValueError(f"unknown scheme {scheme!r}")
+
+
+# ----------------------------------------------------------------------------- for the figures
+
+def before_after(op: Op, n: int) -> tuple[list[list[str]], list[list[str]]]:
+    """What rank r holds before and after `op`, as n rows of n chunk labels: 'a2' is rank a's
+    chunk 2 (ranks lettered a, b, c, ...), 'Σ2' the sum over ranks of chunk 2, '' nothing."""
+    _check(op, n)
+    rk = [chr(ord("a") + r) for r in range(n)]
+    own = [[f"{rk[r]}{c}" for c in range(n)] for r in range(n)]
+    total = [f"Σ{c}" for c in range(n)]
+    empty = [[""] * n for _ in range(n)]
+    if op == "broadcast":
+        return [own[0]] + empty[1:], [own[0][:] for _ in range(n)]
+    if op == "reduce":
+        return own, [total] + empty[1:]
+    if op == "all_reduce":
+        return own, [total[:] for _ in range(n)]
+    if op == "reduce_scatter":
+        return own, [[total[c] if c == r else "" for c in range(n)] for r in range(n)]
+    if op == "all_gather":
+        before = [[own[r][c] if c == r else "" for c in range(n)] for r in range(n)]
+        return before, [[own[c][c] for c in range(n)] for _ in range(n)]
+    # all_to_all: rank r's chunk j goes to rank j, into slot r
+    return own, [[own[c][r] for c in range(n)] for r in range(n)]
+
+
+def ring_all_reduce_steps(n: int) -> list[tuple[str, list[list[str]]]]:
+    """The ring all-reduce's state after each step: (title, n x n grid of what each rank holds for
+    each chunk; a partial sum of ranks {a, b} of chunk 2 is 'ab2', the full sum 'Σ2')."""
+    _check("all_reduce", n)
+    rk = [chr(ord("a") + r) for r in range(n)]
+    hold = [[(frozenset([r]), c) for c in range(n)] for r in range(n)]
+
+    def label(h):
+        who, c = h
+        return f"Σ{c}" if len(who) == n else "".join(rk[r] for r in sorted(who)) + str(c)
+
+    states = [("start", [[label(h) for h in row] for row in hold])]
+    for step in range(n - 1):  # reduce-scatter: rank r sends chunk (r - step) to rank r + 1, which adds
+        sends = [(r, (r - step) % n, hold[r][(r - step) % n][0]) for r in range(n)]
+        for r, c, who in sends:
+            dst = (r + 1) % n
+            hold[dst][c] = (hold[dst][c][0] | who, c)
+        states.append((f"reduce-scatter {step + 1}/{n - 1}", [[label(h) for h in row] for row in hold]))
+    for step in range(n - 1):  # all-gather: rank r forwards its complete chunk (r + 1 - step)
+        sends = [(r, (r + 1 - step) % n, hold[r][(r + 1 - step) % n]) for r in range(n)]
+        for r, c, h in sends:
+            hold[(r + 1) % n][c] = h
+        states.append((f"all-gather {step + 1}/{n - 1}", [[label(h) for h in row] for row in hold]))
+    return states

@@ -54,6 +54,8 @@ def _bench(rank: int, world: int, args) -> list[dict] | None:
     import torch.distributed as dist
 
     dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if args.backend == "nccl" else torch.device("cpu")
+    if dev.type == "cpu":  # one compute thread per rank: ranks sharing cores must not oversubscribe them
+        torch.set_num_threads(1)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     rows = []

@@ -61,3 +61,29 @@ def predicted_vs_measured(rows: Iterable[tuple[str, int, int]], *, ax=None, titl
     ax.legend(fontsize=8, frameon=False)
     ax.grid(axis="y", alpha=0.3)
     return ax
+
+
+def rank_grid(grid, *, ax=None, title: str = ""):
+    """One row per rank, one column per chunk; a cell shows what the rank holds for that chunk."""
+    import matplotlib.pyplot as plt
+
+    n_ranks, n_chunks = len(grid), len(grid[0])
+    if ax is None:
+        _, ax = plt.subplots(figsize=(0.6 * n_chunks + 1, 0.45 * n_ranks + 0.6))
+    palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+    for r, row in enumerate(grid):
+        for c, label in enumerate(row):
+            full = label.startswith("Σ")
+            partial = label and not full and len(label.rstrip("0123456789")) > 1
+            color = "#2F2F2F" if full else ("#BBBBBB" if partial else (palette[ord(label[0]) - 97] if label else "white"))
+            ax.add_patch(plt.Rectangle((c, n_ranks - 1 - r), 0.95, 0.9, color=color, ec="#888888", lw=0.5))
+            ax.text(c + 0.47, n_ranks - 0.55 - r, label, ha="center", va="center", fontsize=7,
+                    color="white" if full or (label and not partial) else "black")
+    ax.set_xlim(0, n_chunks)
+    ax.set_ylim(0, n_ranks)
+    ax.set_yticks([n_ranks - 0.55 - r for r in range(n_ranks)], [f"rank {r}" for r in range(n_ranks)], fontsize=7)
+    ax.set_xticks([])
+    ax.set_title(title, fontsize=8)
+    for side in ("top", "right", "bottom", "left"):
+        ax.spines[side].set_visible(False)
+    return ax

@@ -51,3 +51,43 @@ def training_calculator(*, model: str = "gpt2", batch_size: int = 8, seq_len: in
         w.observe(update, names="value")
     update()
     return W.VBox([W.HBox([W.VBox(controls[:4]), W.VBox(controls[4:])]), out])
+
+
+def collectives_calculator(*, op: str = "all_reduce", ranks: int = 8, size_mib: float = 256.0, link: str = "nvlink4"):
+    """Chapter 2: op, ranks, message size, link -> alpha-beta time, algbw, busbw, and time vs size."""
+    import ipywidgets as W
+    import matplotlib.pyplot as plt
+
+    from . import collectives as C
+
+    style = {"description_width": "110px"}
+    w_op = W.Dropdown(options=C.OPS, value=op, description="collective", style=style)
+    w_n = W.IntSlider(value=ranks, min=2, max=256, description="ranks", style=style)
+    w_size = W.FloatLogSlider(value=size_mib, base=2, min=-10, max=14, description="size (MiB)", style=style)
+    w_link = W.Dropdown(options=list(C.LINKS), value=link, description="link", style=style)
+    out = W.Output()
+
+    def update(*_):
+        S = int(w_size.value * 2**20)
+        t = C.collective_time(w_op.value, w_n.value, S, w_link.value)
+        with out:
+            out.clear_output(wait=True)
+            print(f"{w_op.value} of {fmt_bytes(S)} on {w_n.value} ranks over {w_link.value}: {t * 1e3:.3f} ms, "
+                  f"algbw {C.algbw(S, t) / 1e9:.1f} GB/s, busbw {C.busbw(w_op.value, w_n.value, S, t) / 1e9:.1f} GB/s "
+                  f"(factor {C.busbw_factor(w_op.value, w_n.value)})")
+            sizes = [2**k for k in range(10, 35)]
+            fig, ax = plt.subplots(figsize=(6.5, 3))
+            for name in C.LINKS:
+                ax.loglog(sizes, [C.collective_time(w_op.value, w_n.value, s, name) for s in sizes], label=name,
+                          lw=2.5 if name == w_link.value else 1)
+            ax.axvline(S, color="black", ls=":", lw=1)
+            ax.set_xlabel("message size (bytes)")
+            ax.set_ylabel("seconds")
+            ax.legend(fontsize=6, frameon=False)
+            ax.grid(alpha=0.3)
+            plt.show()
+
+    for w in (w_op, w_n, w_size, w_link):
+        w.observe(update, names="value")
+    update()
+    return W.VBox([W.HBox([W.VBox([w_op, w_n]), W.VBox([w_size, w_link])]), out])
