@@ -42,7 +42,6 @@ def source_notebook(lab: str) -> nbformat.NotebookNode:
     for i, cell in enumerate(nb.cells):
         gid = cell.metadata.get("nbgrader", {}).get("grade_id")
         cell.id = gid or f"cell-{i:03d}-{hashlib.sha1(cell.source.encode()).hexdigest()[:8]}"
-        cell.pop("outputs", None) if cell.cell_type != "code" else None
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
     nbformat.validate(nb)

@@ -365,8 +365,9 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     b, s, a = batch_size, seq_len, spec.num_heads
     tokens, scores = b * s, b * a * s * s
     kw = dict(attention=attention, device=device, precision=precision, batch_size=b)
-    block = layer_saved(spec, decoder=spec.family == "t5", **kw)  # T5: the decoder block is the larger
-    enc = _ledger_bytes(layer_saved(spec, **kw), tokens=tokens, scores=scores, nbytes=nb)
+    enc_saved = layer_saved(spec, **kw)
+    block = layer_saved(spec, decoder=True, **kw) if spec.family == "t5" else enc_saved  # the larger block
+    enc = _ledger_bytes(enc_saved, tokens=tokens, scores=scores, nbytes=nb)
     dec = _ledger_bytes(block, tokens=tokens, scores=scores, nbytes=nb) if spec.family == "t5" else 0
     mlp_part = _ledger_bytes([x for x in block if x.part == "mlp"], tokens=tokens, scores=scores, nbytes=nb)
     n_enc, n_dec = spec.num_layers, spec.num_decoder_layers
