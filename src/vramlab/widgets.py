@@ -91,3 +91,38 @@ def collectives_calculator(*, op: str = "all_reduce", ranks: int = 8, size_mib: 
         w.observe(update, names="value")
     update()
     return W.VBox([W.HBox([W.VBox([w_op, w_n]), W.VBox([w_size, w_link])]), out])
+
+
+def precision_calculator(*, model: str = "gpt2", value: float = 1e-4):
+    """Chapter 5: a format explorer (a value rounded in every format) and the training peak of
+    `model` under each precision recipe."""
+    import ipywidgets as W
+    import matplotlib.pyplot as plt
+
+    from . import precision as P
+
+    style = {"description_width": "110px"}
+    w_val = W.FloatLogSlider(value=value, base=10, min=-10, max=5, step=0.01, description="value", style=style)
+    w_model = W.Dropdown(options=specs.preset_names(), value=model, description="model", style=style)
+    w_batch = W.IntSlider(value=8, min=1, max=64, description="batch size", style=style)
+    out = W.Output()
+
+    def update(*_):
+        with out:
+            out.clear_output(wait=True)
+            x = w_val.value
+            print(f"{'format':10s}{'rounded':>14}{'rel. error':>12}")
+            for f in P.FORMATS.values():
+                if f.is_float:
+                    r = P.round_to(x, f)
+                    print(f"{f.name:10s}{r:>14.6g}{abs(r - x) / x:>12.2e}")
+            ests = [memory.estimate_training(w_model.value, batch_size=w_batch.value, seq_len=1024, precision=p)
+                    for p in memory.PRECISIONS]
+            fig, ax = plt.subplots(figsize=(6.5, 3))
+            plots.stacked(ests, list(memory.PRECISIONS), ax=ax, title=f"{w_model.value}, b={w_batch.value}, s=1024")
+            plt.show()
+
+    for w in (w_val, w_model, w_batch):
+        w.observe(update, names="value")
+    update()
+    return W.VBox([W.HBox([w_val, w_model, w_batch]), out])
