@@ -79,6 +79,6 @@ def test_chapter2_figures_and_measurements(built):
 def test_chapter5_formats_and_gradients(built):
     html, _ = built
     page = (html / "book" / "05_mixed_precision.html").read_text()
-    assert len(re.findall(r'<img[^>]+src="[^"]*_images/[^"]+\.png"', page)) >= 3
+    assert len(re.findall(r'<img[^>]+src="[^"]*_images/[^"]+\.png"', page)) >= 2  # histogram, update survival
     assert "65504" in page.replace(",", "") or "6.55e+04" in page  # fp16's max, from the format table
     assert "loss_type" not in page  # no library warnings leak into the page
