@@ -58,7 +58,7 @@ def _exercises_only(nb):
 
 
 def test_every_lab_is_released():
-    assert LABS == ["lab01_where_memory_goes", "lab02_collectives"]
+    assert LABS == ["lab01_where_memory_goes", "lab02_collectives", "lab05_mixed_precision"]
     assert sorted(p.name for p in (ROOT / "labs" / "release").iterdir()) == LABS
 
 
@@ -71,6 +71,7 @@ def test_release_is_regenerated_exactly(tmp_path, lab):
 @pytest.mark.parametrize("lab, hidden, visible", [
     (LAB, "Llama-3.1-8B, 8192 tokens", "819_200"),          # lab 1: a hidden KV-cache check
     ("lab02_collectives", "(4, 1001)", "((2, 8), (3, 10))"),  # lab 2: the hidden 4-rank ring check
+    ("lab05_mixed_precision", "7.5e-13", "min_loss_scale(1e-9)"),  # lab 5: hidden gradients
 ])
 def test_released_version_leaks_nothing(lab, hidden, visible):
     nb = nbformat.read(released(lab), as_version=4)
@@ -81,7 +82,8 @@ def test_released_version_leaks_nothing(lab, hidden, visible):
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     leaked = [line for line in solution if line in code and not line.startswith(("return", "h = n_embd"))]
     assert not leaked, leaked
-    assert code.count("raise NotImplementedError()") == 3
+    regions = sum(c.source.count("BEGIN SOLUTION") for c in tools.source_notebook(lab).cells)
+    assert regions >= 3 and code.count("raise NotImplementedError()") == regions  # one stub per solution
     assert hidden not in code and visible in code  # hidden tests gone, visible ones kept
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
 
@@ -107,7 +109,7 @@ def test_instructor_version_full_marks_and_cpu_run(tmp_path):
     assert "No GPU found" in out and "largest batch that fits" in out
 
 
-@pytest.mark.parametrize("lab, points", [(LAB, 9), ("lab02_collectives", 8)])
+@pytest.mark.parametrize("lab, points", [(LAB, 9), ("lab02_collectives", 8), ("lab05_mixed_precision", 7)])
 def test_student_version_scores_zero(lab, points):
     scores = tools.grade(_exercises_only(nbformat.read(released(lab), as_version=4)), lab)
     assert _total(scores) == (0, points), scores
@@ -222,3 +224,44 @@ def test_real_nbgrader_generate_and_autograde(tmp_path):
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
         submission = gb.find_submission(LAB, "alice")
         assert (submission.score, submission.max_score) == (9, 9)
+
+
+def test_lab5_instructor_full_marks_and_cpu_run(tmp_path):
+    results = tmp_path / "lab05.json"
+    executed = []
+    t0 = time.perf_counter()
+    scores = tools.grade(tools.source_notebook("lab05_mixed_precision"), "lab05_mixed_precision",
+                         env={"VRAMLAB_RESULTS": str(results)}, executed=executed)
+    assert _total(scores) == (7, 7), scores
+    assert time.perf_counter() - t0 < 90
+    errors = [o for c in executed[0].cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, errors
+    runs = json.loads(results.read_text())["runs"]
+    assert set(runs) == {"fp32", "fp16-amp+scaler", "fp16-amp, no scaler", "bf16-amp", "pure bf16"}
+    for name, r in runs.items():
+        assert r["losses"][-1] < r["losses"][0], name  # every recipe trains
+        assert abs(r["predicted_total"] - r["measured_total"]) / r["measured_total"] < 0.05, name
+    assert runs["pure bf16"]["measured_total"] < runs["fp32"]["measured_total"]
+
+
+WRONG_SCALER = '''class LossScaler:
+    def __init__(self, scale=2.0**16, growth=2.0, backoff=0.5, interval=2000):
+        self.scale, self.growth, self.backoff, self.interval = scale, growth, backoff, interval
+        self.clean = 0
+
+    def step(self, found_inf):
+        if found_inf:
+            self.scale *= self.backoff
+            return False  # forgets to reset the clean-step count: wrong
+        self.clean += 1
+        if self.clean % self.interval == 0:
+            self.scale *= self.growth
+        return True
+'''
+
+
+def test_lab5_wrong_scaler_loses_its_points():
+    base = _exercises_only(tools.source_notebook("lab05_mixed_precision"))
+    scores = tools.grade(_with_solution(base, "ex3-solution", WRONG_SCALER), "lab05_mixed_precision")
+    assert scores["ex3-test"][0] == 0 and _total(scores) == (4, 7)
+    assert "GradScaler" in scores["ex3-test"][2]
