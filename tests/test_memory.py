@@ -37,8 +37,13 @@ def test_mixed_precision_adam_is_16_bytes_per_param():
     assert model_states("gpt2", precision="bf16-mixed").total == 16 * n
     # pure bf16: 2 + 2 + 4 (PyTorch keeps m and v in the parameters' dtype)
     assert model_states("gpt2", precision="bf16").total == 8 * n
-    # ZeRO paper: 7.5 B params -> 120 GB of model states with plain data parallelism
-    assert 16 * 7.5e9 / 1e9 == pytest.approx(120)
+    # ZeRO paper's own recipe, 2 + 2 + 12: 7.5 B params -> 120 GB of model states with plain data parallelism
+    zero = model_states("gpt2", precision="fp16-fp32-master")
+    assert (zero.parameters, zero.gradients, zero.optimizer_states) == (2 * n, 2 * n, 12 * n)
+    spec75 = dataclasses.replace(preset("gpt2"), num_layers=1)  # any model: the bytes scale with the params
+    assert model_states(spec75, precision="fp16-fp32-master").total / spec75.params * 7.5e9 == 120e9
+    # bf16 weights and gradients with fp32 Adam moments: 2 + 2 + 8
+    assert model_states("gpt2", precision="bf16-fp32-states").total == 12 * n
 
 
 def test_8bit_adam_state():

@@ -253,6 +253,9 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     backward, optimizer.step(), zero_grad(set_to_none=True). Same arguments as
     `vramlab.estimate_training`, plus `mode` (auto = cuda if available, else trace).
     `model_hook` may change the model before the step (e.g. wrap it with PEFT)."""
+    if precision in ("bf16-fp32-states", "fp16-fp32-master"):
+        raise NotImplementedError(f"measuring precision {precision!r} needs an optimizer with fp32 states (or master "
+                                  "weights) for 16-bit parameters, which torch.optim does not provide")
     mode_ = resolve_mode(mode)
     dev = device or ("cuda" if mode_ == "cuda" else "cpu")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32

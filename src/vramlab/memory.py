@@ -15,13 +15,17 @@ from typing import Literal
 from .specs import GPUSpec, ModelSpec, gpu as _gpu
 from .units import fmt_bytes
 
-Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16"]
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16", "bf16-fp32-states", "fp16-fp32-master"]
 Optimizer = Literal["adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit"]
 OptimizerImpl = Literal["for-loop", "foreach", "fused"]
 AttentionImpl = Literal["eager", "sdpa"]
 Recompute = Literal["none", "full"]
 
-PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16")
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "bf16-fp32-states", "fp16-fp32-master")
+# 16-bit models: pure bf16 (torch.optim keeps the states in bf16), bf16 with fp32 optimizer states
+# ("How to Scale Your Model": 10 B/param with fp32 moments only), and the ZeRO paper's recipe: fp16
+# weights and gradients with fp32 master weights, momentum and variance (2 + 2 + 12 = 16 B/param)
+PURE_16BIT: tuple[str, ...] = ("bf16", "bf16-fp32-states", "fp16-fp32-master")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit")
 OPTIMIZER_IMPLS: tuple[str, ...] = ("for-loop", "foreach", "fused")
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa")
@@ -84,7 +88,7 @@ class MemoryBreakdown:
 #          mask of the input's dtype
 def _dtype_bytes(precision: Precision, device: str) -> dict[str, int]:
     half = 4 if precision == "fp32" else 2
-    x = 2 if precision == "bf16" else 4
+    x = 2 if precision in PURE_16BIT else 4
     return {"x": x, "half": half, "f32": 4, "mask": 1 if device == "cuda" else half, "i64": 8}
 
 
@@ -96,7 +100,7 @@ def nb_half(precision: Precision) -> int:
 def param_bytes(precision: Precision) -> int:
     """Bytes per parameter of the model as held in memory: PyTorch AMP keeps the model (the
     master weights) in fp32 and casts on the fly; pure bf16 holds bf16 weights."""
-    return 2 if precision == "bf16" else 4
+    return 2 if precision in PURE_16BIT else 4
 
 
 def optimizer_state_bytes(optimizer: Optimizer, n_params: int, precision: Precision) -> int:
@@ -104,15 +108,16 @@ def optimizer_state_bytes(optimizer: Optimizer, n_params: int, precision: Precis
     dtype: 8 B/param for fp32 params (ZeRO's K=12 counts fp32 master weights too, which AMP keeps
     as the model itself), 4 B/param for pure-bf16 params. 8-bit Adam (Dettmers+21, arXiv:2110.02861):
     1 byte each for m and v plus one fp32 scale per 2048-value block of each."""
-    pb = param_bytes(precision)
+    sb = 4 if precision in ("bf16-fp32-states", "fp16-fp32-master") else param_bytes(precision)  # state dtype
+    master = 4 * n_params if precision == "fp16-fp32-master" else 0  # fp32 master weights (ZeRO's K includes them)
     if optimizer in ("adamw", "adam"):
-        return 2 * n_params * pb
+        return 2 * n_params * sb + master
     if optimizer == "sgd-momentum":
-        return n_params * pb
+        return n_params * sb + master
     if optimizer == "sgd":
-        return 0
+        return master
     if optimizer == "adamw-8bit":
-        return 2 * n_params + 2 * 4 * -(-n_params // 2048)
+        return 2 * n_params + 2 * 4 * -(-n_params // 2048) + master
     raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
 
 
@@ -130,8 +135,8 @@ def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: 
         return 0
     if optimizer == "adamw-8bit":  # bitsandbytes dequantizes block by block, in place
         return 0
-    if impl == "foreach":
-        return n_params * pb
+    if impl == "foreach":  # the copy has the states' dtype (fp32 when they are fp32)
+        return n_params * (4 if precision in ("bf16-fp32-states", "fp16-fp32-master") else pb)
     if impl == "for-loop":
         return _for_loop_peak(spec) * pb
     raise ValueError(f"unknown optimizer implementation {impl!r}; choose from {', '.join(OPTIMIZER_IMPLS)}")
@@ -207,7 +212,7 @@ def _attention(spec: ModelSpec, *, attention: AttentionImpl, device: str, precis
         saved = [dataclasses.replace(q, kind="f32") for q in saved]
     if _math_path(spec, attention, device):
         # fp32, or autocast's fp32 softmax; pure bf16 keeps bf16 probabilities (except CPU SDPA)
-        soft = "f32" if precision != "bf16" or cpu_upcast else "half"
+        soft = "f32" if precision not in PURE_16BIT or cpu_upcast else "half"
         saved.append(Saved(name="softmax(QK^T)", width=1, kind=soft, per_score=True))
         if precision in ("bf16-mixed", "fp16-mixed") and device == "cuda":  # autocast: fp32 softmax, half copy
             saved.append(Saved(name="probs in half", width=1, kind="half", per_score=True))
