@@ -88,24 +88,30 @@ def test_released_version_leaks_nothing(lab, hidden, visible):
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
 
 
-def test_instructor_version_full_marks_and_cpu_run(tmp_path):
-    results = tmp_path / "lab01.json"
+def _run_instructor(lab, points, tmp_path):
+    """Execute the instructor version in CPU mode: full marks, no error in any cell, under 90 s.
+    Returns the results file it saved and the executed notebook."""
+    results = tmp_path / f"{lab}.json"
     executed = []
     t0 = time.perf_counter()
-    scores = tools.grade(tools.source_notebook(LAB), LAB, env={"VRAMLAB_RESULTS": str(results)}, executed=executed)
+    scores = tools.grade(tools.source_notebook(lab), lab, env={"VRAMLAB_RESULTS": str(results)}, executed=executed)
     elapsed = time.perf_counter() - t0
-    assert _total(scores) == (9, 9), scores
+    assert _total(scores) == (points, points), scores
     errors = [o for c in executed[0].cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, errors
-    assert elapsed < 90, f"lab 1 must run in CPU mode in under 90 s, took {elapsed:.0f} s"
-    saved = json.loads(results.read_text())
+    assert elapsed < 90, f"{lab} must run in CPU mode in under 90 s, took {elapsed:.0f} s"
+    return json.loads(results.read_text()), executed[0]
+
+
+def test_instructor_version_full_marks_and_cpu_run(tmp_path):
+    saved, executed = _run_instructor(LAB, 9, tmp_path)
     assert saved["mode"] == "trace" and "not a GPU measurement" in saved["note"]
     assert {"date", "torch", "platform"} <= set(saved["provenance"])
     train = [r for r in saved["rows"] if r["kind"] == "train"]
     assert len(train) == 3
     for r in train:  # the CPU run's own check: predicted within 5 % of the traced peak
         assert abs(r["predicted_total"] - r["measured_total"]) / r["measured_total"] < 0.05, r
-    out = "".join(o.get("text", "") for c in executed[0].cells for o in c.get("outputs", []))
+    out = "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
     assert "No GPU found" in out and "largest batch that fits" in out
 
 
@@ -117,16 +123,7 @@ def test_student_version_scores_zero(lab, points):
 
 
 def test_lab2_instructor_full_marks_and_cpu_run(tmp_path):
-    results = tmp_path / "lab02.json"
-    executed = []
-    t0 = time.perf_counter()
-    scores = tools.grade(tools.source_notebook("lab02_collectives"), "lab02_collectives",
-                         env={"VRAMLAB_RESULTS": str(results)}, executed=executed)
-    assert _total(scores) == (8, 8), scores
-    assert time.perf_counter() - t0 < 90
-    errors = [o for c in executed[0].cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
-    assert not errors, errors
-    saved = json.loads(results.read_text())
+    saved, _ = _run_instructor("lab02_collectives", 8, tmp_path)
     rows = saved["runs"]["gloo"]["rows"]
     assert saved["runs"]["gloo"]["ranks"] == 2 and len(rows) == 8 and all(r["time_us"] > 0 for r in rows)
     assert saved["fits"]["gloo"]["bandwidth_GBps"] > 0 and len(saved["fits"]["gloo"]["held_out_errors_pct"]) == 4
@@ -227,16 +224,7 @@ def test_real_nbgrader_generate_and_autograde(tmp_path):
 
 
 def test_lab5_instructor_full_marks_and_cpu_run(tmp_path):
-    results = tmp_path / "lab05.json"
-    executed = []
-    t0 = time.perf_counter()
-    scores = tools.grade(tools.source_notebook("lab05_mixed_precision"), "lab05_mixed_precision",
-                         env={"VRAMLAB_RESULTS": str(results)}, executed=executed)
-    assert _total(scores) == (7, 7), scores
-    assert time.perf_counter() - t0 < 90
-    errors = [o for c in executed[0].cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
-    assert not errors, errors
-    runs = json.loads(results.read_text())["runs"]
+    runs = _run_instructor("lab05_mixed_precision", 7, tmp_path)[0]["runs"]
     assert set(runs) == {"fp32", "fp16-amp+scaler", "fp16-amp, no scaler", "bf16-amp", "pure bf16"}
     for name, r in runs.items():
         assert r["losses"][-1] < r["losses"][0], name  # every recipe trains
