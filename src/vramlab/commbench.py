@@ -34,7 +34,7 @@ def default_sizes(lo: int = 1 << 10, hi: int = 16 << 20) -> list[int]:
     return sizes
 
 
-def _run_op(dist, torch, op: str, buf, out, n: int):
+def _run_op(dist, op: str, buf, out) -> None:
     if op == "all_reduce":
         dist.all_reduce(buf)
     elif op == "broadcast":
@@ -75,7 +75,7 @@ def _bench(rank: int, world: int, args) -> list[dict] | None:
         else:
             buf, out = torch.ones(count, device=dev), None
         for _ in range(args.warmup):
-            _run_op(dist, torch, args.op, buf, out, n)
+            _run_op(dist, args.op, buf, out)
         times = []
         for _ in range(args.runs):  # as nccl-tests: time `iters` back-to-back ops, divide; median of runs
             dist.barrier()
@@ -83,7 +83,7 @@ def _bench(rank: int, world: int, args) -> list[dict] | None:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(args.iters):
-                _run_op(dist, torch, args.op, buf, out, n)
+                _run_op(dist, args.op, buf, out)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             dt = torch.tensor([(time.perf_counter() - t0) / args.iters], dtype=torch.float64)

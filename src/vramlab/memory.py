@@ -92,11 +92,6 @@ def _dtype_bytes(precision: Precision, device: str) -> dict[str, int]:
     return {"x": x, "half": half, "f32": 4, "mask": 1 if device == "cuda" else half, "i64": 8}
 
 
-def nb_half(precision: Precision) -> int:
-    """Bytes of the compute dtype: 4 in fp32, 2 under AMP or pure bf16."""
-    return 4 if precision == "fp32" else 2
-
-
 def param_bytes(precision: Precision) -> int:
     """Bytes per parameter of the model as held in memory: PyTorch AMP keeps the model (the
     master weights) in fp32 and casts on the fly; pure bf16 holds bf16 weights."""
@@ -501,7 +496,8 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
         MemoryBreakdown(**base, activations=A - b * s * V * 4, temporaries=logits32, gradients=head_grad,
                         phase="LM head backward"),
     ]
-    loss_side = b * s * (V * 4 + e * nb_half(precision) + (8 if spec.is_causal_lm else 0))  # freed by now
+    half = _dtype_bytes(precision, device)["half"]
+    loss_side = b * s * (V * 4 + e * half + (8 if spec.is_causal_lm else 0))  # freed by now
     block_grads = spec.param_groups()["layers"] * pb // (spec.num_layers + spec.num_decoder_layers)
     if recompute == "full":  # a block is recomputed (all it saves, at once) while its gradient flows
         phases.append(MemoryBreakdown(**base, activations=act["layers"] + act["outside"] - loss_side + act["one_layer"],
