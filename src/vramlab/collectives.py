@@ -147,18 +147,30 @@ def alpha_beta_coefficients(op: Op, n: int) -> tuple[float, float]:
     return float(n - 1), 1.0
 
 
-def fit_alpha_beta(op: Op, n: int, sizes: Sequence[int], seconds: Sequence[float]) -> Link:
-    """Least-squares fit of the ring model t = c_a alpha + c_b S / B to measured (size, time) pairs.
-    Returns the fitted Link (bandwidth in GB/s, latency in us)."""
+def fit_alpha_beta(op: Op, n: int, sizes: Sequence[int], seconds: Sequence[float], *,
+                   error: Literal["relative", "absolute"] = "relative") -> Link:
+    """Fit the ring model t = c_a alpha + c_b S / B to measured (size, time) pairs; returns the fitted
+    Link (bandwidth in GB/s, latency in us).
+
+    error="relative" (default) minimises the sum of squared *relative* residuals ((model - t) / t)^2:
+    benchmark sizes span four or more orders of magnitude in time, and an ordinary (absolute) least-squares
+    line is decided by the largest sizes alone, which leaves the latency term - the whole story for small
+    messages - to their rounding errors. error="absolute" is the ordinary least-squares line."""
     if len(sizes) != len(seconds) or len(sizes) < 2:
         raise ValueError("need at least two (size, time) pairs of equal length")
+    if error not in ("relative", "absolute"):
+        raise ValueError(f"error must be 'relative' or 'absolute', not {error!r}")
+    if any(t <= 0 for t in seconds):
+        raise ValueError("measured times must be positive")
     ca, cb = alpha_beta_coefficients(op, n)
     xs, ys = [float(s) for s in sizes], [float(t) for t in seconds]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
+    ws = [1.0 / y ** 2 for y in ys] if error == "relative" else [1.0] * len(ys)
+    sw = sum(ws)
+    mx, my = sum(w * x for w, x in zip(ws, xs)) / sw, sum(w * y for w, y in zip(ws, ys)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
     if sxx == 0:
         raise ValueError("sizes must differ")
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx  # seconds per byte
+    slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / sxx  # seconds per byte
     intercept = my - slope * mx
     bandwidth = cb / slope if slope > 0 else float("inf")
     return Link(name="fitted", bandwidth_GBps=bandwidth / 1e9, latency_us=max(intercept, 0.0) / ca * 1e6)

@@ -5,9 +5,14 @@
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 -m vramlab.commbench --backend nccl
 
 Under torchrun (RANK/WORLD_SIZE set) it runs in place; otherwise it spawns --nproc local
-processes. Each size: warm-up operations, then --runs timed runs of --iters back-to-back operations
-(as nccl-tests times them); the reported time per operation is the median over runs of the slowest
-rank. Results (with provenance) go to --out as JSON. Imports torch.
+processes. After --warmup-s seconds of small all-reduces, the sizes take turns (--order
+interleaved): each visit runs --warmup untimed operations, then one timed run of --iters back-to-back
+operations, each operation timed on its own (host clock for gloo, CUDA events for NCCL) and the
+slowest rank's time kept; --runs rounds. Reported per size: nccl-tests' time (mean of a run's
+operations, median over runs; algbw and busbw use it), and the median and 90th percentile of
+all single operations, which is what a model of the typical operation should be fitted to on a
+machine with a scheduling tail. Results (with provenance and every operation's time) go to --out
+as JSON. Imports torch.
 """
 
 from __future__ import annotations
@@ -49,6 +54,51 @@ def _run_op(dist, op: str, buf, out) -> None:
         dist.all_to_all_single(out, buf)
 
 
+def _timed_run(torch, dist, args, buf, out, dev):
+    """Seconds taken by each of `iters` back-to-back operations on this rank (float64 tensor).
+    CPU (gloo): the calls block, so the host clock between calls times each one. CUDA: events
+    recorded between the operations on the stream time each one without synchronising in between."""
+    if dev.type == "cuda":
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(args.iters + 1)]
+        torch.cuda.synchronize()
+        ev[0].record()
+        for i in range(args.iters):
+            _run_op(dist, args.op, buf, out)
+            ev[i + 1].record()
+        torch.cuda.synchronize()
+        return torch.tensor([ev[i].elapsed_time(ev[i + 1]) * 1e-3 for i in range(args.iters)], dtype=torch.float64)
+    stamps = [time.perf_counter()]
+    for _ in range(args.iters):
+        _run_op(dist, args.op, buf, out)
+        stamps.append(time.perf_counter())
+    return torch.tensor([b - a for a, b in zip(stamps, stamps[1:])], dtype=torch.float64)
+
+
+def _warm_up(torch, dist, dev, seconds: float) -> int:
+    """Run small all-reduces for about `seconds` before anything is timed: the first hundreds of ms after
+    start-up are slower (connections, caches, idle CPUs waking). The ranks agree on when to stop by
+    all-reducing a 'keep going' flag - the warm-up operation itself - so they run the same count."""
+    flag, ops, t0 = torch.ones(1, device=dev), 0, time.perf_counter()
+    while True:
+        flag.fill_(1.0 if time.perf_counter() - t0 < seconds else 0.0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        ops += 1
+        if flag.item() == 0.0:
+            return ops
+
+
+def _buffers(torch, op: str, count: int, n: int, dev):
+    """(input, output) tensors of an op for a buffer of `count` float32 elements, as nccl-tests sizes them."""
+    if op == "all_gather":
+        return torch.ones(max(count // n, 1), device=dev), torch.empty(max(count // n, 1) * n, device=dev)
+    if op == "reduce_scatter":
+        return torch.ones(max(count // n, 1) * n, device=dev), torch.empty(max(count // n, 1), device=dev)
+    if op == "all_to_all":
+        c = max(count // n, 1) * n
+        return torch.ones(c, device=dev), torch.empty(c, device=dev)
+    return torch.ones(count, device=dev), None
+
+
 def _bench(rank: int, world: int, args) -> list[dict] | None:
     import torch
     import torch.distributed as dist
@@ -61,39 +111,38 @@ def _bench(rank: int, world: int, args) -> list[dict] | None:
             os.sched_setaffinity(0, {cores[rank]})
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    rows = []
-    for size in args.sizes:
-        count = size // 4  # float32 elements; nccl-tests' size convention per op (see collectives.py)
-        n = world
-        if args.op == "all_gather":
-            buf, out = torch.ones(max(count // n, 1), device=dev), torch.empty(max(count // n, 1) * n, device=dev)
-        elif args.op == "reduce_scatter":
-            buf, out = torch.ones(max(count // n, 1) * n, device=dev), torch.empty(max(count // n, 1), device=dev)
-        elif args.op == "all_to_all":
-            c = max(count // n, 1) * n
-            buf, out = torch.ones(c, device=dev), torch.empty(c, device=dev)
-        else:
-            buf, out = torch.ones(count, device=dev), None
+    n = world
+    bufs = [_buffers(torch, args.op, size // 4, n, dev) for size in args.sizes]  # float32; see collectives.py
+    _warm_up(torch, dist, dev, args.warmup_s)
+    means, per_op = [[] for _ in bufs], [[] for _ in bufs]
+    # interleaved (default): the sizes take turns, one timed run each per round, so that a slow spell of
+    # the machine is spread over all sizes instead of landing on whichever was being measured then.
+    # sequential: all runs of one size, then the next (as nccl-tests).
+    k = len(bufs)
+    visits = ([i for _ in range(args.runs) for i in range(k)] if args.order == "interleaved"
+              else [i for i in range(k) for _ in range(args.runs)])
+    for v, i in enumerate(visits):
+        buf, out = bufs[i]
         for _ in range(args.warmup):
             _run_op(dist, args.op, buf, out)
-        times = []
-        for _ in range(args.runs):  # as nccl-tests: time `iters` back-to-back ops, divide; median of runs
-            dist.barrier()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(args.iters):
-                _run_op(dist, args.op, buf, out)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            dt = torch.tensor([(time.perf_counter() - t0) / args.iters], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank decides
-            times.append(dt.item())
-        t = statistics.median(times)
+        dist.barrier()
+        dt = _timed_run(torch, dist, args, buf, out, dev).to(dev)  # NCCL reduces device tensors only
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # op by op, the slowest rank decides
+        dt = dt.cpu()
+        means[i].append(dt.mean().item())
+        per_op[i].extend(dt.tolist())
+        if rank == 0 and (v + 1) % k == 0:
+            print(f"# {v + 1}/{len(visits)} timed runs done", file=sys.stderr, flush=True)
+    rows = []
+    for (buf, out), m, ops in zip(bufs, means, per_op):
+        t = statistics.median(m)  # as nccl-tests: mean of `iters` back-to-back ops per run; median of runs
         nbytes = (out if args.op == "all_gather" else buf).numel() * 4
         rows.append({"size": nbytes, "count": nbytes // 4, "type": "float", "redop": "sum", "root": 0 if args.op in
-                     ("broadcast", "reduce") else -1, "time_us": t * 1e6, "min_time_us": min(times) * 1e6, "algbw_GBps": nbytes / t / 1e9,
-                     "busbw_GBps": nbytes / t / 1e9 * float(busbw_factor(args.op, n))})
+                     ("broadcast", "reduce") else -1, "time_us": t * 1e6, "min_time_us": min(m) * 1e6,
+                     "op_median_us": statistics.median(ops) * 1e6,
+                     "op_p90_us": sorted(ops)[int(0.9 * (len(ops) - 1))] * 1e6,
+                     "op_times_us": [round(x * 1e6, 2) for x in ops],
+                     "algbw_GBps": nbytes / t / 1e9, "busbw_GBps": nbytes / t / 1e9 * float(busbw_factor(args.op, n))})
     return rows if rank == 0 else None
 
 
@@ -113,15 +162,18 @@ def _worker(rank: int, world: int, args, port: int) -> None:
 
 def _report(rows: list[dict], args, world: int) -> None:
     print(f"# {NCCL_NAMES[args.op]} (vramlab.commbench): backend {args.backend}, {world} ranks")
-    print(f"#{'size':>12}{'count':>12}{'type':>7}{'redop':>7}{'root':>6}{'time':>10}{'algbw':>8}{'busbw':>8}")
-    print(f"#{'(B)':>12}{'(elements)':>12}{'':>7}{'':>7}{'':>6}{'(us)':>10}{'(GB/s)':>8}{'(GB/s)':>8}")
+    print(f"#{'size':>12}{'count':>12}{'type':>7}{'redop':>7}{'root':>6}{'time':>10}{'algbw':>8}{'busbw':>8}"
+          f"{'op median':>11}{'op p90':>9}")
+    print(f"#{'(B)':>12}{'(elements)':>12}{'':>7}{'':>7}{'':>6}{'(us)':>10}{'(GB/s)':>8}{'(GB/s)':>8}"
+          f"{'(us)':>11}{'(us)':>9}")
     for r in rows:
         print(f"{r['size']:>13}{r['count']:>12}{r['type']:>7}{r['redop']:>7}{r['root']:>6}{r['time_us']:>10.1f}"
-              f"{r['algbw_GBps']:>8.2f}{r['busbw_GBps']:>8.2f}")
+              f"{r['algbw_GBps']:>8.2f}{r['busbw_GBps']:>8.2f}{r['op_median_us']:>11.1f}{r['op_p90_us']:>9.1f}")
     if args.out:
         from .measure import provenance
 
-        out = {"op": args.op, "backend": args.backend, "ranks": world, "warmup": args.warmup, "iters": args.iters,
+        out = {"op": args.op, "backend": args.backend, "ranks": world, "warmup": args.warmup,
+               "warmup_s": args.warmup_s, "iters": args.iters, "order": args.order,
                "runs": args.runs,
                "command": " ".join(["python -m vramlab.commbench", *sys.argv[1:]]),
                "provenance": provenance("cuda" if args.backend == "nccl" else "cpu"), "rows": rows}
@@ -137,15 +189,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=2, help="local processes to spawn (ignored under torchrun)")
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=default_sizes(),
                    help="comma-separated sizes in bytes (default 1 KiB .. 16 MiB, x4)")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10, help="back-to-back operations per timed run")
+    p.add_argument("--warmup", type=int, default=3, help="untimed operations before each size")
+    p.add_argument("--warmup-s", type=float, default=0.5, help="seconds of small all-reduces before the first size")
+    p.add_argument("--iters", type=int, default=20, help="back-to-back operations per timed run")
     p.add_argument("--runs", type=int, default=5, help="timed runs per size (the median is reported)")
+    p.add_argument("--order", default="interleaved", choices=("interleaved", "sequential"),
+                   help="interleaved: sizes take turns run by run (default); sequential: one size after another")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--port", type=int, default=29511)
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin CPU ranks to cores")
     args = p.parse_args(argv)
     if args.nproc < 1 or any(s < 4 for s in args.sizes):
         p.error("--nproc must be >= 1 and sizes >= 4 bytes")
+    if args.iters < 1 or args.runs < 1 or args.warmup < 0 or args.warmup_s < 0:
+        p.error("--iters and --runs must be >= 1, --warmup and --warmup-s >= 0")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
         _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, args.port)
         return 0
