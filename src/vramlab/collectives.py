@@ -127,24 +127,20 @@ def collective_time(op: Op, n: int, size_bytes: int, lk: Link | str, *, algorith
         if op != "all_reduce":
             raise ValueError("the tree model covers all_reduce only")
         return 2 * math.ceil(math.log2(n)) * (a + S / B)
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) * (a + S / (n * B))
-    if op == "all_reduce":
-        return 2 * (n - 1) * (a + S / (n * B))
-    if op == "all_to_all":  # n-1 pairwise exchanges of S/n
-        return (n - 1) * (a + S / (n * B))
-    k = max(1, chunks)  # broadcast / reduce: pipelined chain
-    return (n - 2 + k) * (a + S / (k * B))
+    if op in ("broadcast", "reduce"):  # pipelined chain of k chunks
+        k = max(1, chunks)
+        return (n - 2 + k) * (a + S / (k * B))
+    ca, cb = alpha_beta_coefficients(op, n)  # all-to-all: n-1 pairwise exchanges of S/n
+    return ca * a + cb * S / B
 
 
 def alpha_beta_coefficients(op: Op, n: int) -> tuple[float, float]:
-    """(c_alpha, c_beta) with time = c_alpha * alpha + c_beta * S / B for the ring algorithm."""
+    """(c_alpha, c_beta) with time = c_alpha * alpha + c_beta * S / B for the ring algorithm (broadcast
+    and reduce: the chain in one chunk). c_alpha counts the steps: 2(n-1) for all-reduce, n-1 for the
+    rest; c_beta, the bytes each rank sends per byte of S, is nccl-tests' bus-bandwidth factor, which
+    is why busbw is comparable with a link's peak."""
     _check(op, n)
-    if op == "all_reduce":
-        return 2.0 * (n - 1), 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return float(n - 1), (n - 1) / n
-    return float(n - 1), 1.0
+    return (2.0 if op == "all_reduce" else 1.0) * (n - 1), float(busbw_factor(op, n))
 
 
 def fit_alpha_beta(op: Op, n: int, sizes: Sequence[int], seconds: Sequence[float], *,
@@ -184,10 +180,10 @@ def data_parallel_sync(n_params: int, n_workers: int, lk: Link | str, *, bytes_p
     the parameters, so the server's link carries 2 n Psi bytes and time grows with n."""
     lk = link(lk) if isinstance(lk, str) else lk
     S = n_params * bytes_per_grad
-    if scheme == "all_reduce":
-        return {"seconds": collective_time("all_reduce", n_workers, S, lk),
-                "bytes_per_worker": bytes_sent_per_rank("all_reduce", n_workers, S),
-                "bytes_busiest_link": bytes_sent_per_rank("all_reduce", n_workers, S)}
+    if scheme == "all_reduce":  # every worker's link is equally busy
+        sent = bytes_sent_per_rank("all_reduce", n_workers, S)
+        return {"seconds": collective_time("all_reduce", n_workers, S, lk), "bytes_per_worker": sent,
+                "bytes_busiest_link": sent}
     if scheme == "parameter_server":
         busiest = 2.0 * n_workers * S
         return {"seconds": 2 * lk.alpha_s + busiest / lk.bytes_per_s, "bytes_per_worker": 2.0 * S,

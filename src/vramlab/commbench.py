@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from .collectives import OPS, busbw_factor
+from . import collectives as C
+from .collectives import OPS
 
 NCCL_NAMES = {"all_reduce": "all_reduce_perf", "all_gather": "all_gather_perf", "reduce_scatter": "reduce_scatter_perf",
               "broadcast": "broadcast_perf", "reduce": "reduce_perf", "all_to_all": "alltoall_perf"}
@@ -74,17 +75,14 @@ def _timed_run(torch, dist, args, buf, out, dev):
     return torch.tensor([b - a for a, b in zip(stamps, stamps[1:])], dtype=torch.float64)
 
 
-def _warm_up(torch, dist, dev, seconds: float) -> int:
+def _warm_up(torch, dist, dev, seconds: float) -> None:
     """Run small all-reduces for about `seconds` before anything is timed: the first hundreds of ms after
     start-up are slower (connections, caches, idle CPUs waking). The ranks agree on when to stop by
     all-reducing a 'keep going' flag - the warm-up operation itself - so they run the same count."""
-    flag, ops, t0 = torch.ones(1, device=dev), 0, time.perf_counter()
-    while True:
+    flag, t0 = torch.ones(1, device=dev), time.perf_counter()
+    while flag.item() == 1.0:
         flag.fill_(1.0 if time.perf_counter() - t0 < seconds else 0.0)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        ops += 1
-        if flag.item() == 0.0:
-            return ops
 
 
 def _buffers(torch, op: str, count: int, n: int, dev):
@@ -114,7 +112,7 @@ def _bench(rank: int, world: int, args) -> list[dict] | None:
     n = world
     bufs = [_buffers(torch, args.op, size // 4, n, dev) for size in args.sizes]  # float32; see collectives.py
     _warm_up(torch, dist, dev, args.warmup_s)
-    means, per_op = [[] for _ in bufs], [[] for _ in bufs]
+    timed = [[] for _ in bufs]  # per size: the timed runs, each a list of its operations' seconds
     # interleaved (default): the sizes take turns, one timed run each per round, so that a slow spell of
     # the machine is spread over all sizes instead of landing on whichever was being measured then.
     # sequential: all runs of one size, then the next (as nccl-tests).
@@ -128,21 +126,21 @@ def _bench(rank: int, world: int, args) -> list[dict] | None:
         dist.barrier()
         dt = _timed_run(torch, dist, args, buf, out, dev).to(dev)  # NCCL reduces device tensors only
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # op by op, the slowest rank decides
-        dt = dt.cpu()
-        means[i].append(dt.mean().item())
-        per_op[i].extend(dt.tolist())
+        timed[i].append(dt.cpu().tolist())
         if rank == 0 and (v + 1) % k == 0:
             print(f"# {v + 1}/{len(visits)} timed runs done", file=sys.stderr, flush=True)
     rows = []
-    for (buf, out), m, ops in zip(bufs, means, per_op):
-        t = statistics.median(m)  # as nccl-tests: mean of `iters` back-to-back ops per run; median of runs
+    for (buf, out), runs in zip(bufs, timed):
+        m = [statistics.fmean(run) for run in runs]  # as nccl-tests: mean of a run's back-to-back ops
+        ops = [x for run in runs for x in run]
+        t = statistics.median(m)
         nbytes = (out if args.op == "all_gather" else buf).numel() * 4
         rows.append({"size": nbytes, "count": nbytes // 4, "type": "float", "redop": "sum", "root": 0 if args.op in
                      ("broadcast", "reduce") else -1, "time_us": t * 1e6, "min_time_us": min(m) * 1e6,
                      "op_median_us": statistics.median(ops) * 1e6,
                      "op_p90_us": sorted(ops)[int(0.9 * (len(ops) - 1))] * 1e6,
                      "op_times_us": [round(x * 1e6, 2) for x in ops],
-                     "algbw_GBps": nbytes / t / 1e9, "busbw_GBps": nbytes / t / 1e9 * float(busbw_factor(args.op, n))})
+                     "algbw_GBps": C.algbw(nbytes, t) / 1e9, "busbw_GBps": C.busbw(args.op, n, nbytes, t) / 1e9})
     return rows if rank == 0 else None
 
 
