@@ -27,7 +27,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from .memory import MemoryBreakdown, Optimizer, OptimizerImpl, Precision, Recompute
+from .memory import FP32_STATES, MemoryBreakdown, Optimizer, OptimizerImpl, Precision, Recompute
 from .models import Attention, build_model, make_batch
 from .specs import ModelSpec
 
@@ -253,7 +253,7 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     backward, optimizer.step(), zero_grad(set_to_none=True). Same arguments as
     `vramlab.estimate_training`, plus `mode` (auto = cuda if available, else trace).
     `model_hook` may change the model before the step (e.g. wrap it with PEFT)."""
-    if precision in ("bf16-fp32-states", "fp16-fp32-master"):
+    if precision in FP32_STATES:
         raise NotImplementedError(f"measuring precision {precision!r} needs an optimizer with fp32 states (or master "
                                   "weights) for 16-bit parameters, which torch.optim does not provide")
     mode_ = resolve_mode(mode)

@@ -26,6 +26,7 @@ PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "bf16
 # ("How to Scale Your Model": 10 B/param with fp32 moments only), and the ZeRO paper's recipe: fp16
 # weights and gradients with fp32 master weights, momentum and variance (2 + 2 + 12 = 16 B/param)
 PURE_16BIT: tuple[str, ...] = ("bf16", "bf16-fp32-states", "fp16-fp32-master")
+FP32_STATES: tuple[str, ...] = ("bf16-fp32-states", "fp16-fp32-master")  # 16-bit model, fp32 optimizer states
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit")
 OPTIMIZER_IMPLS: tuple[str, ...] = ("for-loop", "foreach", "fused")
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa")
@@ -98,12 +99,18 @@ def param_bytes(precision: Precision) -> int:
     return 2 if precision in PURE_16BIT else 4
 
 
+def state_bytes(precision: Precision) -> int:
+    """Bytes per element of the optimizer's states: fp32 where the recipe asks for it, otherwise the
+    parameters' dtype (torch.optim's behaviour)."""
+    return 4 if precision in FP32_STATES else param_bytes(precision)
+
+
 def optimizer_state_bytes(optimizer: Optimizer, n_params: int, precision: Precision) -> int:
     """Persistent optimizer state. PyTorch keeps Adam's m and v (and momentum) in the parameter's
     dtype: 8 B/param for fp32 params (ZeRO's K=12 counts fp32 master weights too, which AMP keeps
     as the model itself), 4 B/param for pure-bf16 params. 8-bit Adam (Dettmers+21, arXiv:2110.02861):
     1 byte each for m and v plus one fp32 scale per 2048-value block of each."""
-    sb = 4 if precision in ("bf16-fp32-states", "fp16-fp32-master") else param_bytes(precision)  # state dtype
+    sb = state_bytes(precision)
     master = 4 * n_params if precision == "fp16-fp32-master" else 0  # fp32 master weights (ZeRO's K includes them)
     if optimizer in ("adamw", "adam"):
         return 2 * n_params * sb + master
@@ -130,8 +137,8 @@ def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: 
         return 0
     if optimizer == "adamw-8bit":  # bitsandbytes dequantizes block by block, in place
         return 0
-    if impl == "foreach":  # the copy has the states' dtype (fp32 when they are fp32)
-        return n_params * (4 if precision in ("bf16-fp32-states", "fp16-fp32-master") else pb)
+    if impl == "foreach":  # the copy has the states' dtype
+        return n_params * state_bytes(precision)
     if impl == "for-loop":
         return _for_loop_peak(spec) * pb
     raise ValueError(f"unknown optimizer implementation {impl!r}; choose from {', '.join(OPTIMIZER_IMPLS)}")
@@ -437,8 +444,8 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
                     optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
                     attention: AttentionImpl = "sdpa", recompute: Recompute = "none",
                     device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None) -> list[MemoryBreakdown]:
-    """Memory at each candidate peak of one steady-state training step, in step order (`.phase`
-    names each); `estimate_training` returns the largest. Peak memory of one steady-state training step, in bytes, with the breakdown at the peak.
+    """Memory, in bytes, at each candidate peak of one steady-state training step, in step order
+    (`.phase` names each); `estimate_training` returns the largest.
 
     batch_size  # sequences per step (micro-batch)
     seq_len     # tokens per sequence (T5: encoder and decoder each)
