@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -98,8 +99,6 @@ def grade(submission: nbformat.NotebookNode, lab: str, *, timeout: int = 600, en
         if gid in src and not src[gid].metadata["nbgrader"].get("solution"):
             cell.source = src[gid].source
             cell.metadata = copy.deepcopy(src[gid].metadata)
-    import os
-
     old_env = dict(os.environ)
     os.environ.update(env or {})
     try:
@@ -125,6 +124,11 @@ def grade(submission: nbformat.NotebookNode, lab: str, *, timeout: int = 600, en
     return scores
 
 
+def total(scores: dict) -> tuple[int, int]:
+    """(points earned, points possible) of a `grade` result."""
+    return sum(s[0] for s in scores.values()), sum(s[1] for s in scores.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -146,8 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         out = LABS / "results" / f"{args.lab}.json"
         scores = grade(source_notebook(args.lab), args.lab, env={
             "VRAMLAB_RESULTS": str(out), "VRAMLAB_COMMAND": f"python labs/tools.py record {args.lab}"})
-        print(f"wrote {out.relative_to(LABS.parent)}; instructor score "
-              f"{sum(v[0] for v in scores.values())}/{sum(v[1] for v in scores.values())}")
+        print(f"wrote {out.relative_to(LABS.parent)}; instructor score {'/'.join(map(str, total(scores)))}")
     elif args.cmd == "check":
         import tempfile
 
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         scores = grade(nbformat.read(args.notebook, as_version=4), lab)
         for gid, (got, possible, err) in scores.items():
             print(f"{gid:12s}{got:>3}/{possible}  {err or 'ok'}")
-        print(f"total {sum(s[0] for s in scores.values())}/{sum(s[1] for s in scores.values())}")
+        print(f"total {'/'.join(map(str, total(scores)))}")
     return 0
 
 

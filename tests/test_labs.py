@@ -22,7 +22,6 @@ tools = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tools)
 
 LAB = "lab01_where_memory_goes"
-RELEASED = ROOT / "labs" / "release" / LAB / f"{LAB}.ipynb"
 LABS = tools.labs()
 
 
@@ -43,10 +42,6 @@ def _solution_lines(nb):
             if "BEGIN SOLUTION" in line:
                 inside = True
     return lines
-
-
-def _total(scores):
-    return sum(s[0] for s in scores.values()), sum(s[1] for s in scores.values())
 
 
 def _exercises_only(nb):
@@ -96,7 +91,7 @@ def _run_instructor(lab, points, tmp_path):
     t0 = time.perf_counter()
     scores = tools.grade(tools.source_notebook(lab), lab, env={"VRAMLAB_RESULTS": str(results)}, executed=executed)
     elapsed = time.perf_counter() - t0
-    assert _total(scores) == (points, points), scores
+    assert tools.total(scores) == (points, points), scores
     errors = [o for c in executed[0].cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, errors
     assert elapsed < 90, f"{lab} must run in CPU mode in under 90 s, took {elapsed:.0f} s"
@@ -118,7 +113,7 @@ def test_instructor_version_full_marks_and_cpu_run(tmp_path):
 @pytest.mark.parametrize("lab, points", [(LAB, 9), ("lab02_collectives", 8), ("lab05_mixed_precision", 7)])
 def test_student_version_scores_zero(lab, points):
     scores = tools.grade(_exercises_only(nbformat.read(released(lab), as_version=4)), lab)
-    assert _total(scores) == (0, points), scores
+    assert tools.total(scores) == (0, points), scores
     assert all("NotImplementedError" in s[2] for s in scores.values())
 
 
@@ -202,11 +197,11 @@ def test_wrong_answers_lose_their_points():
     assert "tie" in scores["ex1-test"][2]  # the feedback explains the mistake
     # a wrong answer that passes the visible test still fails the hidden ones
     scores = tools.grade(_with_solution(base, "ex2-solution", WRONG_EX2), LAB)
-    assert scores["ex2-test"][0] == 0 and _total(scores) == (6, 9)
+    assert scores["ex2-test"][0] == 0 and tools.total(scores) == (6, 9)
 
 
 def test_tampered_tests_are_restored():
-    nb = _with_solution(nbformat.read(RELEASED, as_version=4), "ex1-test", "pass  # the student deleted the test")
+    nb = _with_solution(nbformat.read(released(LAB), as_version=4), "ex1-test", "pass  # the student deleted the test")
     scores = tools.grade(_exercises_only(nb), LAB)
     assert scores["ex1-test"][0] == 0
 
@@ -269,5 +264,5 @@ WRONG_SCALER = '''class LossScaler:
 def test_lab5_wrong_scaler_loses_its_points():
     base = _exercises_only(tools.source_notebook("lab05_mixed_precision"))
     scores = tools.grade(_with_solution(base, "ex3-solution", WRONG_SCALER), "lab05_mixed_precision")
-    assert scores["ex3-test"][0] == 0 and _total(scores) == (4, 7)
+    assert scores["ex3-test"][0] == 0 and tools.total(scores) == (4, 7)
     assert "GradScaler" in scores["ex3-test"][2]
