@@ -104,3 +104,19 @@ def test_recipes():
     assert P.RECIPES["pure-bf16-fp32-states"].total == 12 and P.RECIPES["pure-bf16"].total == 8
     with pytest.raises(ValueError):
         P.fmt("fp4")
+
+
+@pytest.mark.parametrize("recipe, precision", [
+    ("fp32", "fp32"), ("amp-fp16", "fp16-mixed"), ("amp-bf16", "bf16-mixed"), ("pure-bf16", "bf16"),
+    ("pure-bf16-fp32-states", "bf16-fp32-states"), ("zero-paper", "fp16-fp32-master")])
+def test_recipe_ledgers_agree_with_the_estimator(recipe, precision):
+    """Chapter 5's ledger (precision.RECIPES) and chapter 1's (memory.model_states) are typed separately:
+    they must give the same model-state bytes per parameter."""
+    from vramlab.memory import model_states
+    from vramlab.specs import preset
+
+    spec = preset("gpt2")
+    st = model_states(spec, precision=precision, optimizer="adamw")
+    r = P.RECIPES[recipe]
+    assert (st.parameters, st.gradients, st.optimizer_states) == (
+        r.weights * spec.params, r.gradients * spec.params, (r.master_weights + r.optimizer_states) * spec.params)
