@@ -7,6 +7,10 @@ and compares the measured peak with `estimate_training`:
     python benchmarks/estimator_accuracy.py                  # trace mode on the CPU (FakeTensorMode)
     python benchmarks/estimator_accuracy.py --mode cuda      # a real GPU: torch.cuda.max_memory_allocated()
     python benchmarks/estimator_accuracy.py --subset ci      # the quick cases the tests assert
+    python benchmarks/estimator_accuracy.py --report         # stored CPU-trace and GPU results side by side
+
+On CUDA every case runs in its own process (`vramlab.measure.measure_isolated`): nothing of one
+case can count in the next.
 
 Trace and CPU runs execute CPU kernels, so the estimate is asked for device="cpu" (full-width
 dropout masks, math-path SDPA under dropout, CPU autocast); on CUDA it is asked for device="cuda".
@@ -83,13 +87,18 @@ def case_name(name: str, over: dict, opts: dict) -> str:
 
 
 def run_case(name: str, over: dict, opts: dict, *, mode: str) -> dict:
-    from vramlab.measure import measure_training
+    from vramlab.measure import measure_isolated, measure_training
 
     spec = dataclasses.replace(preset(name), **over)
     est = estimate_training(spec, device="cuda" if mode == "cuda" else "cpu", **opts)
     t0 = time.perf_counter()
-    m = measure_training(spec, mode=mode, **opts)
-    measured = m.peak_allocated if mode == "cuda" else m.total
+    if mode == "cuda":  # one case per process
+        m = measure_isolated("training", spec, mode="cuda", **opts)
+        if m is None:
+            raise RuntimeError(f"{case_name(name, over, opts)} ran out of GPU memory")
+    else:
+        m = measure_training(spec, mode=mode, **opts)
+    measured = m.headline
     return {
         "case": case_name(name, over, opts), "model": name, "overrides": over, "options": opts,
         "precision": opts.get("precision", "fp32"), "params": spec.params,
@@ -97,7 +106,72 @@ def run_case(name: str, over: dict, opts: dict, *, mode: str) -> dict:
         "peak_reserved_bytes": m.peak_reserved, "device_in_use_bytes": m.device_in_use,
         "error_pct": 100.0 * (est.total - measured) / measured, "estimated_phase": est.phase,
         "estimated": est.to_dict(), "measured": m.breakdown.to_dict(), "seconds": round(time.perf_counter() - t0, 2),
+        "step_seconds": m.seconds if mode == "cuda" else None,
     }
+
+
+_DEFAULTS = {"precision": "fp32", "recompute": "none", "attention": "sdpa"}
+
+
+def case_key(case: str) -> str:
+    """A case name in a canonical form: 'gpt2 b=8 s=512 fp32 recompute=full attention=sdpa' (the
+    H100 presets' spelling) and 'gpt2 b=8 s=512 recompute=full' (CASES') give the same key."""
+    head, *rest = case.split()
+    opts = {}
+    for tok in rest:
+        k, _, v = tok.partition("=")
+        if not v:
+            k, v = "precision", k
+        opts[k] = v
+    return " ".join([head] + [f"{k}={v}" for k, v in sorted(opts.items()) if _DEFAULTS.get(k) != v])
+
+
+def side_by_side(root: Path = Path(__file__).resolve().parent / "results") -> list[dict]:
+    """Every case with today's estimate next to its stored measurements: the CPU trace (device="cpu"
+    estimate) and the GPU (device="cuda" estimate against max_memory_allocated): a campaign's
+    estimator_accuracy_cuda.json where it exists, else the H100 regression set in results/h100/."""
+    trace = {case_key(r["case"]): r for r in json.loads((root / "estimator_accuracy_trace.json").read_text())["cases"]}
+    cuda_file = root / "estimator_accuracy_cuda.json"
+    if cuda_file.exists():
+        data = json.loads(cuda_file.read_text())
+        gpu_name = data["provenance"].get("gpu", "GPU")
+        gpu_rows = {case_key(r["case"]): r["measured_bytes"] for r in data["cases"]}
+    else:
+        gpu_name = "NVIDIA H100 80GB HBM3 (benchmarks/results/h100)"
+        gpu_rows = {}
+        for f in ("benchmark_cases_h100.jsonl", "presets_train_h100.jsonl"):
+            for line in (root / "h100" / f).read_text().splitlines():
+                r = json.loads(line)
+                if not r.get("alloc_conf"):
+                    gpu_rows.setdefault(case_key(r["case"]), r["peak_allocated"])
+    out = []
+    for name, over, opts in CASES:
+        key = case_key(case_name(name, over, opts))
+        spec = dataclasses.replace(preset(name), **over)
+        row = {"case": case_name(name, over, opts), "gpu": gpu_name}
+        if key in trace:
+            est = estimate_training(spec, device="cpu", **opts).total
+            row.update(trace_bytes=trace[key]["measured_bytes"], trace_estimate=est,
+                       trace_error_pct=100 * (est - trace[key]["measured_bytes"]) / trace[key]["measured_bytes"])
+        if key in gpu_rows:
+            est = estimate_training(spec, device="cuda", **opts).total
+            row.update(gpu_bytes=gpu_rows[key], gpu_estimate=est,
+                       gpu_error_pct=100 * (est - gpu_rows[key]) / gpu_rows[key])
+        out.append(row)
+    return out
+
+
+def print_report(rows: list[dict]) -> None:
+    def cell(r, k):
+        return f"{fmt_bytes(r[k + '_bytes']):>11}{r[k + '_error_pct']:>+8.2f}%" if k + "_bytes" in r else f"{'—':>11}{'':>9}"
+
+    print(f"estimate vs measured peak; GPU: {rows[0]['gpu']}")
+    print(f"{'case':<60}{'CPU trace':>11}{'error':>9}{'GPU alloc':>11}{'error':>9}")
+    for r in rows:
+        print(f"{r['case']:<60}{cell(r, 'trace')}{cell(r, 'gpu')}")
+    for k, what in (("trace", "CPU trace"), ("gpu", "GPU")):
+        errs = [abs(r[k + "_error_pct"]) for r in rows if k + "_error_pct" in r]
+        print(f"{what}: {len(errs)} cases, median |error| {statistics.median(errs):.2f} %, max {max(errs):.2f} %")
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -116,7 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=("trace", "cpu", "cuda"), default="trace")
     p.add_argument("--subset", choices=("all", "ci"), default="all")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/estimator_accuracy_<mode>.json")
+    p.add_argument("--report", action="store_true", help="print the stored CPU-trace and GPU results side by side")
     args = p.parse_args(argv)
+    if args.report:
+        print_report(side_by_side())
+        return 0
+    if args.mode == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("estimator_accuracy: --mode cuda needs a CUDA GPU (try --report for the stored results)", file=sys.stderr)
+            return 2
     args.out = args.out or Path(f"benchmarks/results/estimator_accuracy_{args.mode}.json")
     cases = [CASES[i] for i in CI_SUBSET] if args.subset == "ci" else CASES
     rows = []

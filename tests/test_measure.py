@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from vramlab import estimate_training, preset  # noqa: E402
-from vramlab.measure import measure_inference, measure_training  # noqa: E402
+from vramlab.measure import measure_inference, measure_isolated, measure_training  # noqa: E402
 from vramlab.models import build_model  # noqa: E402
 
 TINY = dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=4, head_dim=32, intermediate_size=512)
@@ -85,3 +85,157 @@ def test_cuda_mode_needs_a_gpu():
         pytest.skip("a GPU is present")
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         measure_training(tiny(), batch_size=1, seq_len=8, mode="cuda")
+
+
+# ----------------------------------------------------------------------------- nothing leaks
+
+def test_a_measurement_leaves_nothing_alive_and_repeats_exactly():
+    """After measure_training returns, its model, optimizer, batch and tracker are gone (a weak
+    reference to the model dies), and repeated measurements read the same peak: nothing of one
+    measurement can count in the next."""
+    import gc
+    import weakref
+
+    spec = tiny()
+    refs = []
+
+    def remember(model):
+        refs.append(weakref.ref(model))
+        return model
+
+    peaks = [measure_training(spec, batch_size=2, seq_len=32, mode="cpu", model_hook=remember).total for _ in range(3)]
+    gc.collect()
+    assert len(refs) == 3 and all(r() is None for r in refs), "a measured model is still referenced"
+    assert peaks[0] == peaks[1] == peaks[2]
+    inf = [measure_inference(spec, batch_size=2, seq_len=32, mode="cpu").total for _ in range(2)]
+    assert inf[0] == inf[1]
+
+
+def test_warmup_steps_do_not_count_in_the_measured_peak():
+    """Warm-up steps run before the tracked step: the peak is one step's, however many came first."""
+    spec = tiny()
+    one = measure_training(spec, batch_size=2, seq_len=32, mode="cpu", warmup_steps=0)
+    three = measure_training(spec, batch_size=2, seq_len=32, mode="cpu", warmup_steps=3, timing_steps=2)
+    assert one.total == three.total
+    assert len(three.step_seconds) == 2 and three.seconds == sum(three.step_seconds) / 2  # the median of two
+
+
+def test_measure_isolated_runs_in_a_fresh_process_and_round_trips():
+    spec = tiny()
+    here = measure_training(spec, batch_size=2, seq_len=32, mode="cpu")
+    there = measure_isolated("training", spec, batch_size=2, seq_len=32, mode="cpu")
+    assert there is not None and there.total == here.total
+    assert there.breakdown.to_dict() == here.breakdown.to_dict()
+    assert there.provenance["torch"] == torch.__version__
+
+
+def test_measure_isolated_reports_errors_in_one_line():
+    with pytest.raises(RuntimeError, match="failed: .*batch_size"):
+        measure_isolated("training", tiny(), batch_size="two", seq_len=32, mode="cpu")
+    with pytest.raises(ValueError, match="kind must be"):
+        measure_isolated("training-step", tiny(), batch_size=2, seq_len=32)
+
+
+def test_recompute_full_works_with_either_transformers_api():
+    """transformers 5.17 (the GPU image) has only gradient_checkpointing_enable."""
+    from vramlab.measure import _enable_checkpointing
+
+    calls = []
+
+    class Old:
+        def gradient_checkpointing_enable(self, **kw):
+            calls.append(("old", kw))
+
+    class New(Old):
+        def activation_checkpointing_enable(self, **kw):
+            calls.append(("new", kw))
+
+    _enable_checkpointing(Old())
+    _enable_checkpointing(New())
+    assert [c[0] for c in calls] == ["old", "new"]
+    full = measure_training(tiny(), batch_size=4, seq_len=64, mode="cpu", recompute="full")
+    none = measure_training(tiny(), batch_size=4, seq_len=64, mode="cpu")
+    assert full.breakdown.activations < none.breakdown.activations
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_measurement_releases_everything():
+    """On a GPU: after a measurement the allocator holds what it held before (plus cuBLAS
+    workspaces, which live for the process), and a second measurement reads the same peak."""
+    spec = tiny()
+    torch.ones(1, device="cuda") @ torch.ones(1, 1, device="cuda")
+    first = measure_training(spec, batch_size=2, seq_len=64, mode="cuda")
+    import gc
+
+    gc.collect()
+    after = torch.cuda.memory_allocated()
+    second = measure_training(spec, batch_size=2, seq_len=64, mode="cuda")
+    gc.collect()
+    assert torch.cuda.memory_allocated() == after
+    assert second.peak_allocated == first.peak_allocated
+    iso = measure_isolated("training", spec, batch_size=2, seq_len=64, mode="cuda")
+    assert abs(iso.peak_allocated - first.peak_allocated) <= 64 << 20  # the workspaces differ at most
+
+
+# ----------------------------------------------------------------------------- fp16 flushing (lab 5)
+
+def test_flushed_fraction_agrees_with_doing_the_cast():
+    """A gradient below half of fp16's smallest subnormal (2^-25) counts, one above does not."""
+    from vramlab.amp import flushed_fraction
+
+    tiny16 = torch.finfo(torch.float16).smallest_normal * 2.0**-10  # 2^-24, the smallest subnormal
+    reference = torch.tensor([tiny16 * 0.4, tiny16 * 0.6, 1e-6, 0.0, 1e-3, -tiny16 * 0.3])
+    cast = reference.half().float()  # what an fp16 backward would hold
+    assert cast.tolist()[:2] == [0.0, tiny16] and cast[2] != 0
+    assert flushed_fraction([cast], [reference]) == 2 / 5  # 0.4 and -0.3 of the subnormal flush; 0.6 rounds up
+    assert flushed_fraction([reference], [reference]) == 0.0
+    assert flushed_fraction([None], [reference]) == 1.0
+
+
+def test_fp16_backward_flushes_logit_gradients_of_a_large_vocabulary():
+    """A mean loss over b*s tokens makes each logit's gradient ~ 1/(V b s): with GPT-2's vocabulary
+    and 1024 tokens that is below 2^-25, so an unscaled fp16 backward loses updates (the embedding
+    rows that no target touches); a scale of 2^16 keeps them."""
+    from vramlab.amp import fp16_flushed_fraction
+    from vramlab.models import make_batch
+
+    spec = tiny(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2, head_dim=16, intermediate_size=64)
+    model = build_model(spec)
+    lost = fp16_flushed_fraction(model, make_batch(spec, batch_size=4, seq_len=256))
+    assert lost > 0.05
+    assert all(p.grad is None for p in model.parameters())
+    small_vocab = dataclasses.replace(spec, vocab_size=256)
+    assert fp16_flushed_fraction(build_model(small_vocab), make_batch(small_vocab, batch_size=1, seq_len=16)) < lost
+
+
+def test_generate_measurement_runs_for_decoders_and_t5():
+    """new_tokens: generate() with the cache growing to prompt + new tokens (no early stop)."""
+    spec = tiny("llama-3.2-1b", num_kv_heads=2, vocab_size=1000)
+    gen = measure_inference(spec, batch_size=2, seq_len=32, precision="fp32", mode="cpu", new_tokens=8)
+    assert gen.breakdown.parameters == 4 * spec.params and gen.total > gen.breakdown.parameters
+    t5 = dataclasses.replace(preset("t5-small"), num_layers=1, num_decoder_layers=1, hidden_size=64, num_heads=2,
+                             num_kv_heads=2, head_dim=32, intermediate_size=128, vocab_size=500)
+    assert measure_inference(t5, batch_size=1, seq_len=16, precision="fp32", mode="cpu", new_tokens=4).total > 0
+
+
+def test_kernelless_lab_runner_matches_jupytext_and_runs_lab1(tmp_path):
+    """The GPU campaign runs labs without Jupyter (the GPU image has no Jupyter stack): its cells
+    are jupytext's, and lab 1 runs end to end from them and saves its results."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    labs = Path(__file__).resolve().parents[1] / "labs"
+    mods = {}
+    for name in ("kernelless", "tools"):
+        s = importlib.util.spec_from_file_location(name, labs / f"{name}.py")
+        mods[name] = importlib.util.module_from_spec(s)
+        s.loader.exec_module(mods[name])
+    kl, tools = mods["kernelless"], mods["tools"]
+    for lab in tools.labs():
+        assert kl.code_cells(lab) == [c.source for c in tools.source_notebook(lab).cells if c.cell_type == "code"]
+    out = tmp_path / "lab01.json"
+    kl.run("lab01_where_memory_goes", results=out)
+    saved = json.loads(out.read_text())
+    assert saved["mode"] == "trace" and saved["command"] == "python labs/kernelless.py lab01_where_memory_goes"
+    assert {r["kind"] for r in saved["rows"]} == {"train", "prefill", "max_batch"}

@@ -29,10 +29,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="vramlab", description="Where GPU memory goes: estimate training and inference memory.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    est = sub.add_parser("estimate", help="estimate the peak memory of a training step or an inference prefill")
+    est = sub.add_parser("estimate", help="estimate the peak memory of a training step, an inference prefill or generate()")
     est.add_argument("mode", choices=("train", "infer"))
     src = est.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help=f"a preset: {', '.join(specs.preset_names())}")
@@ -46,7 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--attention", default="sdpa", choices=memory.ATTENTIONS)
     est.add_argument("--recompute", default="none", choices=memory.RECOMPUTES)
     est.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="whose kernels run (default cuda)")
-    est.add_argument("--gpu", help=f"check the fit on: {', '.join(specs.GPUS)}")
+    est.add_argument("--new-tokens", type=_non_negative_int, default=None,
+                     help="infer: model.generate() with this many new tokens (default: one prefill, all logits)")
+    est.add_argument("--gpu", help=f"check the fit on: {', '.join(specs.GPUS)} (shows the reserve it assumes)")
+    est.add_argument("--expandable-segments", action="store_true",
+                     help="with --gpu: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)")
     est.add_argument("--json", action="store_true", help="print one JSON object")
     sub.add_parser("presets", help="list the built-in models")
     sub.add_parser("gpus", help="list the GPU catalogue")
@@ -56,22 +70,37 @@ def build_parser() -> argparse.ArgumentParser:
 def _estimate(args: argparse.Namespace) -> int:
     spec = specs.preset(args.model) if args.model else specs.from_config(args.hf_config)
     gpu = specs.gpu(args.gpu) if args.gpu else None
+    if gpu and args.device != "cuda":
+        raise ValueError("--gpu checks the fit on a GPU: leave --device at cuda")
+    if args.expandable_segments and not gpu:
+        raise ValueError("--expandable-segments changes the fit on a GPU: give --gpu too")
     if args.mode == "train":
+        if args.new_tokens is not None:
+            raise ValueError("--new-tokens is for 'estimate infer' (generation)")
         options = dict(seq_len=args.seq_len, precision=args.precision or "fp32", optimizer=args.optimizer,
                        optimizer_impl=args.optimizer_impl, attention=args.attention, recompute=args.recompute,
                        device=args.device)
-        est = memory.estimate_training(spec, batch_size=args.batch_size, **options)
+        est = memory.estimate_training(spec, batch_size=args.batch_size, gpu=gpu, **options)
     else:
-        options = dict(seq_len=args.seq_len, dtype=args.precision or "bf16", attention=args.attention)
-        est = memory.estimate_inference(spec, batch_size=args.batch_size, **options)
-    verdict = memory.fit(spec, gpu, batch_size=args.batch_size, mode=args.mode, **options) if gpu else None
+        options = dict(seq_len=args.seq_len, dtype=args.precision or "bf16", attention=args.attention,
+                       new_tokens=args.new_tokens, device=args.device)
+        est = memory.estimate_inference(spec, batch_size=args.batch_size, gpu=gpu, **options)
+    verdict = None
+    if gpu:
+        fit_options = {k: v for k, v in options.items() if k != "device"}
+        verdict = memory.fit(spec, gpu, batch_size=args.batch_size, mode=args.mode,
+                             expandable_segments=args.expandable_segments, **fit_options)
     if args.json:
         out = {"model": spec.name, "model_type": spec.model_type, "mode": args.mode, "params": spec.params,
                "batch_size": args.batch_size, "seq_len": args.seq_len, "options": options,
                "total_bytes": est.total, "breakdown": est.to_dict(), "peak_phase": est.phase}
         if verdict:
-            out["gpu"] = {"name": verdict.gpu.name, "memory_bytes": verdict.available, "fits": verdict.fits,
+            out["gpu"] = {"name": verdict.gpu.name, "usable_bytes": verdict.available, "fits": verdict.fits,
                           "needed_bytes": verdict.needed, "reserve_bytes": verdict.reserve,
+                          "reserve": {"estimate_margin_bytes": verdict.margin,
+                                      "fragmentation_bytes": verdict.fragmentation,
+                                      "cuda_context_bytes": verdict.context},
+                          "expandable_segments": verdict.expandable_segments,
                           "max_batch_size": verdict.max_batch_size}
         print(json.dumps(out, indent=2))
         return 0
@@ -79,6 +108,7 @@ def _estimate(args: argparse.Namespace) -> int:
     print(est.table())
     if verdict:
         print(verdict)
+        print(verdict.explain())
     return 0
 
 

@@ -19,15 +19,22 @@ is not run under trace (its `found_inf` check needs real values; it holds a few 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as _dt
+import gc
+import json
+import os
 import platform
+import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 import torch
 
-from .memory import FP32_STATES, MemoryBreakdown, Optimizer, OptimizerImpl, Precision, Recompute
+from .memory import FP32_STATES, MemoryBreakdown, Optimizer, OptimizerImpl, Precision, Recompute, _check_positive
 from .models import Attention, build_model, make_batch
 from .specs import ModelSpec
 
@@ -46,11 +53,29 @@ class Measurement:
     peak_allocated: int | None = None  # torch.cuda.max_memory_allocated(): live tensors, rounded
     peak_reserved: int | None = None  # torch.cuda.max_memory_reserved(): the caching allocator's pool
     device_in_use: int | None = None  # total - free from cudaMemGetInfo: + CUDA context, cuBLAS, NCCL
+    step_seconds: tuple[float, ...] = ()  # timed steps after the measured one (CUDA: synchronised)
     provenance: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
         return self.breakdown.total
+
+    @property
+    def headline(self) -> int:
+        """The number an estimate is compared with: the allocator's peak on CUDA, else the tracked peak."""
+        return self.peak_allocated if self.peak_allocated is not None else self.total
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "breakdown"}
+        d["step_seconds"] = list(self.step_seconds)
+        d["breakdown"] = {**self.breakdown.to_dict(), "label": self.breakdown.label}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Measurement":
+        bd = dict(d["breakdown"])
+        d = {**d, "breakdown": MemoryBreakdown(**bd), "step_seconds": tuple(d.get("step_seconds", ()))}
+        return cls(**d)
 
 
 def provenance(device: str | None = None) -> dict[str, Any]:
@@ -150,37 +175,57 @@ def _to_breakdown(snap: dict[str, int], *, opt_state_bytes: int, label: str) -> 
 
 
 def measure(step: Callable[[], Any], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-            inputs: Any = (), label: str = "measured", mode: str = "cpu") -> Measurement:
-    """Run `step()` once and return its peak memory by category.
+            inputs: Any = (), label: str = "measured", mode: str = "cpu", warmup_steps: int = 0,
+            timing_steps: int = 0) -> Measurement:
+    """Run `step()` and return its peak memory by category.
 
     `model`, `optimizer` and `inputs` must already exist (they are what is resident before the
-    step: parameters, optimizer states, the batch). `mode` only labels the result and, on "cuda",
-    adds the allocator's and device's peaks; build the objects on the device (or under
-    FakeTensorMode for "trace") yourself, or use `measure_training` / `measure_inference`.
+    step: parameters, optimizer states, the batch). `warmup_steps` run first, unmeasured (cuBLAS
+    handles and workspaces, autotuning, lazy state: the steady state), then one step is measured;
+    `timing_steps` more are timed (synchronised on CUDA) and `seconds` is their median. `mode` only
+    labels the result and, on "cuda", adds the allocator's and device's peaks, the allocator's
+    `max_memory_allocated` being the headline. Build the objects on the device (or under
+    FakeTensorMode for "trace") yourself, or use `measure_training` / `measure_inference`; for a
+    number nothing else can leak into, run them with `measure_isolated` (a fresh process).
     """
+    cuda = mode == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(warmup_steps):
+        step()
+    dev = str(next(model.parameters()).device) if cuda else "cpu"
     tracker = _tracker()
     tracker.track_external(model, *([optimizer] if optimizer is not None else []), *_tensors(inputs))
     _ignore_frozen(tracker, model)
-    dev = "cpu"
-    if mode == "cuda":
-        dev = str(next(model.parameters()).device)
-        torch.cuda.synchronize()
+    if cuda:
+        gc.collect()  # garbage from the warm-up (reference cycles) must not count in this step's peak
+        sync()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     with tracker:
         step()
+    sync()
     seconds = time.perf_counter() - t0
+    extra: dict[str, Any] = {}
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        extra = dict(peak_allocated=torch.cuda.max_memory_allocated(), peak_reserved=torch.cuda.max_memory_reserved(),
+                     device_in_use=total - free)
     snaps = tracker.get_tracker_snapshot("peak")
     snap = next(iter(snaps.values())) if snaps else {}
     snap = {str(k.value if hasattr(k, "value") else k): v for k, v in snap.items()}
     bd = _to_breakdown(snap, opt_state_bytes=_state_bytes(optimizer), label=label)
-    extra: dict[str, Any] = {}
-    if mode == "cuda":
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        extra = dict(peak_allocated=torch.cuda.max_memory_allocated(), peak_reserved=torch.cuda.max_memory_reserved(),
-                     device_in_use=total - free)
-    return Measurement(breakdown=bd, mode=mode, device=dev, seconds=seconds, provenance=provenance(dev), **extra)
+    del tracker
+    times = []
+    for _ in range(timing_steps):
+        sync()
+        t = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t)
+    if times:
+        seconds = statistics.median(times)
+    return Measurement(breakdown=bd, mode=mode, device=dev, seconds=seconds, step_seconds=tuple(times),
+                       provenance=provenance(dev), **extra)
 
 
 def _tensors(inputs: Any) -> list[torch.Tensor]:
@@ -244,15 +289,34 @@ def _unpadded_masks():
             setattr(mu, n, f)
 
 
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    """Full activation checkpointing of every block, non-reentrant. transformers 5.x renamed
+    gradient_checkpointing_enable to activation_checkpointing_enable; 5.17 (the GPU image) has only
+    the old name, 5.23 warns on it."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _defaults(mode_: str, warmup_steps: int | None, timing_steps: int | None) -> tuple[int, int]:
+    """CUDA: one warm-up step (the steady state the estimate describes) and three timed steps;
+    CPU and trace: neither (a trace has no time worth taking, and no lazy state to warm)."""
+    cuda = mode_ == "cuda"
+    return (1 if cuda else 0) if warmup_steps is None else warmup_steps, (3 if cuda else 0) if timing_steps is None else timing_steps
+
+
 def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
                      optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
                      attention: Attention = "sdpa", recompute: Recompute = "none", mode: Mode = "auto",
                      device: str | None = None, model_hook: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
-                     ) -> Measurement:
+                     warmup_steps: int | None = None, timing_steps: int | None = None) -> Measurement:
     """Peak of one steady-state training step of `spec`: optimizer states already exist; forward,
     backward, optimizer.step(), zero_grad(set_to_none=True). Same arguments as
     `vramlab.estimate_training`, plus `mode` (auto = cuda if available, else trace).
-    `model_hook` may change the model before the step (e.g. wrap it with PEFT)."""
+    `model_hook` may change the model before the step (e.g. wrap it with PEFT). On CUDA one
+    warm-up step runs first and three timed steps after (see `measure`)."""
+    _check_positive(batch_size=batch_size, seq_len=seq_len)
     if precision in FP32_STATES:
         raise NotImplementedError(f"measuring precision {precision!r} needs an optimizer with fp32 states (or master "
                                   "weights) for 16-bit parameters, which torch.optim does not provide")
@@ -264,7 +328,7 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
         if model_hook is not None:
             model = model_hook(model)
         if recompute == "full":
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            _enable_checkpointing(model)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(params, optimizer=optimizer, optimizer_impl=optimizer_impl)
         # steady state: create the optimizer's states with one step on zero gradients
@@ -284,13 +348,20 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
             opt.zero_grad(set_to_none=True)
 
         label = f"{spec.name} train b={batch_size} s={seq_len} {precision} ({mode_})"
-        return measure(step, model=model, optimizer=opt, inputs=batch, label=label, mode=mode_)
+        warm, timed = _defaults(mode_, warmup_steps, timing_steps)
+        return measure(step, model=model, optimizer=opt, inputs=batch, label=label, mode=mode_, warmup_steps=warm,
+                       timing_steps=timed)
 
 
 def measure_inference(spec: ModelSpec, *, batch_size: int, seq_len: int, precision: Literal["fp32", "bf16", "fp16"] = "bf16",
-                      attention: Attention = "sdpa", mode: Mode = "auto", device: str | None = None) -> Measurement:
-    """Peak of one prefill forward pass (no gradients) of `batch_size` x `seq_len` tokens, with the
-    KV cache on (transformers' DynamicCache) for decoder models."""
+                      attention: Attention = "sdpa", mode: Mode = "auto", device: str | None = None,
+                      new_tokens: int | None = None, warmup_steps: int | None = None,
+                      timing_steps: int | None = None) -> Measurement:
+    """Peak of inference without gradients: one prefill forward pass of `batch_size` x `seq_len`
+    tokens with the KV cache on (transformers' DynamicCache), all logits kept; or, with
+    `new_tokens`, `model.generate(max_new_tokens=new_tokens)` (greedy; no early stop at EOS, so the
+    cache really grows to seq_len + new_tokens). Same questions as `vramlab.estimate_inference`."""
+    _check_positive(batch_size=batch_size, seq_len=seq_len)
     mode_ = resolve_mode(mode)
     dev = device or ("cuda" if mode_ == "cuda" else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -300,11 +371,102 @@ def measure_inference(spec: ModelSpec, *, batch_size: int, seq_len: int, precisi
         if spec.family == "t5":
             batch["decoder_input_ids"] = batch["input_ids"][:, :1]
         out: list[Any] = []
+        if new_tokens is not None:  # MemTracker allows a module called many times only below the root
+            model = _Generate(model, new_tokens)
 
         def step() -> None:
+            out.clear()  # the previous step's outputs go before this step allocates
             with torch.no_grad():
+                if new_tokens is not None:
+                    out.append(model(batch["input_ids"]))
+                    return
                 kw = {"use_cache": True} if spec.family != "bert" else {}
                 out.append(model(**batch, **kw))  # keep the outputs (logits, cache) alive, as a server would
 
-        label = f"{spec.name} prefill b={batch_size} s={seq_len} {precision} ({mode_})"
-        return measure(step, model=model, inputs=batch, label=label, mode=mode_)
+        what = "prefill" if new_tokens is None else f"generate +{new_tokens}"
+        label = f"{spec.name} {what} b={batch_size} s={seq_len} {precision} ({mode_})"
+        warm, timed = _defaults(mode_, warmup_steps, timing_steps)
+        return measure(step, model=model, inputs=batch, label=label, mode=mode_, warmup_steps=warm, timing_steps=timed)
+
+
+class _Generate(torch.nn.Module):
+    """`model.generate` as one module call: greedy, exactly `new_tokens` tokens (no early stop at
+    EOS, which a random model may emit at once), the cache growing to prompt + new tokens."""
+
+    def __init__(self, model: torch.nn.Module, new_tokens: int):
+        super().__init__()
+        self.model, self.new_tokens = model, new_tokens
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.new_tokens,
+                                   min_new_tokens=self.new_tokens, do_sample=False, pad_token_id=0)
+
+
+# ----------------------------------------------------------------------------- isolation
+
+_KINDS = {"training": "measure_training", "inference": "measure_inference"}
+
+
+def measure_isolated(kind: Literal["training", "inference"], spec: ModelSpec, *, alloc_conf: str | None = None,
+                     timeout: float | None = None, **options) -> Measurement | None:
+    """`measure_training` / `measure_inference` in a fresh Python process, so that nothing of an
+    earlier measurement (models, optimizers, the caching allocator's pool, peak statistics) can
+    count in this one: one configuration per process, as on the H100 runs. Returns None when the
+    configuration runs out of GPU memory. `alloc_conf` sets PYTORCH_CUDA_ALLOC_CONF for that process
+    (e.g. "expandable_segments:True"). Errors other than OOM are raised with the child's message."""
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {', '.join(_KINDS)}, got {kind!r}")
+    env = dict(os.environ)
+    if alloc_conf is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
+    request = json.dumps({"kind": kind, "spec": dataclasses.asdict(spec), "options": options})
+    r = subprocess.run([sys.executable, "-m", "vramlab.measure"], input=request, capture_output=True, text=True,
+                       env=env, timeout=timeout)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    answer = json.loads(lines[-1]) if lines else {}
+    if r.returncode != 0 or not lines or "error" in answer:
+        why = answer.get("error") or (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"isolated {kind} measurement of {spec.name} failed: {why}")
+    return None if answer.get("oom") else Measurement.from_dict(answer)
+
+
+def largest_batch(spec: ModelSpec, *, start: int = 1, alloc_conf: str | None = None, limit: int = 4096,
+                  progress: Callable[[str], None] | None = print, **options) -> tuple[int, dict[int, int | None]]:
+    """The largest batch size whose training step runs on this GPU without running out of memory,
+    found by experiment: one fresh process per probe (an OOM, or the allocator's cache, in one probe
+    cannot change the next), galloping from `start` (e.g. vramlab.fit's answer) and bisecting.
+    Returns (largest batch, {batch: peak allocated bytes, or None for an OOM})."""
+    probes: dict[int, int | None] = {}
+
+    def fits(bs: int) -> bool:
+        m = measure_isolated("training", spec, batch_size=bs, mode="cuda", timing_steps=0, alloc_conf=alloc_conf,
+                             **options)
+        probes[bs] = None if m is None else m.peak_allocated
+        if progress:
+            progress(f"batch {bs:5d}: " + ("out of memory" if m is None else f"fits, peak allocated {m.peak_allocated:,} B"))
+        return m is not None
+
+    from .memory import largest_true
+
+    return largest_true(fits, start=start, limit=limit), probes
+
+
+def _child() -> int:
+    """`python -m vramlab.measure`: one measurement described on stdin, its JSON on stdout."""
+    request = json.loads(sys.stdin.read())
+    spec = ModelSpec(**request["spec"])
+    fn = globals()[_KINDS[request["kind"]]]
+    try:
+        m = fn(spec, **request["options"])
+    except torch.cuda.OutOfMemoryError:
+        print(json.dumps({"oom": True}))
+        return 0
+    except Exception as e:  # noqa: BLE001 - reported to the parent in one line
+        print(json.dumps({"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}))
+        return 1
+    print(json.dumps(m.to_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 from .specs import GPUSpec, ModelSpec, gpu as _gpu
 from .units import fmt_bytes
@@ -182,11 +182,31 @@ class Saved:
     kind: str
     per_score: bool = False  # one element per attention score, i.e. b * a * s^2 in all
     part: str = "attn"  # "mlp" for the MLP's tensors (freed first in the block's backward)
+    # saved only for a weight's gradient: a linear's input. Autograd saves what the gradients it
+    # must compute need, so a frozen linear (PEFT's base) keeps no copy of its input
+    for_weight: bool = False
 
 
 # elements per token the activation function saves: transformers' gelu_new is written out
 # (0.5 * x * (1 + tanh(c * (x + 0.044715 * x^3)))) and keeps four intermediates; the others one
 _ACT_SAVES = {"gelu_new": 4, "gelu_fast": 4, "quick_gelu": 2}
+# ...of which CUDA autocast computes some in fp32: `pow` is on its fp32 list (torch/csrc/autograd/
+# autocast_mode / aten/src/ATen/autocast_mode.cpp, "fp32" ops; CPU autocast's list has no pow), so
+# gelu_new's x^3 upcasts x, and everything downstream of it (tanh, 1 + tanh) is fp32 too; only
+# 0.5 * x stays in the compute dtype. Measured on an H100 (gpu-truth, live blocks at the peak).
+_ACT_SAVES_F32_CUDA_AMP = {"gelu_new": 3}
+
+
+def _cuda_amp(precision: Precision, device: str) -> bool:
+    """PyTorch AMP (fp32 model + autocast) running CUDA kernels."""
+    return device == "cuda" and precision in ("bf16-mixed", "fp16-mixed")
+
+
+def _cast_inputs(name: str, width: int, n_linears: int, *, amp: bool, for_weight: bool = False) -> list[Saved]:
+    """The input saved by `n_linears` projections that read the same fp32 tensor. Without autocast
+    they share it; autocast caches its casts of parameters only, so under CUDA AMP each projection
+    casts (and saves) its own half copy (measured: OPT/BERT keep three per layer for q, k, v)."""
+    return [Saved(name=name, width=width, kind="half", for_weight=for_weight)] * (n_linears if amp else 1)
 
 
 def _norm(spec: ModelSpec, name: str) -> list[Saved]:
@@ -221,33 +241,41 @@ def _attention(spec: ModelSpec, *, attention: AttentionImpl, device: str, precis
         if spec.attention_dropout > 0:
             saved += [Saved(name="attn dropout mask", width=1, kind="f32" if cpu_upcast else "mask", per_score=True),
                       Saved(name="attn dropout out", width=1, kind="f32" if cpu_upcast else "half", per_score=True)]
-        saved.append(Saved(name="attn out (o_proj input)", width=qd, kind="half"))
+        saved.append(Saved(name="attn out (o_proj input)", width=qd, kind="half", for_weight=True))
     else:  # flash / memory-efficient kernel: output and log-sum-exp only (Dao+22)
         saved += [Saved(name="attn out", width=qd, kind="half"), Saved(name="logsumexp", width=a, kind="f32")]
         if out_copy_flash:
-            saved.append(Saved(name="o_proj input", width=qd, kind="half"))
+            saved.append(Saved(name="o_proj input", width=qd, kind="half", for_weight=True))
     return saved
 
 
-def _mlp(spec: ModelSpec, *, dropout_inside: bool = False) -> list[Saved]:
-    return [dataclasses.replace(x, part="mlp") for x in _mlp_saved(spec, dropout_inside=dropout_inside)]
+def _mlp(spec: ModelSpec, *, dropout_inside: bool = False, amp: bool = False) -> list[Saved]:
+    return [dataclasses.replace(x, part="mlp") for x in _mlp_saved(spec, dropout_inside=dropout_inside, amp=amp)]
 
 
-def _mlp_saved(spec: ModelSpec, *, dropout_inside: bool) -> list[Saved]:
-    h, i = spec.hidden_size, spec.intermediate_size
+def _act_saved(spec: ModelSpec, *, amp: bool) -> list[Saved]:
+    i = spec.intermediate_size
     n_act = _ACT_SAVES.get(spec.activation, 1)
-    saved = [Saved(name="mlp input", width=h, kind="half")]
+    n_f32 = _ACT_SAVES_F32_CUDA_AMP.get(spec.activation, 0) if amp else 0
+    saved = [Saved(name="act saved", width=(n_act - n_f32) * i, kind="half")]
+    if n_f32:
+        saved.append(Saved(name="act saved (fp32 under CUDA autocast)", width=n_f32 * i, kind="f32"))
+    return saved
+
+
+def _mlp_saved(spec: ModelSpec, *, dropout_inside: bool, amp: bool) -> list[Saved]:
+    h, i = spec.hidden_size, spec.intermediate_size
+    saved = _cast_inputs("mlp input", h, 2 if spec.gated_mlp else 1, amp=amp, for_weight=True)
     if spec.gated_mlp:  # down(act(gate(x)) * up(x))
-        saved += [Saved(name="act saved", width=n_act * i, kind="half"),
-                  Saved(name="act(gate), up", width=2 * i, kind="half")]
+        saved += _act_saved(spec, amp=amp) + [Saved(name="act(gate), up", width=2 * i, kind="half")]
     elif spec.activation == "relu":  # relu saves its output, which is also the next matmul's input
         saved += [Saved(name="relu out", width=i, kind="half")]
     else:
-        saved += [Saved(name="act saved", width=n_act * i, kind="half")]
+        saved += _act_saved(spec, amp=amp)
     if dropout_inside:
-        saved += [Saved(name="mlp dropout mask", width=i, kind="mask"), Saved(name="down input", width=i, kind="half")]
+        saved += [Saved(name="mlp dropout mask", width=i, kind="mask"), Saved(name="down input", width=i, kind="half", for_weight=True)]
     elif not (spec.activation == "relu" and not spec.gated_mlp):
-        saved.append(Saved(name="down input", width=i, kind="half"))
+        saved.append(Saved(name="down input", width=i, kind="half", for_weight=True))
     return saved
 
 
@@ -273,6 +301,7 @@ def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: s
     h = spec.hidden_size
     kw = dict(attention=attention, device=device, precision=precision)
     math = _math_path(spec, attention, device)
+    amp = _cuda_amp(precision, device)
     if f == "gpt2":
         fused = [Saved(name="c_attn out (q,k,v views)", width=3 * h, kind="half")]
         if math and attention == "sdpa" and batch_size == 1:  # math SDPA scales q and k into copies;
@@ -280,7 +309,7 @@ def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: s
             fused.append(Saved(name="scaled q, k", width=2 * h, kind="half"))
         return (_norm(spec, "ln_1") + [Saved(name="c_attn input", width=h, kind="half")]
                 + _attention(spec, qkv=fused, **kw) + _drop(spec, "resid")
-                + _norm(spec, "ln_2") + _mlp(spec) + _drop(spec, "mlp"))
+                + _norm(spec, "ln_2") + _mlp(spec, amp=amp) + _drop(spec, "mlp"))
     if f == "gpt_neox":
         qkv = [Saved(name="q, k after rotary", width=2 * h, kind="half")]
         if math and batch_size > 1:  # matmul(probs, v) saves a contiguous copy of v
@@ -293,29 +322,31 @@ def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: s
         else:
             norms += _norm(spec, "post_attention_layernorm")
         return (norms + [Saved(name="qkv input", width=h, kind="half")]
-                + _attention(spec, qkv=qkv, out_copy_flash=True, **kw) + _drop(spec, "hidden", 2) + _mlp(spec))
+                + _attention(spec, qkv=qkv, out_copy_flash=True, **kw) + _drop(spec, "hidden", 2) + _mlp(spec, amp=amp))
     if f == "opt":
-        return (_norm(spec, "self_attn_layer_norm") + [Saved(name="q/k/v input", width=h, kind="half")]
+        return (_norm(spec, "self_attn_layer_norm") + _cast_inputs("q/k/v input", h, 3, amp=amp)
                 + _attention(spec, qkv=_qkv_separate(spec), **kw) + _drop(spec, "hidden", 2)
-                + _norm(spec, "final_layer_norm") + _mlp(spec))
+                + _norm(spec, "final_layer_norm") + _mlp(spec, amp=amp))
     if f == "llama":
-        return (_norm(spec, "input_layernorm") + [Saved(name="q/k/v input", width=h, kind="half")]
+        return (_norm(spec, "input_layernorm") + _cast_inputs("q/k/v input", h, 3, amp=amp)
                 + _attention(spec, qkv=_qkv_separate(spec), **kw)
-                + _norm(spec, "post_attention_layernorm") + _mlp(spec))
+                + _norm(spec, "post_attention_layernorm") + _mlp(spec, amp=amp))
     if f == "bert":  # post-norm: LayerNorm(x + dropout(dense(...)))
-        return ([Saved(name="q/k/v input", width=h, kind="half")] + _attention(spec, qkv=_qkv_separate(spec), **kw)
+        return (_cast_inputs("q/k/v input", h, 3, amp=amp) + _attention(spec, qkv=_qkv_separate(spec), **kw)
                 + _drop(spec, "attn output") + _norm(spec, "attention LayerNorm")
-                + _mlp(spec) + _drop(spec, "output") + _norm(spec, "output LayerNorm"))
+                + _mlp(spec, amp=amp) + _drop(spec, "output") + _norm(spec, "output LayerNorm"))
     if f == "t5":
-        self_attn = (_norm(spec, "self-attn norm") + [Saved(name="q/k/v input", width=h, kind="half")]
+        self_attn = (_norm(spec, "self-attn norm") + _cast_inputs("q/k/v input", h, 3, amp=amp)
                      + _attention(spec, qkv=_qkv_separate(spec), **{**kw, "attention": "eager"})
                      + _drop(spec, "self-attn"))
-        ff = _norm(spec, "ff norm") + _mlp(spec, dropout_inside=spec.hidden_dropout > 0) + _drop(spec, "ff")
+        ff = _norm(spec, "ff norm") + _mlp(spec, dropout_inside=spec.hidden_dropout > 0, amp=amp) + _drop(spec, "ff")
         if not decoder:
             return self_attn + ff
         # cross-attention's bias needs no gradient, so SDPA may use its fused kernel; k and v are
         # projections of the encoder's output (kept once, see activation_bytes)
-        cross = (_norm(spec, "cross-attn norm") + [Saved(name="cross q input", width=h, kind="half")]
+        # under CUDA autocast each decoder layer's k and v projections cast the (fp32) encoder output
+        cross_kv = [Saved(name="cross k/v input (cast)", width=h, kind="half")] * (2 if amp else 0)
+        cross = (_norm(spec, "cross-attn norm") + [Saved(name="cross q input", width=h, kind="half")] + cross_kv
                  + _attention(spec, qkv=_qkv_separate(spec), **kw) + _drop(spec, "cross-attn"))
         return self_attn + cross + ff
     raise ValueError(f"no activation model for family {f!r}")
@@ -333,14 +364,14 @@ def model_saved(spec: ModelSpec) -> list[Saved]:
     elif f == "t5":  # encoder and decoder: embedding dropout, final norm, final dropout
         saved += 2 * (_drop(spec, "embedding") + _norm(spec, "final norm") + _drop(spec, "final"))
     if f == "bert":  # MLM head: dense -> gelu -> LayerNorm -> decoder
-        saved += [Saved(name="head dense input", width=h, kind="half"), Saved(name="head gelu input", width=h, kind="half")]
+        saved += [Saved(name="head dense input", width=h, kind="half", for_weight=True), Saved(name="head gelu input", width=h, kind="half")]
         saved += _norm(spec, "head LayerNorm")
     elif f == "t5":
         pass
     elif f != "opt" or spec.final_norm:
         saved += _norm(spec, "final norm")
     e = spec.word_embed_proj_dim or h
-    saved += [Saved(name="lm_head input", width=e, kind="half"),
+    saved += [Saved(name="lm_head input", width=e, kind="half", for_weight=True),
               # the loss upcasts the logits to fp32; cross-entropy keeps log_softmax(logits)
               Saved(name="log_softmax(logits)", width=V, kind="f32")]
     if spec.is_causal_lm:  # causal LMs shift (pad) the labels into a new int64 tensor
@@ -364,16 +395,23 @@ def _linear_weight_params(spec: ModelSpec) -> int:
 
 
 def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
-                     attention: AttentionImpl = "sdpa", recompute: Recompute = "none", device: str = "cuda") -> dict[str, int]:
+                     attention: AttentionImpl = "sdpa", recompute: Recompute = "none", device: str = "cuda",
+                     frozen_base: bool = False) -> dict[str, int]:
     """Bytes saved for backward at the end of the forward pass, split into 'layers' (all blocks),
     'one_layer' (the largest block), 'outside' (embeddings, head, loss) and 'weight_copies'
-    (autocast's half-precision weights). With full recompute a block keeps only its input."""
+    (autocast's half-precision weights). With full recompute a block keeps only its input.
+    `frozen_base`: PEFT with adapters on the attention projections (LoRA's default targets): the
+    frozen linears save no input (checked on mT5-base LoRA r=8 q,v on an H100)."""
     nb = _dtype_bytes(precision, device)
     b, s, a = batch_size, seq_len, spec.num_heads
     tokens, scores = b * s, b * a * s * s
     kw = dict(attention=attention, device=device, precision=precision, batch_size=b)
-    enc_saved = layer_saved(spec, **kw)
-    block = layer_saved(spec, decoder=True, **kw) if spec.family == "t5" else enc_saved  # the larger block
+
+    def keep(saved: list[Saved]) -> list[Saved]:
+        return [x for x in saved if not (frozen_base and x.for_weight)]
+
+    enc_saved = keep(layer_saved(spec, **kw))
+    block = keep(layer_saved(spec, decoder=True, **kw)) if spec.family == "t5" else enc_saved  # the larger block
     enc = _ledger_bytes(enc_saved, tokens=tokens, scores=scores, nbytes=nb)
     dec = _ledger_bytes(block, tokens=tokens, scores=scores, nbytes=nb) if spec.family == "t5" else 0
     mlp_part = _ledger_bytes([x for x in block if x.part == "mlp"], tokens=tokens, scores=scores, nbytes=nb)
@@ -386,7 +424,7 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     else:
         layers = n_enc * enc + n_dec * dec
         copies = 2 * _linear_weight_params(spec) if precision in ("bf16-mixed", "fp16-mixed") else 0
-    outside = _ledger_bytes(model_saved(spec), tokens=tokens, scores=scores, nbytes=nb)
+    outside = _ledger_bytes(keep(model_saved(spec)), tokens=tokens, scores=scores, nbytes=nb)
     if spec.family == "t5":
         # relative-position buckets: an (s, s) int64 index per stack, kept by the bias embedding
         outside += 2 * s * s * nb["i64"]
@@ -407,6 +445,13 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
 
 
 # ============================================================================ training
+def cublas_workspace_bytes(gpu: GPUSpec | str | None = None) -> int:
+    """One cuBLAS handle's workspace on `gpu` (default: Hopper's 32 MiB, what the H100 measured)."""
+    if gpu is None:
+        return 4096 * 8 * 1024
+    return (_gpu(gpu) if isinstance(gpu, str) else gpu).cublas_workspace_bytes
+
+
 def _resolve(model: ModelSpec | str) -> ModelSpec:
     if isinstance(model, ModelSpec):
         return model
@@ -431,19 +476,21 @@ def _check_positive(**sizes: int) -> None:
 def estimate_training(model: ModelSpec | str, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
                       optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
                       attention: AttentionImpl = "sdpa", recompute: Recompute = "none",
-                      device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None) -> MemoryBreakdown:
+                      device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None,
+                      gpu: GPUSpec | str | None = None) -> MemoryBreakdown:
     """Peak memory of one steady-state training step: the largest of `training_phases(...)`, whose
     docstring describes the arguments."""
     phases = training_phases(model, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
                              optimizer_impl=optimizer_impl, attention=attention, recompute=recompute, device=device,
-                             trainable_params=trainable_params)
+                             trainable_params=trainable_params, gpu=gpu)
     return max(phases, key=lambda m: m.total)
 
 
 def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
                     optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
                     attention: AttentionImpl = "sdpa", recompute: Recompute = "none",
-                    device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None) -> list[MemoryBreakdown]:
+                    device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None,
+                      gpu: GPUSpec | str | None = None) -> list[MemoryBreakdown]:
     """Memory, in bytes, at each candidate peak of one steady-state training step, in step order
     (`.phase` names each); `estimate_training` returns the largest.
 
@@ -457,14 +504,19 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
                 CPU; CPU SDPA with dropout materialises the scores)
     trainable_params  fewer than all for frozen-base fine-tuning (PEFT): gradients and optimizer
                 states cover only these (activations are still those of the full model)
+    gpu         on CUDA, sets the cuBLAS workspaces' size (default: Hopper's 32 MiB per handle)
 
     The step's phases are forward end, backward start (the logits' gradient), the LM head's
     backward, a recomputed block's backward, and optimizer.step(); the peak is their maximum.
     Model states follow ZeRO (Rajbhandari+19, arXiv:1910.02054) as PyTorch implements them;
     activations follow the op-by-op ledger in `layer_saved` (cf. Korthikanti+22, Table 2).
 
-    Known limitations: allocator rounding and fragmentation, the CUDA context and cuBLAS/NCCL
-    workspaces are not included (see `fit`'s reserve). Where the peak falls inside one block's
+    On CUDA (device="cuda") the estimate is of `torch.cuda.max_memory_allocated()`: it includes the
+    two cuBLAS workspaces (in `other`) and CUDA autocast's op lists; checked against an H100 in
+    tests/test_gpu_truth.py (every stored case within 3 %).
+
+    Known limitations: allocator rounding and fragmentation (max_memory_reserved), the CUDA context
+    and NCCL buffers are not included (see `fit`). Where the peak falls inside one block's
     backward (tiny models with small vocabularies, especially under full recompute) the transient
     gradients are modelled, not traced: errors up to ~10-20 % there, against < 1 % for real models
     (benchmarks/estimator_accuracy.py). CUDA kernels are modelled from their documentation: the GPU
@@ -478,6 +530,9 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     _check_choice(attention, ATTENTIONS, "attention implementation")
     _check_choice(recompute, RECOMPUTES, "recompute")
     _check_choice(device, ("cuda", "cpu"), "device")
+    # cuBLAS workspaces, held by the caching allocator for the process's life: one per handle, and
+    # the forward (Python thread) and backward (autograd's device thread) use different handles
+    workspaces = 2 * cublas_workspace_bytes(gpu) if device == "cuda" else 0
     states = model_states(spec, precision=precision, optimizer=optimizer, trainable_params=trainable_params)
     P, G, O = states.parameters, states.gradients, states.optimizer_states
     n_all = spec.params
@@ -488,19 +543,27 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     T_opt = optimizer_step_temporaries(optimizer, optimizer_impl, spec, n_train, precision)
     inputs = b * s * 8 * (2 if spec.family == "t5" else 1)  # int64 ids (+ T5's separate labels)
     act = activation_bytes(spec, batch_size=b, seq_len=s, precision=precision, attention=attention,
-                           recompute=recompute, device=device)
+                           recompute=recompute, device=device, frozen_base=n_train < n_all)
     A = act["layers"] + act["outside"] + act["weight_copies"]
+    amp = _cuda_amp(precision, device)
     logits32 = b * s * V * 4  # the loss works on fp32 logits
-    logits_alive = logits32 + (b * s * V * 2 if precision != "fp32" else 0)  # + the half logits under AMP
+    logits16 = b * s * V * 2 if precision != "fp32" else 0  # the half logits under AMP
+    # transformers' causal-LM loss upcasts (logits.float()), so log_softmax's input and gradient are
+    # fp32. BERT and T5 hand the half logits to CrossEntropyLoss: CUDA autocast runs log_softmax
+    # with dtype=fp32 (no fp32 copy of the input), and its backward returns d(logits) in half.
+    upcast = spec.is_causal_lm or not amp
+    logits_alive = logits16 + (logits32 if upcast else 0)
+    d_logits = logits32 if upcast else logits16
     e = spec.word_embed_proj_dim or spec.hidden_size
     head_grad = V * e * pb if n_train == n_all else 0  # the (tied) embedding's gradient, made first
 
-    base = dict(parameters=P, optimizer_states=O, inputs=inputs, label=f"{spec.name} train b={b} s={s} {precision}")
+    base = dict(parameters=P, optimizer_states=O, inputs=inputs, other=workspaces,
+                label=f"{spec.name} train b={b} s={s} {precision}")
     phases = [
         MemoryBreakdown(**base, activations=A + logits_alive, phase="forward end (loss computed)"),
-        # nll_loss backward makes d(log_softmax) and log_softmax backward makes d(logits): two fp32 b*s*V
-        MemoryBreakdown(**base, activations=A, temporaries=2 * logits32, phase="backward start (logits gradient)"),
-        MemoryBreakdown(**base, activations=A - b * s * V * 4, temporaries=logits32, gradients=head_grad,
+        # nll_loss backward makes d(log_softmax) (fp32) and log_softmax backward makes d(logits)
+        MemoryBreakdown(**base, activations=A, temporaries=logits32 + d_logits, phase="backward start (logits gradient)"),
+        MemoryBreakdown(**base, activations=A - b * s * V * 4, temporaries=d_logits, gradients=head_grad,
                         phase="LM head backward"),
     ]
     half = _dtype_bytes(precision, device)["half"]
@@ -514,14 +577,18 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
         phases.append(MemoryBreakdown(**base, activations=A - loss_side, gradients=head_grad,
                                       temporaries=act["block_backward"] + act["block_grad_in"],
                                       phase="backward of the last block"))
-    # the embedding's backward makes a dense V x e gradient; tied to the LM head, AccumulateGrad then
-    # adds it to the head's gradient: old, new and sum coexist for a moment
+    # the embedding's backward makes a dense V x e gradient; tied to the LM head, autograd adds it to
+    # the head's gradient. In fp32 the head's gradient is a transposed view (mm's backward), which
+    # autograd cannot add to in place: old, new and sum coexist for a moment (measured on CPU and
+    # CUDA). Under CUDA autocast it is a fresh fp32 tensor (the cast's backward) and the sum is in
+    # place: old and new only (measured on an H100; fake tensors never add in place).
     emb = V * e * pb if n_train == n_all else 0
-    phases.append(MemoryBreakdown(parameters=P, gradients=G - emb, optimizer_states=O, inputs=inputs,
-                                  temporaries=emb * (3 if spec.tie_word_embeddings else 1), label=base["label"],
+    accumulate = (2 if amp else 3) if spec.tie_word_embeddings else 1
+    phases.append(MemoryBreakdown(parameters=P, gradients=G - emb, optimizer_states=O, inputs=inputs, other=workspaces,
+                                  temporaries=emb * accumulate, label=base["label"],
                                   phase="embedding backward (gradient accumulation)"))
     phases.append(MemoryBreakdown(parameters=P, gradients=G, optimizer_states=O, temporaries=T_opt, inputs=inputs,
-                                  label=base["label"], phase="optimizer.step()"))
+                                  other=workspaces, label=base["label"], phase="optimizer.step()"))
     return phases
 
 
@@ -542,36 +609,67 @@ def kv_cache_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, dtype: str
     return per_token * seq_len * batch_size * (2 if spec.family == "t5" else 1)
 
 
-def estimate_inference(model: ModelSpec | str, *, batch_size: int, seq_len: int, dtype: str = "bf16",
-                       kv_dtype: str | None = None, attention: AttentionImpl = "sdpa",
-                       all_logits: bool = True) -> MemoryBreakdown:
-    """Peak memory of a prefill of batch_size x seq_len tokens without gradients: weights, the KV
-    cache (in `kv_dtype`, default the model's dtype), the largest transient inside one block, and
-    the logits (every position when `all_logits`, as `model(ids)` returns; generation keeps only
-    the last). T5 runs the encoder on seq_len tokens and one decoder token.
+def _block_transient(spec: ModelSpec, *, tokens: int, batch_size: int, seq_len: int, e: int,
+                     attention: AttentionImpl) -> int:
+    """The most one block holds at once without gradients, beyond its KV: the residual and its
+    normalised copy, and the MLP's two widest intermediates (act(gate) and up, or the activation's
+    input and output: measured 2h + 2i per token on an H100 for Llama-3.2-1B's prefill); eager
+    attention adds the scores and probabilities."""
+    h, i = spec.hidden_size, spec.intermediate_size
+    stream = 2 * tokens * h * e
+    attn = tokens * (spec.q_dim + 2 * spec.kv_dim + spec.q_dim) * e  # q, k, v (rotary copies) and the output
+    if attention == "eager":
+        attn += 2 * batch_size * spec.num_heads * seq_len * seq_len * e
+    return stream + max(attn, 2 * tokens * i * e)
 
-    Known limitations: the transient is a bound on the block's largest simultaneous intermediates,
-    not a trace of the kernel's workspace."""
+
+def estimate_inference(model: ModelSpec | str, *, batch_size: int, seq_len: int, dtype: str = "bf16",
+                       kv_dtype: str | None = None, attention: AttentionImpl = "sdpa", all_logits: bool = True,
+                       new_tokens: int | None = None, device: Literal["cuda", "cpu"] = "cuda",
+                       gpu: GPUSpec | str | None = None) -> MemoryBreakdown:
+    """Peak memory of inference without gradients, in a model held in `dtype`.
+
+    new_tokens=None: a prefill, one forward pass over batch_size x seq_len tokens with the KV cache
+      on, as `model(ids, use_cache=True)`: the logits of every position when `all_logits` (what a
+      forward returns; b*s*V values, often the largest tensor), else of the last only.
+    new_tokens=N: `model.generate(ids, max_new_tokens=N)` with a prompt of seq_len tokens: its prefill keeps
+      one logits row, then the cache grows token by token to seq_len + new_tokens; the peak is the
+      larger of the prefill's (prompt cache + one block's intermediates) and the last step's (full
+      cache + the copy torch.cat makes of one layer's cache + the last token's logits).
+    T5 runs the encoder on seq_len tokens and one decoder token. On CUDA one cuBLAS workspace is
+    added (in `other`). Checked against an H100 (tests/test_gpu_truth.py).
+
+    Known limitations: the block's intermediates are a bound on what it holds at once, not a trace."""
     spec = _resolve(model)
     _check_positive(batch_size=batch_size, seq_len=seq_len)
     _check_choice(dtype, tuple(_INFER_BYTES), "dtype")
     _check_choice(attention, ATTENTIONS, "attention implementation")
+    _check_choice(device, ("cuda", "cpu"), "device")
+    if new_tokens is not None and (isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0):
+        raise ValueError(f"new_tokens must be a non-negative integer (or None for a prefill), got {new_tokens!r}")
     kv_dtype = kv_dtype or dtype
     _check_choice(kv_dtype, tuple(_INFER_BYTES), "KV-cache dtype")
     e = 2 if dtype == "int8" else _INFER_BYTES[dtype]  # int8 weights compute in 16-bit
-    b, s, h, i = batch_size, seq_len, spec.hidden_size, spec.intermediate_size
+    b, s, V = batch_size, seq_len, spec.vocab_size
+    h = spec.word_embed_proj_dim or spec.hidden_size
     weights = spec.params * _INFER_BYTES[dtype]
+    workspace = cublas_workspace_bytes(gpu) if device == "cuda" else 0
     kv = kv_cache_bytes(spec, batch_size=b, seq_len=s, dtype=kv_dtype)
-    stream = 2 * b * s * h * e  # the residual stream and a normalised copy
-    attn = b * s * (spec.q_dim * 3) * e
-    if attention == "eager":
-        attn += 2 * b * spec.num_heads * s * s * e  # scores and probabilities
-    mlp = b * s * i * e * (3 if spec.gated_mlp else 2)
-    logits_tokens = (b * s if all_logits else b) if spec.family != "t5" else b
-    logits = logits_tokens * spec.vocab_size * e
-    return MemoryBreakdown(parameters=weights, kv_cache=kv, activations=stream + max(attn, mlp) + logits,
-                           inputs=b * s * 8, label=f"{spec.name} prefill b={b} s={s} {dtype}",
-                           phase="prefill")
+    block = _block_transient(spec, tokens=b * s, batch_size=b, seq_len=s, e=e, attention=attention)
+    base = dict(parameters=weights, inputs=b * s * 8, other=workspace)
+    if new_tokens is None:
+        kept = b if (not all_logits or spec.family == "t5") else b * s  # positions whose logits are returned
+        end = kept * (h + V) * e  # the final norm's output and the logits
+        return MemoryBreakdown(**base, kv_cache=kv, activations=max(block, end), phase="prefill",
+                               label=f"{spec.name} prefill b={b} s={s} {dtype}")
+    one_row = b * V * (e + 4)  # the last position's logits, and generate's fp32 copy of them
+    prefill = MemoryBreakdown(**base, kv_cache=kv, activations=max(block, b * h * e + one_row),
+                              phase="generate: prompt prefill", label=f"{spec.name} generate b={b} s={s}+{new_tokens} {dtype}")
+    full = kv_cache_bytes(spec, batch_size=b, seq_len=s + new_tokens, dtype=kv_dtype)
+    layers = spec.num_decoder_layers if spec.family == "t5" else spec.num_layers
+    last = MemoryBreakdown(**base, kv_cache=full, activations=one_row, temporaries=full // max(layers, 1),
+                           phase=f"generate: token {new_tokens} (cache at {s + new_tokens} positions)", label=prefill.label)
+    return max((prefill, last), key=lambda m: m.total)
 
 
 # ============================================================================ checkpoints and fit
@@ -583,19 +681,46 @@ def checkpoint_bytes(model: ModelSpec | str | int, *, dtype: str = "fp32") -> in
     return n * _INFER_BYTES[dtype]
 
 
-DEFAULT_RESERVE = 512 * 1024 * 1024  # assumed CUDA context + workspaces + fragmentation; lab 1 measures it
+
+
+# fit() adds this share of the estimate: the estimator's tested accuracy against the allocator on
+# CUDA (tests/test_gpu_truth.py holds every measured case within 3 %), so an under-estimate of up
+# to that much still fits
+ESTIMATE_MARGIN = 0.03
+_PAGE = 2 * 1024 * 1024  # expandable segments map physical memory in 2 MiB pages
 
 
 @dataclass(frozen=True, kw_only=True)
 class Fit:
-    """Whether a workload fits a GPU, and the largest batch size that does."""
+    """Whether a workload fits a GPU, the largest batch size that does, and what was assumed to
+    stand between the estimate (allocated bytes) and an out-of-memory error."""
 
     gpu: GPUSpec
-    needed: int  # bytes at the given batch size, reserve included
-    available: int
+    needed: int  # bytes at the given batch size: estimate + margin + fragmentation + context
+    available: int  # what cudaMemGetInfo calls total
     fits: bool
     max_batch_size: int  # 0: not even batch size 1 fits
-    reserve: int
+    estimate: int  # the estimate at the given batch size (max_memory_allocated)
+    margin: int  # ESTIMATE_MARGIN of the estimate
+    fragmentation: int  # the caching allocator's headroom at the given batch size
+    context: int  # the CUDA context and libraries, outside the allocator
+    expandable_segments: bool = False
+
+    @property
+    def reserve(self) -> int:
+        """Everything beyond the estimate: margin + fragmentation + context."""
+        return self.margin + self.fragmentation + self.context
+
+    def explain(self) -> str:
+        """One line per term of `needed`."""
+        alloc = "expandable segments (2 MiB pages)" if self.expandable_segments else \
+            "default caching allocator: a fresh segment for the largest tensor"
+        return "\n".join([
+            f"  estimate (max_memory_allocated)  {fmt_bytes(self.estimate):>12}",
+            f"  + estimate margin ({ESTIMATE_MARGIN:.0%})          {fmt_bytes(self.margin):>12}",
+            f"  + fragmentation                  {fmt_bytes(self.fragmentation):>12}  ({alloc})",
+            f"  + CUDA context and libraries     {fmt_bytes(self.context):>12}",
+            f"  = needed                         {fmt_bytes(self.needed):>12}  of {fmt_bytes(self.available)} usable"])
 
     def __str__(self) -> str:
         verdict = "fits" if self.fits else "does NOT fit"
@@ -603,27 +728,85 @@ class Fit:
                 f"reserve, {fmt_bytes(self.available)} available); largest batch size that fits: {self.max_batch_size}")
 
 
-def fit(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: int = 1, mode: Literal["train", "infer"] = "train",
-        reserve: int = DEFAULT_RESERVE, max_search: int = 1 << 16, **options) -> Fit:
-    """Does the training step (or inference prefill) fit on `gpu`, and what is the largest batch size
-    that does? `options` are those of estimate_training / estimate_inference. `reserve` bytes are
-    held back for the CUDA context, cuBLAS workspace and allocator fragmentation (an assumption:
-    measure yours with `vramlab.measure`)."""
-    g = _gpu(gpu) if isinstance(gpu, str) else gpu
-    est = estimate_training if mode == "train" else estimate_inference
-    if mode not in ("train", "infer"):
-        raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
+def largest_tensor_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: int, mode: Literal["train", "infer"] = "train",
+                         precision: str = "fp32", attention: AttentionImpl = "sdpa", dtype: str = "bf16",
+                         new_tokens: int | None = None, all_logits: bool = True, **_ignored) -> int:
+    """The largest single allocation of a step: the fp32 logits (or their gradient), the
+    embedding's gradient, or eager attention's scores."""
+    spec = _resolve(model)
+    b, s, V = batch_size, seq_len, spec.vocab_size
+    e = spec.word_embed_proj_dim or spec.hidden_size
+    if mode == "infer":
+        nb = 2 if dtype == "int8" else _INFER_BYTES.get(dtype, 2)
+        tokens = b if (new_tokens is not None or not all_logits or spec.family == "t5") else b * s
+        scores = b * spec.num_heads * s * s * nb if attention == "eager" else 0
+        return max(tokens * V * nb, scores, b * s * spec.intermediate_size * nb)
+    scores = b * spec.num_heads * s * s * 4 if attention == "eager" else 0
+    return max(b * s * V * 4, V * e * param_bytes(precision), scores)
 
-    def need(bs: int) -> int:
-        return est(model, batch_size=bs, **options).total + reserve
 
-    needed = need(batch_size)
-    lo, hi = 0, 1  # memory grows with batch size: exponential then binary search
-    while hi <= max_search and need(hi) <= g.memory_bytes:
-        lo, hi = hi, hi * 2
-    hi = min(hi, max_search + 1)
+def largest_true(fits: Callable[[int], bool], *, start: int = 1, limit: int = 1 << 16) -> int:
+    """The largest n in 1..limit with fits(n), for a `fits` that is true up to some n and false
+    beyond (memory grows with the batch): gallop from `start` (up, or down by halves), then bisect.
+    Returns 0 when even 1 does not fit. Few calls near a good `start`: each may be a GPU probe."""
+    start = max(1, min(start, limit))
+    if fits(start):
+        lo, step = start, max(1, start // 8)
+        while lo < limit:
+            hi = min(lo + step, limit)
+            if not fits(hi):
+                break
+            lo, step = hi, step * 2
+        else:
+            return lo
+    else:
+        hi, lo = start, start // 2
+        while lo >= 1 and not fits(lo):
+            hi, lo = lo, lo // 2
+        if lo < 1:
+            return 0
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if need(mid) <= g.memory_bytes else (lo, mid)
-    return Fit(gpu=g, needed=needed, available=g.memory_bytes, fits=needed <= g.memory_bytes, max_batch_size=lo,
-               reserve=reserve)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def fit(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: int = 1, mode: Literal["train", "infer"] = "train",
+        expandable_segments: bool = False, max_search: int = 1 << 16, **options) -> Fit:
+    """Does the training step (or inference) fit on `gpu`, and what is the largest batch size that
+    does? `options` are those of estimate_training / estimate_inference.
+
+    needed = estimate + ESTIMATE_MARGIN x estimate + fragmentation + context <= usable memory, where
+    - estimate: `max_memory_allocated` as the estimator predicts it (cuBLAS workspaces included);
+    - fragmentation: with PyTorch's default caching allocator, room for one more block of the step's
+      largest tensor (a freed segment that cannot be reused for it: the H100's OOM at GPT-2 s512
+      batch 112 had 9.94 GiB reserved but unallocated when it asked for 10.74 GiB, the logits);
+      with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (`expandable_segments=True`), segments
+      grow in 2 MiB pages and the allocator's overhead all but disappears;
+    - context: the CUDA context and libraries outside the allocator (`gpu.context_bytes`);
+    - usable: what cudaMemGetInfo calls total (`gpu.usable_bytes`), less than nvidia-smi's total.
+    Checked against bisected out-of-memory boundaries on an H100 (tests/test_gpu_truth.py)."""
+    g = _gpu(gpu) if isinstance(gpu, str) else gpu
+    if not isinstance(g, GPUSpec):
+        raise TypeError(f"gpu must be a GPUSpec or a catalogue name, got {type(gpu).__name__}")
+    if mode not in ("train", "infer"):
+        raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
+    est = estimate_training if mode == "train" else estimate_inference
+    if options.get("device", "cuda") != "cuda":
+        raise ValueError("fit() answers for a GPU: leave device at 'cuda'")
+    options = {k: v for k, v in options.items() if k != "device"}
+
+    def terms(bs: int) -> tuple[int, int, int]:
+        e = est(model, batch_size=bs, gpu=g, **options).total
+        frag = _PAGE if expandable_segments else largest_tensor_bytes(model, batch_size=bs, mode=mode, **options)
+        return e, int(e * ESTIMATE_MARGIN), frag
+
+    def need(bs: int) -> int:
+        return sum(terms(bs)) + g.context_bytes
+
+    available = g.usable_bytes
+    lo = largest_true(lambda bs: need(bs) <= available, limit=max_search)
+    e, margin, frag = terms(batch_size)
+    needed = e + margin + frag + g.context_bytes
+    return Fit(gpu=g, needed=needed, available=available, fits=needed <= available, max_batch_size=lo, estimate=e,
+               margin=margin, fragmentation=frag, context=g.context_bytes, expandable_segments=expandable_segments)

@@ -582,10 +582,20 @@ def preset(name: str) -> ModelSpec:
 
 # ----------------------------------------------------------------------------- GPUs
 
+# What a process's CUDA context and libraries (cuBLAS, cuDNN kernels, handles) take outside
+# PyTorch's allocator: device use minus max_memory_reserved, measured on an H100 (driver 580, CUDA
+# 13, torch 2.11) after a training step. The default for GPUs where nobody has measured it: newer
+# drivers load modules lazily, older stacks take more (Hugging Face measured 1343 MB on a V100).
+DEFAULT_CONTEXT_BYTES = 787_283_968
+# nvidia-smi's total minus what cudaMemGetInfo calls total, on the H100: the driver keeps it
+DEFAULT_DRIVER_HOLD_FRACTION = 1 - 85_017_493_504 / (81559 * MiB)
+
+
 @dataclass(frozen=True, kw_only=True)
 class GPUSpec:
-    """A GPU's memory and speed. memory_bytes is what the driver reports as total (nvidia-smi's
-    'Total', which torch.cuda.mem_get_info also returns); marketing GB are decimal and larger."""
+    """A GPU's memory and speed. memory_bytes is nvidia-smi's 'Total'; marketing GB are decimal
+    and larger. What a process can use is less: `usable_bytes` (cudaMemGetInfo's total, where
+    measured) less `context_bytes` (the CUDA context and libraries, outside PyTorch's allocator)."""
 
     name: str
     memory_bytes: int
@@ -595,14 +605,38 @@ class GPUSpec:
     interconnect: str  # host link (and NVLink, if any)
     host_link_GBps: float  # PCIe x16 per direction, decimal GB/s
     architecture: str
+    measured_usable_bytes: int | None = None  # torch.cuda.mem_get_info()[1] on this card
+    measured_context_bytes: int | None = None  # device use - max_memory_reserved, on this card
+
+    @property
+    def usable_bytes(self) -> int:
+        """cudaMemGetInfo's total: measured, or nvidia-smi's total less the driver's hold (the H100's)."""
+        if self.measured_usable_bytes is not None:
+            return self.measured_usable_bytes
+        return int(self.memory_bytes * (1 - DEFAULT_DRIVER_HOLD_FRACTION))
+
+    @property
+    def context_bytes(self) -> int:
+        """The CUDA context and libraries: measured, or DEFAULT_CONTEXT_BYTES."""
+        return DEFAULT_CONTEXT_BYTES if self.measured_context_bytes is None else self.measured_context_bytes
+
+    @property
+    def cublas_workspace_bytes(self) -> int:
+        """One cuBLAS handle's workspace, which PyTorch allocates through its caching allocator
+        (ATen/cuda/CublasHandlePool.cpp, default CUBLAS_WORKSPACE_CONFIG): 32 MiB on Hopper and
+        Blackwell, :4096:2:16:8 = 8 MiB + 128 KiB before. Measured on an H100: 32 MiB per handle."""
+        if self.architecture in ("Hopper", "Blackwell", "unknown"):
+            return 4096 * 8 * 1024
+        return 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
-def _g(name, mem_mib, bw, f32, f16, link, link_bw, arch):
+def _g(name, mem_mib, bw, f32, f16, link, link_bw, arch, **measured):
     return GPUSpec(name=name, memory_bytes=mem_mib * MiB, bandwidth_GBps=bw, peak_tflops_fp32=f32,
-                   peak_tflops_16=f16, interconnect=link, host_link_GBps=link_bw, architecture=arch)
+                   peak_tflops_16=f16, interconnect=link, host_link_GBps=link_bw, architecture=arch, **measured)
 
 
-# Vendor data sheets (NVIDIA); memory as reported by nvidia-smi on each card.
+# Vendor data sheets (NVIDIA); memory as reported by nvidia-smi on each card. Measured fields:
+# benchmarks/results/h100/ (H100 80GB HBM3, driver 580.159.04, CUDA 13.0, torch 2.11).
 GPUS: dict[str, GPUSpec] = {g.name: g for g in (
     _g("gtx-1060-6gb", 6144, 192, 4.4, 0.07, "PCIe 3.0 x16", 15.75, "Pascal"),
     _g("t4", 15360, 320, 8.1, 65, "PCIe 3.0 x16", 15.75, "Turing"),
@@ -610,7 +644,8 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in (
     _g("rtx-4090", 24564, 1008, 82.6, 165.2, "PCIe 4.0 x16", 31.5, "Ada"),
     _g("a100-40gb", 40960, 1555, 19.5, 312, "PCIe 4.0 x16, NVLink 600 GB/s", 31.5, "Ampere"),
     _g("a100-80gb", 81920, 2039, 19.5, 312, "PCIe 4.0 x16, NVLink 600 GB/s", 31.5, "Ampere"),
-    _g("h100-80gb", 81559, 3350, 67, 989, "PCIe 5.0 x16, NVLink 900 GB/s", 63, "Hopper"),
+    _g("h100-80gb", 81559, 3350, 67, 989, "PCIe 5.0 x16, NVLink 900 GB/s", 63, "Hopper",
+       measured_usable_bytes=85_017_493_504, measured_context_bytes=DEFAULT_CONTEXT_BYTES),
     _g("h200", 143771, 4800, 67, 989, "PCIe 5.0 x16, NVLink 900 GB/s", 63, "Hopper"),
 )}
 _GPU_ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "gtx-1060": "gtx-1060-6gb", "gtx1060": "gtx-1060-6gb",
@@ -627,12 +662,16 @@ def gpu(name: str) -> GPUSpec:
     return GPUS[key]
 
 
-def custom_gpu(memory: int, *, name: str = "custom") -> GPUSpec:
-    """A GPU known only by its memory in bytes (speed fields zero)."""
-    if memory <= 0:
-        raise SpecError("GPU memory must be positive")
+def custom_gpu(memory: int, *, name: str = "custom", context_bytes: int | None = None) -> GPUSpec:
+    """A GPU known only by its memory in bytes: what cudaMemGetInfo reports as total (speed fields
+    zero). `context_bytes`: what the CUDA context takes outside PyTorch's allocator, if measured."""
+    if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
+        raise SpecError(f"GPU memory must be a positive number of bytes, got {memory!r}")
+    if context_bytes is not None and (not isinstance(context_bytes, int) or not 0 <= context_bytes < memory):
+        raise SpecError(f"context_bytes must be between 0 and the GPU's memory, got {context_bytes!r}")
     return GPUSpec(name=name, memory_bytes=int(memory), bandwidth_GBps=0.0, peak_tflops_fp32=0.0,
-                   peak_tflops_16=0.0, interconnect="unknown", host_link_GBps=0.0, architecture="unknown")
+                   peak_tflops_16=0.0, interconnect="unknown", host_link_GBps=0.0, architecture="unknown",
+                   measured_usable_bytes=int(memory), measured_context_bytes=context_bytes)
 
 
 __all__ = ["ModelSpec", "GPUSpec", "SpecError", "from_config", "preset", "preset_names", "gpu", "custom_gpu",

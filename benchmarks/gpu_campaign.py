@@ -1,0 +1,216 @@
+"""The GPU campaign: re-measure, on whatever CUDA GPU this machine has, everything the book and the
+tests compare the estimator with. One command, from the repository root:
+
+    python benchmarks/gpu_campaign.py              # everything
+    python benchmarks/gpu_campaign.py --only accuracy,maxbatch
+    python benchmarks/gpu_campaign.py --dry-run    # the plan, without running it (works without a GPU)
+
+Steps (each configuration measured in its own process, so nothing of one can count in another):
+- accuracy:  the 33 cases of benchmarks/estimator_accuracy.py against max_memory_allocated, several
+             processes at a time within a memory budget the estimator itself computes (peaks are
+             per process; no timings are reported from this step)
+             -> benchmarks/results/estimator_accuracy_cuda.json
+- inference: prefill (all logits) and generate() for Llama-3.2-1B and GPT-2, and the source
+             article's mT5-base runs -> benchmarks/results/gpu_campaign.json ("inference")
+- maxbatch:  the largest GPT-2 s512 bf16-mixed batch that trains, default allocator and
+             expandable_segments, bisected one probe per process from vramlab.fit's answer, with
+             the GPU to itself -> benchmarks/results/gpu_campaign.json ("maxbatch")
+- labs:      every lab's instructor version, run without a Jupyter kernel (labs/kernelless.py)
+             -> labs/results/<lab>.json
+
+Needs torch and transformers (peft for nothing here); not the Jupyter stack, not the network: it
+runs on a bare GPU image with `PYTHONPATH=src`. Later chapters add their labs and cases here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+STEPS = ("accuracy", "inference", "maxbatch", "labs")
+LABS = ("lab01_where_memory_goes", "lab02_collectives", "lab05_mixed_precision")
+INFERENCE = [  # (preset, batch, prompt, new tokens or None for a prefill with all logits, dtype)
+    ("llama-3.2-1b", 16, 1024, None, "bf16"), ("llama-3.2-1b", 16, 1024, 128, "bf16"),
+    ("gpt2", 32, 512, None, "bf16"), ("gpt2", 32, 512, 128, "bf16"),
+    ("mt5-base", 1, 10, None, "fp32"), ("mt5-base", 1, 10, 20, "fp32"),
+]
+MAXBATCH = dict(model="gpt2", seq_len=512, precision="bf16-mixed")
+T0 = time.perf_counter()
+
+
+def say(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.0f} s] {msg}", flush=True)
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("estimator_accuracy", ROOT / "benchmarks" / "estimator_accuracy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_parallel(jobs: list[tuple[str, int, object]], budget: int, workers: int = 4) -> dict[str, object]:
+    """Run (name, bytes it will hold, callable) jobs concurrently while the bytes of the running ones
+    stay within `budget`; the largest first. Returns {name: result}."""
+    lock, cond, held = threading.Lock(), threading.Condition(threading.Lock()), [0]
+    results: dict[str, object] = {}
+
+    def one(name: str, need: int, fn) -> None:
+        need = min(need, budget)
+        with cond:
+            cond.wait_for(lambda: held[0] + need <= budget)
+            held[0] += need
+        try:
+            r = fn()
+        finally:
+            with cond:
+                held[0] -= need
+                cond.notify_all()
+        with lock:
+            results[name] = r
+            say(f"  {len(results)}/{len(jobs)} {name}")
+
+    with ThreadPoolExecutor(workers) as pool:
+        for f in [pool.submit(one, *job) for job in sorted(jobs, key=lambda j: -j[1])]:
+            f.result()
+    return results
+
+
+def accuracy(gpu_spec, dry: bool) -> None:
+    from vramlab import estimate_training, preset
+    from vramlab.measure import provenance
+
+    bench = _bench()
+    jobs = []
+    for name, over, opts in bench.CASES:
+        spec = dataclasses.replace(preset(name), **over)
+        need = int(estimate_training(spec, gpu=gpu_spec, **opts).total * 1.3) + gpu_spec.context_bytes
+        jobs.append((bench.case_name(name, over, opts), need,
+                     lambda n=name, o=over, p=opts: bench.run_case(n, o, p, mode="cuda")))
+    say(f"accuracy: {len(jobs)} cases, one process each, up to 4 at a time within {0.85 * gpu_spec.usable_bytes / 2**30:.0f} GiB")
+    if dry:
+        return
+    done = run_parallel(jobs, int(0.85 * gpu_spec.usable_bytes))
+    rows = [done[n] for n, _, _ in jobs]
+    summary = bench.summarize(rows)
+    out = RESULTS / "estimator_accuracy_cuda.json"
+    out.write_text(json.dumps({"mode": "cuda", "measured_as": "torch.cuda.max_memory_allocated()",
+                               "command": "python benchmarks/gpu_campaign.py", "provenance": provenance("cuda"),
+                               "summary": summary, "cases": rows}, indent=1) + "\n")
+    worst = max(abs(r["error_pct"]) for r in rows)
+    say(f"accuracy: wrote {out.relative_to(ROOT)}; worst |error| {worst:.2f} %")
+
+
+def inference(gpu_spec, dry: bool) -> list[dict]:
+    from vramlab import estimate_inference, preset
+    from vramlab.measure import measure_isolated
+
+    say(f"inference: {len(INFERENCE)} configurations, one process each")
+    if dry:
+        return []
+    rows = []
+    for name, b, s, new, dtype in INFERENCE:
+        est = estimate_inference(name, batch_size=b, seq_len=s, dtype=dtype, new_tokens=new, gpu=gpu_spec)
+        m = measure_isolated("inference", preset(name), batch_size=b, seq_len=s, precision=dtype, mode="cuda",
+                             new_tokens=new)
+        row = {"model": name, "batch_size": b, "seq_len": s, "new_tokens": new, "dtype": dtype,
+               "estimated": est.total, "estimated_phase": est.phase,
+               "peak_allocated": None if m is None else m.peak_allocated,
+               "peak_reserved": None if m is None else m.peak_reserved,
+               "device_in_use": None if m is None else m.device_in_use, "seconds": None if m is None else m.seconds}
+        rows.append(row)
+        err = "OOM" if m is None else f"{100 * (est.total - m.peak_allocated) / m.peak_allocated:+.2f} %"
+        say(f"  {name} b={b} s={s} new={new} {dtype}: estimate {err}")
+    return rows
+
+
+def maxbatch(gpu_spec, dry: bool) -> list[dict]:
+    from vramlab import fit, preset
+    from vramlab.measure import largest_batch
+
+    opts = {k: v for k, v in MAXBATCH.items() if k != "model"}
+    rows = []
+    for expandable in (False, True):
+        predicted = fit(MAXBATCH["model"], gpu_spec, expandable_segments=expandable, **opts).max_batch_size
+        conf = "expandable_segments:True" if expandable else ""
+        say(f"maxbatch: {MAXBATCH['model']} {opts} alloc_conf={conf or 'default'}: fit() says {predicted}; bisecting")
+        if dry:
+            continue
+        measured, probes = largest_batch(preset(MAXBATCH["model"]), start=max(predicted, 1), alloc_conf=conf or None,
+                                         progress=lambda m: say("  " + m), **opts)
+        rows.append({"case": f"{MAXBATCH['model']} s={opts['seq_len']} {opts['precision']} sdpa adamw foreach",
+                     "alloc_conf": conf, "predicted_max_batch": predicted, "measured_max_batch": measured,
+                     "probes": {str(k): v for k, v in sorted(probes.items())}})
+        say(f"maxbatch: measured {measured}, predicted {predicted}")
+    return rows
+
+
+def labs(dry: bool) -> None:
+    sys.path.insert(0, str(ROOT / "labs"))
+    import kernelless
+
+    for lab in LABS:
+        say(f"labs: {lab} (instructor version, no kernel) -> labs/results/{lab}.json")
+        if not dry:
+            kernelless.run(lab, command=f"python benchmarks/gpu_campaign.py (labs/kernelless.py {lab})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps: {', '.join(STEPS)}")
+    p.add_argument("--dry-run", action="store_true", help="print the plan; measure nothing (no GPU needed)")
+    args = p.parse_args(argv)
+    steps = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        print(f"gpu_campaign: unknown step {', '.join(unknown)}; choose from {', '.join(STEPS)}", file=sys.stderr)
+        return 2
+    import torch
+
+    from vramlab import gpu as catalogue
+    from vramlab.specs import custom_gpu
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0)
+        gpu_spec = custom_gpu(torch.cuda.mem_get_info()[1], name=name)
+        if "H100" in name:
+            gpu_spec = catalogue("h100")
+    elif args.dry_run:
+        name, gpu_spec = "no GPU (dry run: the H100's catalogue entry)", catalogue("h100")
+    else:
+        print("gpu_campaign: no CUDA GPU here; run it on a GPU machine (or --dry-run for the plan)", file=sys.stderr)
+        return 2
+    say(f"GPU campaign on {name}: {', '.join(steps)}")
+    report: dict = {}
+    out = RESULTS / "gpu_campaign.json"
+    if out.exists():
+        report = json.loads(out.read_text())
+    if "accuracy" in steps:
+        accuracy(gpu_spec, args.dry_run)
+    if "inference" in steps:
+        report["inference"] = inference(gpu_spec, args.dry_run)
+    if "maxbatch" in steps:
+        report["maxbatch"] = maxbatch(gpu_spec, args.dry_run)
+    if not args.dry_run and ({"inference", "maxbatch"} & set(steps)):
+        from vramlab.measure import provenance
+
+        report.update(provenance=provenance("cuda"), command="python benchmarks/gpu_campaign.py --only " + args.only)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+        say(f"wrote {out.relative_to(ROOT)}")
+    if "labs" in steps:
+        labs(args.dry_run)
+    say("done" + (" (dry run: nothing measured)" if args.dry_run else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

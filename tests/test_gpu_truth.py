@@ -1,0 +1,150 @@
+"""The estimator against measurements on a real H100 (benchmarks/results/h100/, provenance in its
+README). Runs on the CPU: the expected values are allocator peaks measured on the GPU, so every
+test here can fail when the estimator drifts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from vramlab import estimate_inference, estimate_training, fit, gpu, preset
+from vramlab.memory import largest_tensor_bytes
+
+H100 = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "h100"
+TOLERANCE = 0.03  # issue #9: every stored case within 3 % of max_memory_allocated
+
+
+def rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (H100 / name).read_text().splitlines() if line.strip()]
+
+
+def parse_case(case: str) -> tuple[str, dict, dict]:
+    """'llama-3.2-1b[num_layers=3] b=2 s=512 precision=bf16-mixed' or the presets' form
+    'gpt2 b=8 s=1024 bf16-mixed recompute=none attention=sdpa' -> (preset, overrides, options)."""
+    head, *rest = case.split()
+    m = re.fullmatch(r"([\w.\-]+)(?:\[(.*)\])?", head)
+    over = {k: int(v) for k, v in (kv.split("=") for kv in m.group(2).split(","))} if m.group(2) else {}
+    opts: dict = {}
+    for tok in rest:
+        if "=" not in tok:
+            opts["precision"] = tok
+            continue
+        k, v = tok.split("=")
+        k = {"b": "batch_size", "s": "seq_len"}.get(k, k)
+        opts[k] = int(v) if k in ("batch_size", "seq_len") else v
+    return m.group(1), over, opts
+
+
+TRAIN = [(r["case"], r["peak_allocated"]) for r in rows("benchmark_cases_h100.jsonl")]
+TRAIN += [(r["case"], r["peak_allocated"]) for r in rows("presets_train_h100.jsonl") if not r["alloc_conf"]]
+
+
+def test_the_regression_set_is_complete():
+    assert len(TRAIN) == 30 + 14
+    assert {r["probe"] for r in rows("presets_infer_h100.jsonl")} == {"infer"}
+
+
+@pytest.mark.parametrize("case, measured", TRAIN, ids=[c for c, _ in TRAIN])
+def test_training_estimate_within_3_percent_of_the_h100_allocator(case, measured):
+    name, over, opts = parse_case(case)
+    spec = dataclasses.replace(preset(name), **over)
+    est = estimate_training(spec, device="cuda", gpu="h100", **opts)
+    err = (est.total - measured) / measured
+    assert abs(err) <= TOLERANCE, f"{case}: estimate {est.total:,} vs measured {measured:,} ({100 * err:+.2f} %)"
+
+
+def test_expandable_segments_do_not_change_allocated_bytes():
+    """The allocator setting changes reserved, not allocated: the same estimate holds for both."""
+    by_conf = {r["alloc_conf"]: r["peak_allocated"] for r in rows("presets_train_h100.jsonl")
+               if r["case"].startswith("gpt2 b=8 s=1024 bf16-mixed")}
+    est = estimate_training("gpt2", batch_size=8, seq_len=1024, precision="bf16-mixed").total
+    for measured in by_conf.values():
+        assert abs(est - measured) / measured <= TOLERANCE
+
+
+@pytest.mark.parametrize("row", rows("presets_infer_h100.jsonl"), ids=lambda r: r["case"])
+def test_prefill_estimate_within_3_percent(row):
+    name, b, prompt = re.match(r"(\S+) b=(\d+) prompt=(\d+)", row["case"]).groups()
+    est = estimate_inference(name, batch_size=int(b), seq_len=int(prompt), dtype="bf16")
+    assert abs(est.total - row["prefill_peak"]) / row["prefill_peak"] <= TOLERANCE
+
+
+def test_generate_keeps_one_logits_row_and_is_within_3_percent_for_llama():
+    row = next(r for r in rows("presets_infer_h100.jsonl") if r["case"].startswith("llama-3.2-1b"))
+    est = estimate_inference("llama-3.2-1b", batch_size=16, seq_len=1024, new_tokens=128)
+    prefill = estimate_inference("llama-3.2-1b", batch_size=16, seq_len=1024)
+    assert abs(est.total - row["peak_allocated"]) / row["peak_allocated"] <= TOLERANCE
+    assert est.total < 0.55 * prefill.total  # the all-logits forward is not what generate() holds
+
+
+def test_generate_gpt2_oddity_is_still_over_not_under():
+    """The stored GPT-2 generate peak sits below weights + prompt cache (see the README's 'Known
+    oddity'): the estimate must at least never be below it (an under-estimate would OOM)."""
+    row = next(r for r in rows("presets_infer_h100.jsonl") if r["case"].startswith("gpt2"))
+    est = estimate_inference("gpt2", batch_size=32, seq_len=512, new_tokens=128)
+    assert est.total >= row["peak_allocated"]
+    assert est.kv_cache == row["estimated_kv"]  # the prompt's cache, counted independently on the GPU side
+
+
+def _seed(case_prefix: str) -> dict:
+    return next(r for r in rows("seeds_mt5_h100.jsonl") if r["case"].startswith(case_prefix))
+
+
+def test_mt5_base_seeds_within_3_percent():
+    """The source article's mT5-base experiments: full fp32 fine-tune, LoRA r=8 on q,v, inference."""
+    spec = preset("mt5-base")
+    full, lora, infer = _seed("mt5-base full-ft"), _seed("mt5-base lora"), _seed("mt5-base infer")
+    assert spec.params == full["params"] == 582_401_280
+    cases = [(estimate_training(spec, batch_size=32, seq_len=10), full),
+             (estimate_training(spec, batch_size=32, seq_len=10, trainable_params=lora["trainable"]), lora),
+             (estimate_inference(spec, batch_size=1, seq_len=10, dtype="fp32"), infer)]
+    for est, row in cases:
+        assert abs(est.total - row["peak_allocated"]) / row["peak_allocated"] <= TOLERANCE, row["case"]
+
+
+def _boundary(conf: str) -> tuple[int, int]:
+    probes = [r for r in rows("maxbatch_gpt2_h100.jsonl") if r["alloc_conf"] == conf]
+    fits = max(r["batch"] for r in probes if r["fits"])
+    fails = min(r["batch"] for r in probes if not r["fits"])
+    return fits, fails
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_fit_never_exceeds_the_measured_largest_batch_and_reaches_90_percent(expandable):
+    fits, fails = _boundary("expandable_segments:True" if expandable else "")
+    assert (fits, fails) == ((112, 120) if expandable else (104, 112))
+    answer = fit("gpt2", "h100-80gb", seq_len=512, precision="bf16-mixed", expandable_segments=expandable).max_batch_size
+    assert 0.9 * fits <= answer <= fits
+
+
+def test_max_batch_estimates_track_the_measured_sweep():
+    for r in rows("maxbatch_gpt2_h100.jsonl"):
+        if r["fits"]:
+            est = estimate_training("gpt2", batch_size=r["batch"], seq_len=512, precision="bf16-mixed").total
+            assert abs(est - r["peak_allocated"]) / r["peak_allocated"] <= 0.01, r
+
+
+def test_fit_reserve_is_what_the_h100_showed_between_allocated_and_oom():
+    """The OOM at batch 112 asked for 10.74 GiB, the fp32 logits: the fragmentation term is the
+    largest tensor; the context term is device use minus reserved on the same run."""
+    f = fit("gpt2", "h100", batch_size=112, seq_len=512, precision="bf16-mixed")
+    assert f.fragmentation == largest_tensor_bytes("gpt2", batch_size=112, seq_len=512)
+    assert round(f.fragmentation / 2**30, 2) == 10.74  # "Tried to allocate 10.74 GiB" in the OOM message
+    r = next(r for r in rows("presets_train_h100.jsonl") if not r["alloc_conf"])
+    assert f.context == r["device_in_use"] - r["peak_reserved"]
+    assert f.available == next(x for x in rows("maxbatch_gpt2_h100.jsonl") if "total" in x)["total"]
+    assert not f.fits and f.reserve == f.margin + f.fragmentation + f.context
+
+
+def test_cuda_workspaces_are_the_h100s():
+    """Two cuBLAS workspaces (forward thread, autograd's thread), 32 MiB each on Hopper."""
+    o = rows("overheads_h100.jsonl")[0]
+    assert gpu("h100").cublas_workspace_bytes == o["matmul_float32_workspace_allocated"]
+    cuda = estimate_training("gpt2", batch_size=1, seq_len=8)
+    cpu = estimate_training("gpt2", batch_size=1, seq_len=8, device="cpu")
+    assert cuda.other - cpu.other == 2 * o["matmul_float32_workspace_allocated"]
+    assert gpu("t4").cublas_workspace_bytes == 4096 * 1024 * 2 + 16 * 1024 * 8  # PyTorch's pre-Hopper default
