@@ -58,6 +58,13 @@ def test_chapter1_figures_math_and_widget(built):
     # numbers computed by vramlab at build time, e.g. the seeds' BERT checkpoint
     assert "419.62 MiB" in page and "2.168 GiB" in page
     assert "CPU traces" in page  # the measured figures say what they are
+    # the H100 section: provenance on the page, the allocator's three numbers, fit against the OOM boundary
+    assert "NVIDIA H100 80GB HBM3, driver 580.159.04" in page and "max_memory_reserved" in page
+    assert "expandable_segments" in page and "memory_summary" in page
+    for measured in ("104", "112", "120"):
+        assert f">{measured}<" in page or f"{measured} " in page
+    assert "transformers/activations.py:66" in page  # the live blocks at the peak, by frame
+    assert "12.2 GB" in page and "device in use" in page  # the source article, reconciled
 
 
 def test_lab_page_opens_in_colab(built):
@@ -82,3 +89,4 @@ def test_chapter5_formats_and_gradients(built):
     assert len(re.findall(r'<img[^>]+src="[^"]*_images/[^"]+\.png"', page)) >= 2  # histogram, update survival
     assert "65504" in page.replace(",", "") or "6.55e+04" in page  # fp16's max, from the format table
     assert "loss_type" not in page  # no library warnings leak into the page
+    assert "flush probe" in page and "tokens:" in page

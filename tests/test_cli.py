@@ -73,3 +73,43 @@ def test_console_script_and_lists():
     r = subprocess.run([exe, "presets"], capture_output=True, text=True)
     assert r.returncode == 0 and "llama-3.1-70b" in r.stdout and f"{preset('gpt2').params:,}" in r.stdout
     assert "h100-80gb" in run("gpus").stdout
+
+
+def test_gpu_fit_shows_its_reserve(capsys):
+    """--gpu prints what stands between the estimate and an OOM, term by term (and in --json)."""
+    args = ["estimate", "train", "--model", "gpt2", "--batch-size", "104", "--seq-len", "512",
+            "--precision", "bf16-mixed", "--gpu", "h100"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for term in ("estimate margin (3%)", "fragmentation", "CUDA context and libraries", "79.18 GiB usable"):
+        assert term in out, term
+    assert main(args + ["--json"]) == 0
+    g = json.loads(capsys.readouterr().out)["gpu"]
+    r = g["reserve"]
+    assert g["reserve_bytes"] == r["estimate_margin_bytes"] + r["fragmentation_bytes"] + r["cuda_context_bytes"]
+    assert r["fragmentation_bytes"] == 104 * 512 * 50257 * 4  # the fp32 logits: the largest tensor
+    assert main(args + ["--json", "--expandable-segments"]) == 0
+    g2 = json.loads(capsys.readouterr().out)["gpu"]
+    assert g2["expandable_segments"] and g2["reserve"]["fragmentation_bytes"] == 2 * 2**20
+    assert g2["max_batch_size"] > g["max_batch_size"]
+
+
+def test_generate_estimate(capsys):
+    assert main(["estimate", "infer", "--model", "llama-3.2-1b", "--batch-size", "16", "--seq-len", "1024",
+                 "--new-tokens", "128", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["peak_phase"].startswith("generate") and out["options"]["new_tokens"] == 128
+    # the prompt's cache: 2 L a_kv d s b bytes = 2 * 16 * 8 * 64 * 1024 * 16 * 2
+    assert out["breakdown"]["kv_cache"] == 2 * 16 * 8 * 64 * 1024 * 16 * 2
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["train", "--model", "gpt2", "--batch-size", "1", "--seq-len", "8", "--expandable-segments"], "give --gpu"),
+    (["train", "--model", "gpt2", "--batch-size", "1", "--seq-len", "8", "--new-tokens", "4"], "for 'estimate infer'"),
+    (["infer", "--model", "gpt2", "--batch-size", "1", "--seq-len", "8", "--new-tokens", "-1"], "non-negative"),
+    (["train", "--model", "gpt2", "--batch-size", "1", "--seq-len", "8", "--gpu", "t4", "--device", "cpu"], "leave --device"),
+])
+def test_bad_gpu_options_one_line_exit_2(args, needle):
+    r = run("estimate", *args)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

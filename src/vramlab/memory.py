@@ -519,8 +519,9 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     and NCCL buffers are not included (see `fit`). Where the peak falls inside one block's
     backward (tiny models with small vocabularies, especially under full recompute) the transient
     gradients are modelled, not traced: errors up to ~10-20 % there, against < 1 % for real models
-    (benchmarks/estimator_accuracy.py). CUDA kernels are modelled from their documentation: the GPU
-    validation run is still outstanding.
+    (benchmarks/estimator_accuracy.py). CUDA kernels are modelled from PyTorch's source and checked
+    against one GPU (an H100); other GPUs pick other kernels in places. PEFT (`trainable_params`)
+    assumes adapters on the attention projections and leaves the adapters' own bytes out.
     """
     spec = _resolve(model)
     _check_positive(batch_size=batch_size, seq_len=seq_len)
@@ -713,14 +714,13 @@ class Fit:
 
     def explain(self) -> str:
         """One line per term of `needed`."""
-        alloc = "expandable segments (2 MiB pages)" if self.expandable_segments else \
-            "default caching allocator: a fresh segment for the largest tensor"
-        return "\n".join([
-            f"  estimate (max_memory_allocated)  {fmt_bytes(self.estimate):>12}",
-            f"  + estimate margin ({ESTIMATE_MARGIN:.0%})          {fmt_bytes(self.margin):>12}",
-            f"  + fragmentation                  {fmt_bytes(self.fragmentation):>12}  ({alloc})",
-            f"  + CUDA context and libraries     {fmt_bytes(self.context):>12}",
-            f"  = needed                         {fmt_bytes(self.needed):>12}  of {fmt_bytes(self.available)} usable"])
+        alloc = "expandable: 2 MiB pages" if self.expandable_segments else "the largest tensor"
+        rows = [("estimate (max_memory_allocated)", self.estimate, ""),
+                (f"+ estimate margin ({ESTIMATE_MARGIN:.0%})", self.margin, ""),
+                ("+ fragmentation", self.fragmentation, f"  ({alloc})"),
+                ("+ CUDA context and libraries", self.context, ""),
+                ("= needed", self.needed, f"  of {fmt_bytes(self.available)} usable")]
+        return "\n".join(f"  {label:<31}{fmt_bytes(n):>12}{note}" for label, n, note in rows)
 
     def __str__(self) -> str:
         verdict = "fits" if self.fits else "does NOT fit"

@@ -31,15 +31,15 @@ def training_calculator(*, model: str = "gpt2", batch_size: int = 8, seq_len: in
         g = specs.gpu(w_gpu.value)
         opts = dict(seq_len=w_seq.value, precision=w_prec.value, optimizer=w_opt.value, attention=w_attn.value,
                     recompute=w_rec.value)
-        train = memory.estimate_training(spec, batch_size=w_batch.value, **opts)
+        train = memory.estimate_training(spec, batch_size=w_batch.value, gpu=g, **opts)
         infer_dtype = "fp32" if w_prec.value == "fp32" else "bf16"
-        infer = memory.estimate_inference(spec, batch_size=w_batch.value, seq_len=w_seq.value, dtype=infer_dtype)
+        infer = memory.estimate_inference(spec, batch_size=w_batch.value, seq_len=w_seq.value, dtype=infer_dtype, gpu=g)
         verdict = memory.fit(spec, g, batch_size=w_batch.value, **opts)
         with out:
             out.clear_output(wait=True)
             fig, ax = plt.subplots(figsize=(7, 3.6))
             plots.stacked([train, infer], ["training step", f"inference prefill ({infer_dtype})"], ax=ax,
-                          capacity=g.memory_bytes, capacity_label=g.name,
+                          capacity=g.usable_bytes, capacity_label=f"{g.name} (usable)",
                           title=f"{spec.name}: {spec.params / 1e6:,.0f} M params, b={w_batch.value}, s={w_seq.value}")
             plt.show()
             print(train.table(title="training step"))
