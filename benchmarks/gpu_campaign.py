@@ -101,6 +101,8 @@ def accuracy(gpu_spec, dry: bool) -> None:
         return
     done = run_parallel(jobs, int(0.85 * gpu_spec.usable_bytes))
     rows = [done[n] for n, _, _ in jobs]
+    for r in rows:  # peaks are per process; the device's use and step times are shared by the parallel runs
+        r["device_in_use_bytes"] = r["step_seconds"] = None
     summary = bench.summarize(rows)
     out = RESULTS / "estimator_accuracy_cuda.json"
     out.write_text(json.dumps({"mode": "cuda", "measured_as": "torch.cuda.max_memory_allocated()",

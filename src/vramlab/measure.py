@@ -461,6 +461,12 @@ def _child() -> int:
     except torch.cuda.OutOfMemoryError:
         print(json.dumps({"oom": True}))
         return 0
+    except RuntimeError as e:  # some libraries report an OOM as a plain RuntimeError (cuBLAS, NCCL)
+        if "out of memory" in str(e).lower() or "ALLOC_FAILED" in str(e):
+            print(json.dumps({"oom": True}))
+            return 0
+        print(json.dumps({"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}))
+        return 1
     except Exception as e:  # noqa: BLE001 - reported to the parent in one line
         print(json.dumps({"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}))
         return 1
