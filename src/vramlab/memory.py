@@ -285,10 +285,13 @@ def _drop(spec: ModelSpec, name: str, n: int = 1) -> list[Saved]:
     return [Saved(name=f"{name} dropout mask", width=spec.hidden_size, kind="mask")] * n
 
 
-def _qkv_separate(spec: ModelSpec) -> list[Saved]:
-    # q, k, v outputs; grouped-query k and v are expanded to all heads (repeat_kv) before attention.
-    # With a single KV head the expansion is a stride-0 view: no copy.
-    kv = spec.kv_dim if spec.num_kv_heads == 1 else spec.q_dim
+def _qkv_separate(spec: ModelSpec, *, gqa_native: bool = False) -> list[Saved]:
+    # q, k, v outputs; grouped-query k and v are expanded to all heads (repeat_kv, or the math
+    # SDPA's repeat_interleave) before attention. With a single KV head the expansion is a stride-0
+    # view: no copy. `gqa_native`: transformers passes enable_gqa=True to SDPA (no mask) and CUDA's
+    # flash kernel reads the KV heads as they are (16-bit only; measured on an H100: Llama-3.2-1B
+    # bf16 AMP keeps k and v at the KV width).
+    kv = spec.kv_dim if (spec.num_kv_heads == 1 or gqa_native) else spec.q_dim
     return [Saved(name="q", width=spec.q_dim, kind="half"), Saved(name="k (all heads)", width=kv, kind="half"),
             Saved(name="v (all heads)", width=kv, kind="half")]
 
@@ -328,8 +331,9 @@ def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: s
                 + _attention(spec, qkv=_qkv_separate(spec), **kw) + _drop(spec, "hidden", 2)
                 + _norm(spec, "final_layer_norm") + _mlp(spec, amp=amp))
     if f == "llama":
+        flash_gqa = device == "cuda" and not math and precision != "fp32"
         return (_norm(spec, "input_layernorm") + _cast_inputs("q/k/v input", h, 3, amp=amp)
-                + _attention(spec, qkv=_qkv_separate(spec), **kw)
+                + _attention(spec, qkv=_qkv_separate(spec, gqa_native=flash_gqa), **kw)
                 + _norm(spec, "post_attention_layernorm") + _mlp(spec, amp=amp))
     if f == "bert":  # post-norm: LayerNorm(x + dropout(dense(...)))
         return (_cast_inputs("q/k/v input", h, 3, amp=amp) + _attention(spec, qkv=_qkv_separate(spec), **kw)
