@@ -19,7 +19,7 @@ Steps (each configuration measured in its own process, so nothing of one can cou
              -> labs/results/<lab>.json
 
 Needs torch and transformers (peft for nothing here); not the Jupyter stack, not the network: it
-runs on a bare GPU image with `PYTHONPATH=src`. Later chapters add their labs and cases here.
+runs on a bare GPU image from a checkout, without installing vramlab. Later chapters add their labs and cases here.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 import threading
 import time
@@ -36,6 +37,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+# this checkout's vramlab, for this process and every process it starts (labs change directory):
+# no install needed on a bare GPU image
+sys.path.insert(0, str(ROOT / "src"))
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 STEPS = ("accuracy", "inference", "maxbatch", "labs")
 LABS = ("lab01_where_memory_goes", "lab02_collectives", "lab05_mixed_precision")
 INFERENCE = [  # (preset, batch, prompt, new tokens or None for a prefill with all logits, dtype)

@@ -239,3 +239,7 @@ def test_kernelless_lab_runner_matches_jupytext_and_runs_lab1(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["mode"] == "trace" and saved["command"] == "python labs/kernelless.py lab01_where_memory_goes"
     assert {r["kind"] for r in saved["rows"]} == {"train", "prefill", "max_batch"}
+    # lab 2's grader reads the ring function's source (inspect.getsource): the runner keeps cell sources
+    out2 = tmp_path / "lab02.json"
+    kl.run("lab02_collectives", results=out2)
+    assert "gloo" in json.loads(out2.read_text())["runs"]

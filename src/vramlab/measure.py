@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Literal
 
 import torch
@@ -417,6 +418,10 @@ def measure_isolated(kind: Literal["training", "inference"], spec: ModelSpec, *,
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {', '.join(_KINDS)}, got {kind!r}")
     env = dict(os.environ)
+    # the child imports this very vramlab, wherever the parent found it (a checkout on PYTHONPATH too,
+    # even after the parent changed directory)
+    here = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
     if alloc_conf is not None:
         env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
     request = json.dumps({"kind": kind, "spec": dataclasses.asdict(spec), "options": options})
