@@ -127,8 +127,11 @@ def inference(gpu_spec, dry: bool) -> list[dict]:
     rows = []
     for name, b, s, new, dtype in INFERENCE:
         est = estimate_inference(name, batch_size=b, seq_len=s, dtype=dtype, new_tokens=new, gpu=gpu_spec)
+        # generate() of a random model is slow (a Python loop per token: 20 s for 128 tokens on the H100):
+        # no warm-up (the cuBLAS workspace is made during the run either way) and one timed run
+        gen = dict(warmup_steps=0, timing_steps=1) if new is not None else {}
         m = measure_isolated("inference", preset(name), batch_size=b, seq_len=s, precision=dtype, mode="cuda",
-                             new_tokens=new)
+                             new_tokens=new, **gen)
         row = {"model": name, "batch_size": b, "seq_len": s, "new_tokens": new, "dtype": dtype,
                "estimated": est.total, "estimated_phase": est.phase,
                "peak_allocated": None if m is None else m.peak_allocated,
