@@ -477,6 +477,14 @@ def _check_positive(**sizes: int) -> None:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
 
+def _check_positions(spec: ModelSpec, seq_len: int) -> None:
+    """A model reads at most max_position_embeddings tokens (its learned position table, or the
+    context its rotary embedding was trained for); T5's relative positions have no such limit."""
+    limit = spec.max_position_embeddings
+    if spec.family != "t5" and limit and seq_len > limit:
+        raise ValueError(f"{spec.name} reads at most {limit:,} positions; seq_len {seq_len:,} is longer")
+
+
 def estimate_training(model: ModelSpec | str, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
                       optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
                       attention: AttentionImpl = "sdpa", recompute: Recompute = "none",
@@ -529,6 +537,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     """
     spec = _resolve(model)
     _check_positive(batch_size=batch_size, seq_len=seq_len)
+    _check_positions(spec, seq_len)
     _check_choice(precision, PRECISIONS, "precision")
     _check_choice(optimizer, OPTIMIZERS, "optimizer")
     _check_choice(optimizer_impl, OPTIMIZER_IMPLS, "optimizer implementation")
@@ -647,6 +656,7 @@ def estimate_inference(model: ModelSpec | str, *, batch_size: int, seq_len: int,
     Known limitations: the block's intermediates are a bound on what it holds at once, not a trace."""
     spec = _resolve(model)
     _check_positive(batch_size=batch_size, seq_len=seq_len)
+    _check_positions(spec, seq_len + (new_tokens or 0))
     _check_choice(dtype, tuple(_INFER_BYTES), "dtype")
     _check_choice(attention, ATTENTIONS, "attention implementation")
     _check_choice(device, ("cuda", "cpu"), "device")

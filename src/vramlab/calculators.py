@@ -1,0 +1,280 @@
+"""Each chapter's calculator, declared once: its inputs (with their choices or ranges and defaults)
+and the pure function that turns them into the result — text, key numbers and an SVG chart. Pure
+Python, no torch, no matplotlib: it runs the same in CPython and in the reader's browser (Pyodide).
+
+Two front ends read these declarations: `vramlab.widgets` (ipywidgets, in Jupyter and Colab) and
+`page_html` (the HTML of the online book, made live by book/_static/live.mjs, which runs this
+module in a Web Worker). `show(name, ...)` gives both at once: Jupyter draws the widget, the book
+the HTML.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from html import escape
+from typing import Any, Callable, Literal
+
+from . import collectives as C
+from . import memory, specs
+from . import precision as P
+from .svg import loglog_lines, stacked_bars
+from .units import GiB, fmt_bytes
+
+Kind = Literal["choice", "int", "float"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Input:
+    """One control. choice: one of `choices`; int: min..max; float: min..max, on a log scale if `log`."""
+
+    name: str
+    label: str
+    kind: Kind
+    default: Any
+    choices: tuple = ()
+    min: float | None = None
+    max: float | None = None
+    log: bool = False
+    unit: str = ""
+
+    def check(self, value: Any) -> Any:
+        """The value converted to the input's type, or ValueError with one line that says why."""
+        if self.kind == "choice":
+            for c in self.choices:  # choices may be numbers; the browser sends strings
+                if value == c or str(value) == str(c):
+                    return c
+            raise ValueError(f"{self.label}: {value!r} is not one of {', '.join(map(str, self.choices))}")
+        try:
+            v = int(value) if self.kind == "int" and float(value) == int(float(value)) else float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.label}: expected a number, got {value!r}") from None
+        if self.kind == "int" and not isinstance(v, int):
+            raise ValueError(f"{self.label}: expected a whole number, got {value!r}")
+        if not (self.min <= v <= self.max):
+            raise ValueError(f"{self.label}: {v:g} is outside {self.min:g}..{self.max:g}")
+        return v
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result:
+    """What a calculator shows: monospace `text`, `numbers` (name -> (value, shown as)), an `svg`."""
+
+    text: str
+    numbers: dict[str, tuple[float, str]] = field(default_factory=dict)
+    svg: str = ""
+    error: str = ""
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "numbers": {k: [v, s] for k, (v, s) in self.numbers.items()}, "svg": self.svg,
+                "error": self.error}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calculator:
+    name: str
+    title: str
+    inputs: tuple[Input, ...]
+    compute: Callable[..., Result]
+    number_labels: dict[str, str] = field(default_factory=dict)
+
+    def run(self, **values: Any) -> Result:
+        """Validate `values` (missing ones take their defaults) and compute. Bad input gives a Result
+        whose `error` says what is wrong in one line, never an exception."""
+        unknown = set(values) - {i.name for i in self.inputs}
+        if unknown:
+            return Result(text="", error=f"unknown input {', '.join(sorted(unknown))}")
+        try:
+            checked = {i.name: i.check(values.get(i.name, i.default)) for i in self.inputs}
+            return self.compute(**checked)
+        except (ValueError, KeyError) as e:
+            return Result(text="", error=str(e.args[0]) if e.args else str(e))
+
+
+# ----------------------------------------------------------------------------- chapter 1
+
+GPU_CHOICES = tuple(specs.GPUS)
+SEQ_CHOICES = (128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _training(*, model: str, batch_size: int, seq_len: int, precision: str, optimizer: str, attention: str,
+              recompute: str, gpu: str) -> Result:
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    opts = dict(seq_len=seq_len, precision=precision, optimizer=optimizer, attention=attention, recompute=recompute)
+    train = memory.estimate_training(spec, batch_size=batch_size, gpu=g, **opts)
+    infer_dtype = "fp32" if precision == "fp32" else "bf16"
+    infer = memory.estimate_inference(spec, batch_size=batch_size, seq_len=seq_len, dtype=infer_dtype, gpu=g)
+    verdict = memory.fit(spec, g, batch_size=batch_size, **opts)
+    bars = [(label, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
+            for label, b in (("training step", train), (f"inference ({infer_dtype})", infer))]
+    svg = stacked_bars(bars, title=f"{spec.name}: {spec.params / 1e6:,.0f} M params, b={batch_size}, s={seq_len}",
+                       line=(g.usable_bytes / GiB, f"{g.name} usable"))
+    text = "\n".join([train.table(title="training step"), "", str(verdict), verdict.explain(), "",
+                      f"inference prefill: {fmt_bytes(infer.total)} (KV cache {fmt_bytes(infer.kv_cache)})"])
+    return Result(text=text, svg=svg, numbers={
+        "train_total": (train.total, fmt_bytes(train.total)), "infer_total": (infer.total, fmt_bytes(infer.total)),
+        "max_batch": (verdict.max_batch_size, str(verdict.max_batch_size))})
+
+
+COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer_states": "#55A868", "activations": "#C44E52",
+          "temporaries": "#8172B3", "kv_cache": "#937860", "inputs": "#DA8BC3", "other": "#8C8C8C"}
+
+TRAINING = Calculator(
+    name="training", title="Training and inference memory", compute=_training,
+    number_labels={"train_total": "training peak", "infer_total": "inference prefill", "max_batch": "largest batch that fits"},
+    inputs=(Input(name="model", label="model", kind="choice", default="gpt2", choices=specs.preset_names()),
+            Input(name="batch_size", label="batch size", kind="int", default=8, min=1, max=128),
+            Input(name="seq_len", label="sequence length", kind="choice", default=1024, choices=SEQ_CHOICES),
+            Input(name="precision", label="precision", kind="choice", default="bf16-mixed", choices=memory.PRECISIONS),
+            Input(name="optimizer", label="optimizer", kind="choice", default="adamw", choices=memory.OPTIMIZERS),
+            Input(name="attention", label="attention", kind="choice", default="sdpa", choices=memory.ATTENTIONS),
+            Input(name="recompute", label="recompute", kind="choice", default="none", choices=memory.RECOMPUTES),
+            Input(name="gpu", label="GPU", kind="choice", default="t4", choices=GPU_CHOICES)))
+
+
+# ----------------------------------------------------------------------------- chapter 2
+
+def _collectives(*, op: str, ranks: int, size_mib: float, link: str) -> Result:
+    S = int(size_mib * 2**20)
+    t = float(C.collective_time(op, ranks, S, link))
+    alg, bus = float(C.algbw(S, t)), float(C.busbw(op, ranks, S, t))
+    text = (f"{op} of {fmt_bytes(S)} on {ranks} ranks over {link}: {t * 1e3:.3f} ms\n"
+            f"algbw {alg / 1e9:.1f} GB/s, busbw {bus / 1e9:.1f} GB/s (factor {float(C.busbw_factor(op, ranks)):g})")
+    sizes = [2**k for k in range(10, 35)]
+    palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+    series = [(name, [(s, float(C.collective_time(op, ranks, s, name))) for s in sizes], palette[i % len(palette)], name == link)
+              for i, name in enumerate(C.LINKS)]
+    svg = loglog_lines(series, title=f"{op} on {ranks} ranks: time vs message size", xlabel="message size (bytes)",
+                       ylabel="seconds", vline=S)
+    return Result(text=text, svg=svg, numbers={"time_ms": (t * 1e3, f"{t * 1e3:.3f} ms"),
+                                               "busbw_GBps": (bus / 1e9, f"{bus / 1e9:.1f} GB/s")})
+
+
+COLLECTIVES = Calculator(
+    name="collectives", title="Collectives: the alpha-beta cost", compute=_collectives,
+    number_labels={"time_ms": "time", "busbw_GBps": "bus bandwidth"},
+    inputs=(Input(name="op", label="collective", kind="choice", default="all_reduce", choices=tuple(C.OPS)),
+            Input(name="ranks", label="ranks", kind="int", default=8, min=2, max=256),
+            Input(name="size_mib", label="size", kind="float", default=256.0, min=2.0**-10, max=2.0**14, log=True,
+                  unit="MiB"),
+            Input(name="link", label="link", kind="choice", default="nvlink4", choices=tuple(C.LINKS))))
+
+
+# ----------------------------------------------------------------------------- chapter 5
+
+def _precision(*, value: float, model: str, batch_size: int) -> Result:
+    lines = [f"{'format':10s}{'rounded':>14}{'rel. error':>12}"]
+    rounded = {}
+    for f in P.FORMATS.values():
+        if f.is_float:
+            r = P.round_to(value, f)
+            rounded[f.name] = r
+            lines.append(f"{f.name:10s}{r:>14.6g}{abs(r - value) / value:>12.2e}")
+    ests = [memory.estimate_training(model, batch_size=batch_size, seq_len=1024, precision=p) for p in memory.PRECISIONS]
+    bars = [(p, [(c.replace("_", " "), getattr(e, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
+            for p, e in zip(memory.PRECISIONS, ests)]
+    svg = stacked_bars(bars, title=f"{model}, b={batch_size}, s=1024: training peak by recipe", width=720)
+    lines += ["", f"{'recipe':20s}{'training peak':>14}"] + [f"{p:20s}{fmt_bytes(e.total):>14}"
+                                                             for p, e in zip(memory.PRECISIONS, ests)]
+    return Result(text="\n".join(lines), svg=svg, numbers={
+        "fp16": (rounded["fp16"], f"{rounded['fp16']:.6g}"), "bf16": (rounded["bf16"], f"{rounded['bf16']:.6g}"),
+        "amp_peak": (ests[1].total, fmt_bytes(ests[1].total))})
+
+
+PRECISION = Calculator(
+    name="precision", title="Number formats and precision recipes", compute=_precision,
+    number_labels={"fp16": "in fp16", "bf16": "in bf16", "amp_peak": "bf16 AMP peak"},
+    inputs=(Input(name="value", label="value", kind="float", default=1e-4, min=1e-10, max=1e5, log=True),
+            Input(name="model", label="model", kind="choice", default="gpt2", choices=specs.preset_names()),
+            Input(name="batch_size", label="batch size", kind="int", default=8, min=1, max=64)))
+
+CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION)}
+
+
+def get(name: str) -> Calculator:
+    if name not in CALCULATORS:
+        raise ValueError(f"unknown calculator {name!r}; known: {', '.join(CALCULATORS)}")
+    return CALCULATORS[name]
+
+
+def run_json(name: str, values_json: str) -> str:
+    """The browser's entry point: JSON in, JSON out (a Result's dict)."""
+    try:
+        values = json.loads(values_json)
+        return json.dumps(get(name).run(**values).to_dict())
+    except (ValueError, TypeError) as e:
+        return json.dumps(Result(text="", error=str(e)).to_dict())
+
+
+# ----------------------------------------------------------------------------- the book's front end
+
+def _control(i: Input, value: Any, cid: str) -> str:
+    """Disabled until the page's script enables it: without JavaScript no control can disagree
+    with the pre-rendered numbers."""
+    common = f'id="{cid}-{i.name}" data-input="{i.name}" disabled'
+    label = f'<label for="{cid}-{i.name}">{escape(i.label)}{" (" + i.unit + ")" if i.unit else ""}</label>'
+    if i.kind == "choice":
+        opts = "".join(f'<option value="{escape(str(c))}"{" selected" if str(c) == str(value) else ""}>'
+                       f'{escape(str(c))}</option>' for c in i.choices)
+        return f'<div class="vl-field">{label}<select {common}>{opts}</select></div>'
+    if i.log:  # a log-scale slider: the page maps its position to the value
+        return (f'<div class="vl-field">{label}<input type="range" {common} data-log="1" min="{i.min!r}" '
+                f'max="{i.max!r}" step="any" value="{value!r}"><output>{value:g}</output></div>')
+    return (f'<div class="vl-field">{label}<input type="number" {common} min="{i.min:g}" max="{i.max:g}" step="1" '
+            f'value="{value}"></div>')
+
+
+def _result_html(calc: Calculator, r: Result) -> str:
+    if r.error:
+        return f'<p class="vl-error">{escape(r.error)}</p>'
+    nums = " · ".join(f'{escape(calc.number_labels.get(k, k))} <strong data-key="{k}" data-value="{v!r}">{escape(s)}'
+                      f'</strong>' for k, (v, s) in r.numbers.items())
+    return f'<p class="vl-numbers">{nums}</p><div class="vl-chart">{r.svg}</div><pre class="vl-text">{escape(r.text)}</pre>'
+
+
+def page_html(name: str, **values: Any) -> str:
+    """The calculator as the online book shows it: its controls (disabled until the page's script
+    takes over), the result pre-rendered by CPython at build time, and a status line: 'snapshot',
+    then 'loading', then 'live' (Python running in this page, in a Web Worker)."""
+    calc = get(name)
+    r = calc.run(**values)
+    if r.error:
+        raise ValueError(f"calculator {name}: {r.error}")
+    checked = {i.name: i.check(values.get(i.name, i.default)) for i in calc.inputs}
+    cid = f"vl-{name}"
+    controls = "".join(_control(i, checked[i.name], cid) for i in calc.inputs)
+    return (f'<div class="vramlab-calc" id="{cid}" data-calc="{name}" data-state="snapshot">'
+            f'<div class="vl-head"><strong>{escape(calc.title)}</strong> '
+            f'<span class="vl-status" role="status">snapshot: computed when this page was built</span>'
+            f'<button type="button" class="vl-go" hidden>make it live</button></div>'
+            f'<div class="vl-controls">{controls}</div>'
+            f'<div class="vl-result" aria-live="polite">{_result_html(calc, r)}</div></div>')
+
+
+class _Shown:
+    """Both front ends in one output: Jupyter/Colab draw the ipywidget, the book the HTML (its
+    builder is told to prefer text/html over widget views)."""
+
+    def __init__(self, name: str, values: dict[str, Any]):
+        self.name, self.values = name, values
+        self._widget = None
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        bundle = {"text/plain": f"<vramlab calculator {self.name}>", "text/html": page_html(self.name, **self.values)}
+        try:
+            from .widgets import calculator_widget
+
+            self._widget = calculator_widget(self.name, **self.values)
+            wb = self._widget._repr_mimebundle_(include=include, exclude=exclude)
+            bundle.update({k: v for k, v in (wb or {}).items() if k != "text/plain"})
+        except ImportError:  # no ipywidgets: the static HTML is all there is
+            pass
+        return bundle
+
+
+def show(name: str, **values: Any) -> _Shown:
+    """Display calculator `name` with these starting values (see `CALCULATORS[name].inputs`)."""
+    r = get(name).run(**values)  # fail here, at the call, on bad values
+    if r.error:
+        raise ValueError(f"calculator {name}: {r.error}")
+    return _Shown(name, values)

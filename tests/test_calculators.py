@@ -1,0 +1,102 @@
+"""The calculators' one declaration and its two front ends (the book's HTML, ipywidgets): both show
+what vramlab computes for the same inputs, bad input gives one line (never a traceback), and the
+module stays pure Python (it must run in the browser, under Pyodide)."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from vramlab import calculators as C
+from vramlab import collectives, estimate_inference, estimate_training, fit, precision
+
+ALL = list(C.CALCULATORS)
+
+
+def test_calculators_are_pure_python():
+    code = ("import sys, vramlab.calculators as c; c.get('training').run(); "
+            "bad = [m for m in ('torch', 'matplotlib', 'ipywidgets', 'numpy') if m in sys.modules]; "
+            "assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_defaults_compute(name):
+    r = C.get(name).run()
+    assert not r.error and r.numbers and r.svg.startswith("<svg") and r.svg.endswith("</svg>") and r.text
+
+
+def test_training_numbers_are_the_librarys():
+    r = C.get("training").run(model="llama-3.2-1b", batch_size=4, seq_len=2048, precision="bf16-mixed", gpu="h100-80gb")
+    kw = dict(seq_len=2048, precision="bf16-mixed")
+    assert r.numbers["train_total"][0] == estimate_training("llama-3.2-1b", batch_size=4, gpu="h100", **kw).total
+    assert r.numbers["infer_total"][0] == estimate_inference("llama-3.2-1b", batch_size=4, seq_len=2048, gpu="h100").total
+    assert r.numbers["max_batch"][0] == fit("llama-3.2-1b", "h100", batch_size=4, **kw).max_batch_size
+
+
+def test_collectives_and_precision_numbers_are_the_librarys():
+    r = C.get("collectives").run(op="reduce_scatter", ranks=16, size_mib=64, link="ib-ndr")
+    assert r.numbers["time_ms"][0] == pytest.approx(1e3 * float(collectives.collective_time("reduce_scatter", 16, 64 << 20, "ib-ndr")))
+    p = C.get("precision").run(value=3e-8)
+    assert p.numbers["fp16"][0] == precision.round_to(3e-8, precision.FORMATS["fp16"])
+
+
+@pytest.mark.parametrize("name, values, needle", [
+    ("training", {"batch_size": 0}, "batch size: 0 is outside 1..128"),
+    ("training", {"batch_size": 2.5}, "whole number"),
+    ("training", {"model": "gpt5"}, "'gpt5' is not one of"),
+    ("training", {"seq_len": 8192}, "gpt2 reads at most 1,024 positions"),
+    ("collectives", {"size_mib": "lots"}, "expected a number"),
+    ("collectives", {"ranks": 1}, "outside 2..256"),
+    ("precision", {"value": float("nan")}, "outside"),
+    ("training", {"colour": "red"}, "unknown input colour"),
+])
+def test_bad_input_is_one_line_not_a_traceback(name, values, needle):
+    r = C.get(name).run(**values)
+    assert needle in r.error and "\n" not in r.error and not r.numbers
+    out = json.loads(C.run_json(name, json.dumps(values)))
+    assert needle in out["error"]
+    assert "unknown calculator" in json.loads(C.run_json("nope", "{}"))["error"]
+    assert "Expecting" in json.loads(C.run_json("training", "{oops"))["error"]
+
+
+def test_browser_strings_are_accepted():
+    """The page sends every value as a string: '16' and '2048' mean the numbers."""
+    a = C.get("training").run(batch_size="16", seq_len="1024", model="gpt2")
+    b = C.get("training").run(batch_size=16, seq_len=1024, model="gpt2")
+    assert a.to_dict() == b.to_dict()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_page_html_is_a_disabled_snapshot_with_the_numbers(name):
+    html = C.page_html(name)
+    assert 'data-state="snapshot"' in html and "snapshot" in html
+    controls = re.findall(r"<(select|input)\b[^>]*>", html)
+    tags = re.findall(r"<(?:select|input)\b[^>]*>", html)
+    assert controls and all(" disabled" in t for t in tags)  # no control can disagree with the numbers
+    for key, (value, shown) in C.get(name).run().numbers.items():
+        assert f'data-key="{key}" data-value="{value!r}"' in html and shown in html
+    assert "<script" not in html
+
+
+def test_show_gives_both_front_ends():
+    bundle = C.show("collectives", ranks=4)._repr_mimebundle_()
+    assert 'data-calc="collectives"' in bundle["text/html"]
+    assert "application/vnd.jupyter.widget-view+json" in bundle  # Jupyter and Colab draw the widget
+    with pytest.raises(ValueError, match="ranks: 1 is outside"):
+        C.show("collectives", ranks=1)
+
+
+def test_widget_recomputes_what_the_page_shows():
+    from vramlab.widgets import calculator_widget
+
+    w = calculator_widget("training", model="gpt2", batch_size=8)
+    controls = {c.description: c for box in w.children[1].children for c in box.children}
+    out = w.children[2]
+    controls["batch size"].value = 16
+    controls["GPU"].value = "a100-80gb"
+    expected = C.get("training").run(model="gpt2", batch_size=16, gpu="a100-80gb")
+    assert expected.numbers["train_total"][1] in out.value and expected.svg in out.value
