@@ -1,5 +1,6 @@
 """Put the book's browser assets under book/_static/vendor/ so the built HTML loads nothing from a
-CDN: MathJax 3 (formulas), require.js and @jupyter-widgets/html-manager (saved widget state).
+CDN: MathJax 3 (formulas) and Pyodide (Python in the browser, for the live calculators; a page
+fetches it only when a reader first changes a calculator's control).
 
 They come from the npm registry as package tarballs (`npm pack`), pinned below, and are not
 committed (book/_static/vendor/ is ignored). Run before `jupyter-book build`; a second run with
@@ -16,13 +17,15 @@ import tempfile
 from pathlib import Path
 
 VENDOR = Path(__file__).resolve().parent / "_static" / "vendor"
-PACKAGES = {"mathjax": "3.2.2", "requirejs": "2.3.8", "@jupyter-widgets/html-manager": "1.0.15"}
+PACKAGES = {"mathjax": "3.2.2", "pyodide": "314.0.7"}
 # (package, path inside the tarball, destination under vendor/); a trailing "/" copies a folder
 FILES = [
     ("mathjax", "package/es5/tex-chtml.js", "mathjax/tex-chtml.js"),
     ("mathjax", "package/es5/output/chtml/fonts/woff-v2/", "mathjax/output/chtml/fonts/woff-v2/"),
-    ("requirejs", "package/require.js", "require.min.js"),
-    ("@jupyter-widgets/html-manager", "package/dist/embed-amd.js", "embed-amd.js"),
+    # the five files a browser needs (13.5 MB, 6.4 MB gzipped); no .js among them: Jupyter Book adds
+    # every *.js under _static to every page as a classic script
+    *(("pyodide", f"package/{f}", f"pyodide/{f}") for f in
+      ("pyodide.mjs", "pyodide.asm.mjs", "pyodide.asm.wasm", "python_stdlib.zip", "pyodide-lock.json")),
 ]
 STAMP = VENDOR / "VERSIONS.txt"
 
@@ -37,7 +40,7 @@ def fetch() -> None:
         return
     npm = shutil.which("npm")
     if npm is None:
-        sys.exit("fetch_vendor: npm is needed to fetch MathJax and the widget manager (apt-get install npm)")
+        sys.exit("fetch_vendor: npm is needed to fetch MathJax and Pyodide (apt-get install npm)")
     if VENDOR.exists():
         shutil.rmtree(VENDOR)
     VENDOR.mkdir(parents=True)

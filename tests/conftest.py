@@ -1,6 +1,12 @@
+import shutil
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -9,3 +15,16 @@ def _quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
+
+
+@pytest.fixture(scope="session")
+def built_book(tmp_path_factory):
+    """The book, built strict and offline once per test session: (html folder, build log)."""
+    out = tmp_path_factory.mktemp("book")
+    subprocess.run([sys.executable, str(ROOT / "book" / "fetch_vendor.py")], check=True, cwd=ROOT)
+    jb = shutil.which("jupyter-book", path=str(Path(sys.executable).parent)) or "jupyter-book"
+    r = subprocess.run([jb, "build", ".", "-W", "--keep-going", "--path-output", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=1200)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-5000:]
+    return out / "_build" / "html", log

@@ -1,10 +1,7 @@
 """The book builds strict (no warnings) and offline: no page loads a script, stylesheet or font
-from outside the book; chapter 1 has its figures, its formulas' MathJax and a saved widget."""
+from outside the book; chapter 1 has its figures, its formulas' MathJax and a live calculator."""
 
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,15 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    out = tmp_path_factory.mktemp("book")
-    subprocess.run([sys.executable, str(ROOT / "book" / "fetch_vendor.py")], check=True, cwd=ROOT)
-    jb = shutil.which("jupyter-book", path=str(Path(sys.executable).parent)) or "jupyter-book"
-    r = subprocess.run([jb, "build", ".", "-W", "--keep-going", "--path-output", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=1200)
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-5000:]
-    return out / "_build" / "html", log
+def built(built_book):
+    return built_book
 
 
 def test_build_is_strict(built):
@@ -43,7 +33,7 @@ def test_no_external_assets(built):
         assert not re.search(r"url\(\s*['\"]?(https?:)?//|@import\s+url\(\s*['\"]?https?:", css.read_text(errors="ignore")), css
 
 
-def test_chapter1_figures_math_and_widget(built):
+def test_chapter1_figures_math_and_calculator(built):
     html, _ = built
     page = (html / "book" / "01_where_memory_goes.html").read_text()
     imgs = re.findall(r'<img[^>]+src="([^"]*_images/[^"]+\.png)"', page)  # figures (not the theme's logos)
@@ -52,9 +42,11 @@ def test_chapter1_figures_math_and_widget(built):
         assert (html / "book" / src).resolve().stat().st_size > 10_000  # real figures, not empty files
     assert "vendor/mathjax/tex-chtml.js" in page and (html / "_static/vendor/mathjax/tex-chtml.js").exists()
     assert (html / "_static/vendor/mathjax/output/chtml/fonts/woff-v2").is_dir()
-    assert "application/vnd.jupyter.widget-state+json" in page  # the widget's saved state
-    assert "application/vnd.jupyter.widget-view+json" in page
-    assert (html / "_static/vendor/embed-amd.js").exists()
+    # the live calculator: vramlab's HTML (no frozen widget view), its script, Pyodide and the package
+    assert 'class="vramlab-calc" id="vl-training"' in page and "application/vnd.jupyter.widget-view+json" not in page
+    assert 'src="../_static/live.mjs' in page and (html / "_static/vendor/pyodide/pyodide.asm.wasm").exists()
+    manifest = (html / "_static/vramlab-live.json").read_text()
+    assert re.search(r'"archive": "vendor/vramlab-[\d.]+-[0-9a-f]{12}\.zip"', manifest)
     # numbers computed by vramlab at build time, e.g. the seeds' BERT checkpoint
     assert "419.62 MiB" in page and "2.168 GiB" in page
     assert "CPU traces" in page  # the measured figures say what they are
@@ -79,7 +71,7 @@ def test_chapter2_figures_and_measurements(built):
     html, _ = built
     page = (html / "book" / "02_collectives.html").read_text()
     assert len(re.findall(r'<img[^>]+src="[^"]*_images/[^"]+\.png"', page)) >= 4
-    assert "application/vnd.jupyter.widget-view+json" in page
+    assert 'id="vl-collectives"' in page
     assert "fitted alpha" in page and "gloo" in page
 
 

@@ -11,6 +11,7 @@ the HTML.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from html import escape
 from typing import Any, Callable, Literal
@@ -206,6 +207,18 @@ def run_json(name: str, values_json: str) -> str:
         return json.dumps(Result(text="", error=str(e)).to_dict())
 
 
+def run_html(name: str, values_json: str) -> str:
+    """The live page's entry point (book/_static/live-worker.mjs): JSON values in, JSON out with
+    the result area's HTML (the same markup the build pre-rendered) and the numbers."""
+    try:
+        calc = get(name)
+        r = calc.run(**json.loads(values_json))
+    except (ValueError, TypeError) as e:
+        calc, r = None, Result(text="", error=str(e))
+    html = _result_html(calc, r) if calc else f'<p class="vl-error">{escape(r.error)}</p>'
+    return json.dumps({"html": html, "error": r.error, "numbers": {k: v for k, (v, _) in r.numbers.items()}})
+
+
 # ----------------------------------------------------------------------------- the book's front end
 
 def _control(i: Input, value: Any, cid: str) -> str:
@@ -217,9 +230,10 @@ def _control(i: Input, value: Any, cid: str) -> str:
         opts = "".join(f'<option value="{escape(str(c))}"{" selected" if str(c) == str(value) else ""}>'
                        f'{escape(str(c))}</option>' for c in i.choices)
         return f'<div class="vl-field">{label}<select {common}>{opts}</select></div>'
-    if i.log:  # a log-scale slider: the page maps its position to the value
-        return (f'<div class="vl-field">{label}<input type="range" {common} data-log="1" min="{i.min!r}" '
-                f'max="{i.max!r}" step="any" value="{value!r}"><output>{value:g}</output></div>')
+    if i.log:  # a log-scale slider: positions 0..1000 map to min..max geometrically (live.mjs: the same map)
+        pos = round(1000 * math.log(value / i.min) / math.log(i.max / i.min))
+        return (f'<div class="vl-field">{label}<input type="range" {common} min="0" max="1000" step="1" value="{pos}" '
+                f'data-log-min="{i.min!r}" data-log-max="{i.max!r}"><output>{value:.4g}</output></div>')
     return (f'<div class="vl-field">{label}<input type="number" {common} min="{i.min:g}" max="{i.max:g}" step="1" '
             f'value="{value}"></div>')
 
@@ -245,8 +259,7 @@ def page_html(name: str, **values: Any) -> str:
     controls = "".join(_control(i, checked[i.name], cid) for i in calc.inputs)
     return (f'<div class="vramlab-calc" id="{cid}" data-calc="{name}" data-state="snapshot">'
             f'<div class="vl-head"><strong>{escape(calc.title)}</strong> '
-            f'<span class="vl-status" role="status">snapshot: computed when this page was built</span>'
-            f'<button type="button" class="vl-go" hidden>make it live</button></div>'
+            f'<span class="vl-status" role="status">snapshot: computed when this page was built</span></div>'
             f'<div class="vl-controls">{controls}</div>'
             f'<div class="vl-result" aria-live="polite">{_result_html(calc, r)}</div></div>')
 

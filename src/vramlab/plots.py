@@ -3,6 +3,7 @@ matplotlib is imported when a function is called, never at `import vramlab`."""
 
 from __future__ import annotations
 
+import textwrap
 from typing import Iterable, Sequence
 
 from .memory import CATEGORIES, MemoryBreakdown
@@ -33,12 +34,12 @@ def stacked(breakdowns: Sequence[MemoryBreakdown], labels: Sequence[str], *, ax=
         bottoms = [b + v for b, v in zip(bottoms, vals)]
     if capacity:
         ax.axhline(capacity / GiB, color="black", ls="--", lw=1)
-        ax.text(len(breakdowns) - 0.5, capacity / GiB, f" {capacity_label}", va="bottom", ha="right", fontsize=8)
+        ax.text(-0.45, capacity / GiB, f" {capacity_label}", va="bottom", ha="left", fontsize=8)
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("GiB")
     ax.set_xlabel(xlabel)
     ax.set_title(title)
-    ax.legend(fontsize=8, loc="upper left", frameon=False)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)  # beside, never over, the bars
     ax.grid(axis="y", alpha=0.3)
     return ax
 
@@ -55,11 +56,12 @@ def predicted_vs_measured(rows: Iterable[tuple[str, int, int]], *, ax=None, titl
     ax.bar([x + 0.2 for x in xs], [m / GiB for _, _, m in rows], width=0.4, label="measured", color="#C44E52")
     for x, (_, p, m) in zip(xs, rows):
         ax.text(x, max(p, m) / GiB, f"{100 * (p - m) / m:+.1f}%", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(xs), [r[0] for r in rows], rotation=15, fontsize=8)
+    ax.set_xticks(list(xs), [textwrap.fill(r[0], 14) for r in rows], fontsize=7)  # wrapped, never clipped
     ax.set_ylabel("GiB")
     ax.set_title(title)
     ax.legend(fontsize=8, frameon=False)
     ax.grid(axis="y", alpha=0.3)
+    ax.figure.tight_layout()
     return ax
 
 

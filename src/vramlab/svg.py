@@ -5,6 +5,7 @@ No dependencies; every chart is one self-contained <svg> string with a viewBox (
 from __future__ import annotations
 
 import math
+import re
 from html import escape
 from typing import Sequence
 
@@ -24,11 +25,24 @@ def _fmt(v: float) -> str:
     return f"{v:g}" if abs(v) < 1e4 else f"{v:.0f}"
 
 
+def _wrap(label: str, width: int) -> list[str]:
+    """Split a label after hyphens or at spaces into lines of at most `width` characters (where it can)."""
+    lines, cur = [], ""
+    for piece in re.findall(r"[^\s-]+-?|-", label) if len(label) > width else [label]:
+        joined = cur + (" " if cur and not cur.endswith("-") else "") + piece
+        if cur and len(joined) > width:
+            lines.append(cur)
+            cur = piece
+        else:
+            cur = joined
+    return lines + [cur]
+
+
 def stacked_bars(bars: Sequence[tuple[str, Sequence[tuple[str, float, str]]]], *, title: str = "", unit: str = "GiB",
                  line: tuple[float, str] | None = None, width: int = 640, height: int = 300) -> str:
     """Stacked vertical bars. `bars`: (label, [(segment name, value in `unit`, colour), ...]); `line`:
     (value, label) drawn across, e.g. a GPU's usable memory. A legend lists the segments once."""
-    left, right, top, bottom = 56, 170, 30, 40
+    left, right, top, bottom = 56, 170, 30, 52
     pw, ph = width - left - right, height - top - bottom
     ymax = max([sum(v for _, v, _ in segs) for _, segs in bars] + [line[0] if line else 0] + [1e-9]) * 1.08
     step = _nice_step(ymax)
@@ -55,7 +69,10 @@ def stacked_bars(bars: Sequence[tuple[str, Sequence[tuple[str, float, str]]]], *
                        f'fill="{color}"><title>{escape(name)}: {v:.3g} {escape(unit)}</title></rect>')
             acc += v
             legend.setdefault(name, color)
-        out.append(f'<text x="{x0 + bw / 2:.1f}" y="{top + ph + 16}" text-anchor="middle">{escape(label)}</text>'
+        lines = _wrap(label, max(4, int(slot / 6.2)))  # ~6 px a character at 11 px: labels never run into each other
+        tspans = "".join(f'<tspan x="{x0 + bw / 2:.1f}" dy="{0 if k == 0 else 12}">{escape(t)}</tspan>'
+                         for k, t in enumerate(lines))
+        out.append(f'<text y="{top + ph + 16}" text-anchor="middle">{tspans}</text>'
                    f'<text x="{x0 + bw / 2:.1f}" y="{y(acc) - 4:.1f}" text-anchor="middle" font-size="10">{acc:.3g}</text>')
     if line:
         out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y(line[0]):.1f}" y2="{y(line[0]):.1f}" stroke="#222" '

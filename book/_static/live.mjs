@@ -1,0 +1,86 @@
+// The book's live calculators. Every .vramlab-calc block arrives as a snapshot computed when the
+// page was built, with its controls disabled. This module enables them; the first change starts a
+// Web Worker that loads Python (Pyodide, served from this book) and vramlab, and from then on each
+// change is recomputed by the same Python function that drew the snapshot. Nothing is fetched until
+// a reader changes a control.
+const calcs = [...document.querySelectorAll(".vramlab-calc")];
+let worker = null;
+let ready = null;
+let nextId = 0;
+const pending = new Map();
+
+function setStatus(calc, state, text) {
+  calc.dataset.state = state;
+  calc.querySelector(".vl-status").textContent = text;
+}
+
+function logValue(el) {  // the slider's position 0..1000 -> a value between data-log-min and data-log-max
+  const lo = Number(el.dataset.logMin), hi = Number(el.dataset.logMax);
+  return lo * Math.pow(hi / lo, Number(el.value) / 1000);
+}
+
+function values(calc) {
+  const v = {};
+  for (const el of calc.querySelectorAll("[data-input]")) v[el.dataset.input] = el.dataset.logMin ? logValue(el) : el.value;
+  return v;
+}
+
+function startWorker() {
+  if (ready) return ready;
+  worker = new Worker(new URL("./live-worker.mjs", import.meta.url), { type: "module" });
+  ready = new Promise((resolve, reject) => {
+    worker.addEventListener("message", (ev) => {
+      const m = ev.data;
+      if (m.type === "ready") resolve(m);
+      else if (m.type === "failed") reject(new Error(m.error));
+      else if (m.type === "result" && pending.has(m.id)) { pending.get(m.id)(m); pending.delete(m.id); }
+    });
+    worker.addEventListener("error", (e) => reject(new Error(e.message || "the worker did not start")));
+  });
+  return ready;
+}
+
+function restore(calc) {  // Python could not start: controls back to the snapshot's values, disabled
+  for (const el of calc.querySelectorAll("[data-input]")) { el.value = el.dataset.snapshot; el.disabled = true; }
+  for (const out of calc.querySelectorAll("output")) out.textContent = out.dataset.snapshot;
+}
+
+async function recompute(calc) {
+  const id = ++nextId;
+  calc.dataset.want = String(id);
+  if (calc.dataset.state !== "live") setStatus(calc, "loading", "loading Python into this page (once; a few seconds)…");
+  let info;
+  try {
+    info = await startWorker();
+  } catch (e) {
+    restore(calc);
+    setStatus(calc, "failed", `snapshot: Python could not start in this page (${e.message})`);
+    return;
+  }
+  calc.classList.add("vl-busy");
+  const m = await new Promise((resolve) => {
+    pending.set(id, resolve);
+    worker.postMessage({ id, name: calc.dataset.calc, values: values(calc) });
+  });
+  if (calc.dataset.want !== String(id)) return;  // a newer change is on its way
+  calc.classList.remove("vl-busy");
+  calc.querySelector(".vl-result").innerHTML = m.html;
+  setStatus(calc, "live", `live: computed in this page by vramlab ${info.version} (Python ${info.python}) in ${m.ms.toFixed(1)} ms`);
+}
+
+for (const calc of calcs) {
+  let timer = null;  // a slider fires many input events while dragged: recompute when it pauses for 30 ms
+  const later = () => { clearTimeout(timer); timer = setTimeout(() => recompute(calc), 30); };
+  for (const el of calc.querySelectorAll("[data-input]")) {
+    el.dataset.snapshot = el.value;
+    el.disabled = false;
+    const out = el.parentElement.querySelector("output");
+    if (out) {
+      out.dataset.snapshot = out.textContent;
+      el.addEventListener("input", () => { out.textContent = logValue(el).toPrecision(4).replace(/\.?0+(e|$)/, "$1"); later(); });
+    } else {
+      el.addEventListener("change", () => recompute(calc));
+    }
+  }
+  setStatus(calc, "snapshot", "snapshot: computed when this page was built; change a control to compute in this page");
+}
