@@ -243,3 +243,17 @@ def test_kernelless_lab_runner_matches_jupytext_and_runs_lab1(tmp_path):
     out2 = tmp_path / "lab02.json"
     kl.run("lab02_collectives", results=out2)
     assert "gloo" in json.loads(out2.read_text())["runs"]
+
+
+def test_building_and_running_a_model_prints_no_library_warning():
+    """Newcomers saw transformers' 'loss_type=None' and out-of-vocabulary token warnings on every run."""
+    code = ("import dataclasses, vramlab; from vramlab.models import build_model, make_batch; "
+            "s = dataclasses.replace(vramlab.preset('gpt2'), num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=2, "
+            "head_dim=32, intermediate_size=128, vocab_size=500); "
+            "print(float(build_model(s)(**make_batch(s, batch_size=1, seq_len=8)).loss))")
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "loss_type" not in r.stderr and "eos_token_id" not in r.stderr, r.stderr

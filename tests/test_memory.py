@@ -222,3 +222,15 @@ def test_largest_true_finds_the_boundary_with_few_probes(truth, start):
 
     assert largest_true(fits, start=start, limit=65536) == truth
     assert len(calls) <= 2 * 17 + 2  # galloping + bisection: logarithmic
+
+
+def test_subtraction_says_when_it_is_not_like_with_like():
+    """README's old example subtracted a bf16 CUDA estimate from an fp32 CPU trace: -17 GiB of 'error'."""
+    amp = estimate_training("gpt2", batch_size=8, seq_len=1024, precision="bf16-mixed")
+    fp32_cpu = estimate_training("gpt2", batch_size=8, seq_len=1024, device="cpu")
+    diff = amp - fp32_cpu
+    assert diff.warning == "not like with like: precision bf16-mixed vs fp32; device cuda vs cpu"
+    assert "WARNING: not like with like" in diff.table()
+    same = amp - estimate_training("gpt2", batch_size=4, seq_len=1024, precision="bf16-mixed")
+    assert same.warning == "" and "WARNING" not in same.table()
+    assert (MemoryBreakdown(parameters=3) - MemoryBreakdown(parameters=1)).warning == ""  # unlabelled: silent

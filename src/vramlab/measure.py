@@ -158,7 +158,8 @@ def _state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     return total
 
 
-def _to_breakdown(snap: dict[str, int], *, opt_state_bytes: int, label: str) -> MemoryBreakdown:
+def _to_breakdown(snap: dict[str, int], *, opt_state_bytes: int, label: str, precision: str = "",
+                  device: str = "") -> MemoryBreakdown:
     """MemTracker's categories -> vramlab's. Everything allocated inside optimizer.step() is tagged
     'Optstate' by MemTracker: the part beyond the persistent states is the step's temporaries."""
     opt = snap.get("Optstate", 0)
@@ -171,13 +172,13 @@ def _to_breakdown(snap: dict[str, int], *, opt_state_bytes: int, label: str) -> 
         temporaries=snap.get("Temp", 0) + opt - states,
         inputs=snap.get("Other", 0),
         other=snap.get("Buffer", 0),
-        label=label,
+        label=label, precision=precision, device=device,
     )
 
 
 def measure(step: Callable[[], Any], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
             inputs: Any = (), label: str = "measured", mode: str = "cpu", warmup_steps: int = 0,
-            timing_steps: int = 0) -> Measurement:
+            timing_steps: int = 0, precision: str = "") -> Measurement:
     """Run `step()` and return its peak memory by category.
 
     `model`, `optimizer` and `inputs` must already exist (they are what is resident before the
@@ -214,7 +215,9 @@ def measure(step: Callable[[], Any], *, model: torch.nn.Module, optimizer: torch
     snaps = tracker.get_tracker_snapshot("peak")
     snap = next(iter(snaps.values())) if snaps else {}
     snap = {str(k.value if hasattr(k, "value") else k): v for k, v in snap.items()}
-    bd = _to_breakdown(snap, opt_state_bytes=_state_bytes(optimizer), label=label)
+    # the kernels that ran: CUDA's, or the CPU's (a trace runs CPU kernels too)
+    bd = _to_breakdown(snap, opt_state_bytes=_state_bytes(optimizer), label=label, precision=precision,
+                       device="cuda" if cuda else "cpu")
     del tracker
     times = []
     for _ in range(timing_steps):
@@ -351,7 +354,7 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
         label = f"{spec.name} train b={batch_size} s={seq_len} {precision} ({mode_})"
         warm, timed = _defaults(mode_, warmup_steps, timing_steps)
         return measure(step, model=model, optimizer=opt, inputs=batch, label=label, mode=mode_, warmup_steps=warm,
-                       timing_steps=timed)
+                       timing_steps=timed, precision=precision)
 
 
 def measure_inference(spec: ModelSpec, *, batch_size: int, seq_len: int, precision: Literal["fp32", "bf16", "fp16"] = "bf16",
@@ -387,7 +390,8 @@ def measure_inference(spec: ModelSpec, *, batch_size: int, seq_len: int, precisi
         what = "prefill" if new_tokens is None else f"generate +{new_tokens}"
         label = f"{spec.name} {what} b={batch_size} s={seq_len} {precision} ({mode_})"
         warm, timed = _defaults(mode_, warmup_steps, timing_steps)
-        return measure(step, model=model, inputs=batch, label=label, mode=mode_, warmup_steps=warm, timing_steps=timed)
+        return measure(step, model=model, inputs=batch, label=label, mode=mode_, warmup_steps=warm, timing_steps=timed,
+                       precision=precision)
 
 
 class _Generate(torch.nn.Module):

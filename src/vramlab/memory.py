@@ -49,6 +49,9 @@ class MemoryBreakdown:
     other: int = 0
     label: str = ""
     phase: str = ""  # the step phase where the peak occurs (estimates)
+    precision: str = ""  # what was estimated or measured, so that a subtraction can say if it compares
+    device: str = ""  # like with like ("cuda" kernels, or "cpu")
+    warning: str = ""  # set by subtraction when the two sides differ in precision or device
 
     @property
     def total(self) -> int:
@@ -58,8 +61,14 @@ class MemoryBreakdown:
         return {c: getattr(self, c) for c in CATEGORIES}
 
     def __sub__(self, other: "MemoryBreakdown") -> "MemoryBreakdown":
+        """Category by category. When both sides say what they are and differ in precision or in
+        device (an AMP estimate minus an fp32 trace, CUDA kernels minus CPU kernels), the result
+        carries a `warning` that its table prints: the difference is not the estimate's error."""
+        differ = [f"{k} {getattr(self, k)} vs {getattr(other, k)}" for k in ("precision", "device")
+                  if getattr(self, k) and getattr(other, k) and getattr(self, k) != getattr(other, k)]
         return MemoryBreakdown(**{c: getattr(self, c) - getattr(other, c) for c in CATEGORIES},
-                               label=f"{self.label} - {other.label}")
+                               label=f"{self.label} - {other.label}",
+                               warning=f"not like with like: {'; '.join(differ)}" if differ else "")
 
     def table(self, *, title: str | None = None) -> str:
         """A readable table in binary units, largest category first, with shares of the total."""
@@ -74,6 +83,8 @@ class MemoryBreakdown:
         lines.append(f"{'total':<18}{fmt_bytes(total):>12}")
         if self.phase:
             lines.append(f"(peak during: {self.phase})")
+        if self.warning:
+            lines.append(f"WARNING: {self.warning}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -571,7 +582,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     e = spec.word_embed_proj_dim or spec.hidden_size
     head_grad = V * e * pb if n_train == n_all else 0  # the (tied) embedding's gradient, made first
 
-    base = dict(parameters=P, optimizer_states=O, inputs=inputs, other=workspaces,
+    base = dict(parameters=P, optimizer_states=O, inputs=inputs, other=workspaces, precision=precision, device=device,
                 label=f"{spec.name} train b={b} s={s} {precision}")
     phases = [
         MemoryBreakdown(**base, activations=A + logits_alive, phase="forward end (loss computed)"),
@@ -599,10 +610,11 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     emb = V * e * pb if n_train == n_all else 0
     accumulate = (2 if amp else 3) if spec.tie_word_embeddings else 1
     phases.append(MemoryBreakdown(parameters=P, gradients=G - emb, optimizer_states=O, inputs=inputs, other=workspaces,
-                                  temporaries=emb * accumulate, label=base["label"],
+                                  temporaries=emb * accumulate, label=base["label"], precision=precision, device=device,
                                   phase="embedding backward (gradient accumulation)"))
     phases.append(MemoryBreakdown(parameters=P, gradients=G, optimizer_states=O, temporaries=T_opt, inputs=inputs,
-                                  other=workspaces, label=base["label"], phase="optimizer.step()"))
+                                  other=workspaces, label=base["label"], precision=precision, device=device,
+                                  phase="optimizer.step()"))
     return phases
 
 
@@ -671,7 +683,7 @@ def estimate_inference(model: ModelSpec | str, *, batch_size: int, seq_len: int,
     workspace = cublas_workspace_bytes(gpu) if device == "cuda" else 0
     kv = kv_cache_bytes(spec, batch_size=b, seq_len=s, dtype=kv_dtype)
     block = _block_transient(spec, tokens=b * s, batch_size=b, seq_len=s, e=e, attention=attention)
-    base = dict(parameters=weights, inputs=b * s * 8, other=workspace)
+    base = dict(parameters=weights, inputs=b * s * 8, other=workspace, precision=dtype, device=device)
     if new_tokens is None:
         kept = b if (not all_logits or spec.family == "t5") else b * s  # positions whose logits are returned
         end = kept * (h + V) * e  # the final norm's output and the logits

@@ -18,8 +18,17 @@ def hf_config(spec: ModelSpec, *, attention: Attention = "sdpa"):
     """The transformers config object for `spec`, with the attention implementation set."""
     from transformers import AutoConfig
 
+    from transformers import CONFIG_MAPPING
+
     d = spec.to_hf_config()
-    cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    model_type = d.pop("model_type")
+    defaults = CONFIG_MAPPING[model_type]()  # the special tokens transformers would fill in
+    # quiet, and right, for shrunk test models: special tokens outside a smaller vocabulary are no tokens
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"):
+        value = d.get(key, getattr(defaults, key, None))
+        if isinstance(value, int) and value >= spec.vocab_size:
+            d[key] = None
+    cfg = AutoConfig.for_model(model_type, **d)
     cfg._attn_implementation = attention
     cfg.use_cache = False
     return cfg
@@ -39,6 +48,8 @@ def build_model(spec: ModelSpec, *, attention: Attention = "sdpa", dtype: torch.
             # transformers 5.x always ties T5's head; the published mT5 / T5 v1.1 models do not
             model.config.tie_word_embeddings = False
             model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    if auto is AutoModelForCausalLM:  # name the loss (transformers warns "loss_type=None" at every first step)
+        model.loss_type = "ForCausalLM"
     return model.train(train)
 
 
