@@ -206,3 +206,17 @@ def test_commbench_rejects_bad_arguments(argv, capsys):
     with pytest.raises(SystemExit) as e:
         commbench.main(argv)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_sharded_parameter_server_moves_what_the_ring_moves():
+    """Li et al. 2014 / BytePS: shards beside every worker carry 2(n-1)/n S per link, as the ring
+    all-reduce does (nccl-tests' busbw factor), in 2 latency steps instead of 2(n-1)."""
+    from vramlab.collectives import data_parallel_sync
+
+    S, n = 10**9, 8
+    ring = data_parallel_sync(S // 4, n, "ethernet-100g", scheme="all_reduce")
+    shard = data_parallel_sync(S // 4, n, "ethernet-100g", scheme="sharded_parameter_server")
+    single = data_parallel_sync(S // 4, n, "ethernet-100g", scheme="parameter_server")
+    assert shard["bytes_busiest_link"] == ring["bytes_busiest_link"] == 2 * (n - 1) / n * S
+    assert single["bytes_busiest_link"] == 2 * n * S
+    assert shard["seconds"] < single["seconds"] / 4

@@ -173,11 +173,18 @@ def fit_alpha_beta(op: Op, n: int, sizes: Sequence[int], seconds: Sequence[float
 
 
 def data_parallel_sync(n_params: int, n_workers: int, lk: Link | str, *, bytes_per_grad: int = 4,
-                       scheme: Literal["all_reduce", "parameter_server"] = "all_reduce") -> dict[str, float]:
-    """One data-parallel gradient synchronisation of n_params gradients across n_workers.
-    all_reduce (ring): each worker sends 2(n-1)/n of the gradients, whatever n is.
-    parameter_server (one server on the same link): every worker pushes its gradients and pulls
-    the parameters, so the server's link carries 2 n Psi bytes and time grows with n."""
+                       scheme: Literal["all_reduce", "parameter_server", "sharded_parameter_server"] = "all_reduce",
+                       ) -> dict[str, float]:
+    """One data-parallel gradient synchronisation of n_params gradients (S = n_params x
+    bytes_per_grad bytes) across n_workers.
+    all_reduce (ring): each worker sends 2(n-1)/n S bytes, whatever n is, in 2(n-1) steps.
+    parameter_server (a single server on the same kind of link): every worker pushes its S bytes
+      of gradients and pulls S bytes of parameters, so the server's link carries 2 n S bytes and
+      the time grows with n — the straw man.
+    sharded_parameter_server (Li et al. 2014; BytePS): the parameters are split over n server
+      shards, one beside each worker; each worker pushes (n-1)/n S to the other shards and pulls as
+      much back, and each shard serves the same: 2(n-1)/n S bytes per link, the ring's traffic, in
+      two steps instead of 2(n-1)."""
     lk = link(lk) if isinstance(lk, str) else lk
     S = n_params * bytes_per_grad
     if scheme == "all_reduce":  # every worker's link is equally busy
@@ -188,7 +195,11 @@ def data_parallel_sync(n_params: int, n_workers: int, lk: Link | str, *, bytes_p
         busiest = 2.0 * n_workers * S
         return {"seconds": 2 * lk.alpha_s + busiest / lk.bytes_per_s, "bytes_per_worker": 2.0 * S,
                 "bytes_busiest_link": busiest}
-    raise ValueError(f"unknown scheme {scheme!r}")
+    if scheme == "sharded_parameter_server":  # each direction of a link: push + serve = 2 (n-1)/n S
+        per_link = 2.0 * (n_workers - 1) / n_workers * S
+        return {"seconds": 2 * lk.alpha_s + per_link / lk.bytes_per_s, "bytes_per_worker": per_link,
+                "bytes_busiest_link": per_link}
+    raise ValueError(f"unknown scheme {scheme!r}; choose all_reduce, parameter_server or sharded_parameter_server")
 
 
 # ----------------------------------------------------------------------------- for the figures

@@ -23,7 +23,7 @@ Recompute = Literal["none", "full"]
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "bf16-fp32-states", "fp16-fp32-master")
 # 16-bit models: pure bf16 (torch.optim keeps the states in bf16), bf16 with fp32 optimizer states
-# ("How to Scale Your Model": 10 B/param with fp32 moments only), and the ZeRO paper's recipe: fp16
+# (2 + 2 + 8 = 12 B/param), and the ZeRO paper's recipe: fp16
 # weights and gradients with fp32 master weights, momentum and variance (2 + 2 + 12 = 16 B/param)
 PURE_16BIT: tuple[str, ...] = ("bf16", "bf16-fp32-states", "fp16-fp32-master")
 FP32_STATES: tuple[str, ...] = ("bf16-fp32-states", "fp16-fp32-master")  # 16-bit model, fp32 optimizer states

@@ -189,7 +189,7 @@ RECIPES: dict[str, RecipeLedger] = {r.name: r for r in (
     RecipeLedger(name="pure-bf16", weights=2, gradients=2, master_weights=0, optimizer_states=4,
                  note="bf16 model; torch.optim keeps Adam's moments in the parameters' dtype"),
     RecipeLedger(name="pure-bf16-fp32-states", weights=2, gradients=2, master_weights=0, optimizer_states=8,
-                 note="bf16 weights and gradients, fp32 moments (How to Scale Your Model: 10 B/param)"),
+                 note="bf16 weights and gradients, fp32 Adam moments: 2 + 2 + 8 = 12 B/param"),
     RecipeLedger(name="zero-paper", weights=2, gradients=2, master_weights=4, optimizer_states=8,
                  note="Rajbhandari et al. 2019: fp16 params and grads, fp32 master, momentum, variance (K=12)"),
 )}
