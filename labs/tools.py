@@ -2,8 +2,9 @@
 
 The instructor sources are MyST Markdown (labs/source/<lab>/<lab>.md) with nbgrader cell metadata.
 
+    python labs/tools.py sync               # the install cells and _config.yml's repository, from pyproject.toml
     python labs/tools.py release            # regenerate labs/release/ (commit the result)
-    python labs/tools.py check              # fail if labs/release/ is not what `release` produces
+    python labs/tools.py check              # fail if either is stale
     python labs/tools.py grade NOTEBOOK.ipynb [--lab lab01_where_memory_goes]
 
 `release` and `grade` are the light path: nbgrader's own preprocessors, run without its database
@@ -19,14 +20,75 @@ import argparse
 import copy
 import hashlib
 import os
+import re
 import sys
 from pathlib import Path
 
 import nbformat
 
 LABS = Path(__file__).resolve().parent
+ROOT = LABS.parent
 SOURCE, RELEASE = LABS / "source", LABS / "release"
 KERNEL = {"display_name": "Python 3", "language": "python", "name": "python3"}
+BEGIN, END = "# --- install: generated from pyproject.toml by `python labs/tools.py sync`", "# --- end install ---"
+
+
+def project() -> dict:
+    """The package's name, version and URLs, from their one place: pyproject.toml (and the version
+    from vramlab.__version__, which pyproject reads too)."""
+    import tomllib
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    version = re.search(r'__version__ = "([^"]+)"', (ROOT / "src" / "vramlab" / "__init__.py").read_text()).group(1)
+    return {"name": meta["name"], "version": version, "urls": meta["urls"]}
+
+
+def install_block() -> str:
+    """The labs' install cell: the released version from the package index, else the same tag from
+    the repository, else one clear message (never a pip traceback)."""
+    p = project()
+    name, version, repo = p["name"], p["version"], p["urls"]["Repository"]
+    return "\n".join([
+        f"{BEGIN}; do not edit ---",
+        "import importlib.util",
+        "import subprocess",
+        "import sys",
+        "",
+        f'if importlib.util.find_spec("{name}") is None:  # Colab, or any fresh environment',
+        "    def _pip(spec: str) -> bool:",
+        '        print(f"installing {spec} ...")',
+        '        return subprocess.run([sys.executable, "-m", "pip", "install", "-q", spec]).returncode == 0',
+        "",
+        f'    if not (_pip("{name}[labs]=={version}") or _pip("{name}[labs] @ git+{repo}@v{version}")):',
+        f'        raise SystemExit("Could not install {name} {version}, from the package index or from {repo}. "',
+        f'                         "Check that this notebook can reach the internet, or install it yourself: "',
+        f'                         "pip install \'{name}[labs]=={version}\'")',
+        END,
+    ])
+
+
+def sync(*, write: bool = True) -> list[str]:
+    """Derive from pyproject.toml what repeats it: each lab's install block and the book's repository
+    block. Returns the files that were (write=False: would be) changed."""
+    changed = []
+    block = install_block()
+    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
+    for lab in labs():
+        path = SOURCE / lab / f"{lab}.md"
+        text = path.read_text()
+        new = pattern.sub(lambda m: block, text)
+        if new != text:
+            changed.append(str(path.relative_to(ROOT)))
+            if write:
+                path.write_text(new)
+    config = ROOT / "_config.yml"
+    text = config.read_text()
+    new = re.sub(r"(repository:\n  url: )\S+", lambda m: m.group(1) + project()["urls"]["Repository"], text)
+    if new != text:
+        changed.append("_config.yml")
+        if write:
+            config.write_text(new)
+    return changed
 
 
 def labs() -> list[str]:
@@ -133,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("release")
+    sub.add_parser("sync", help="derive the labs' install cell and _config.yml's repository from pyproject.toml")
     sub.add_parser("check")
     sub.add_parser("sources")
     r = sub.add_parser("record", help="run a lab's instructor version and store its results in labs/results/")
@@ -141,7 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("notebook", type=Path)
     g.add_argument("--lab", default=None)
     args = p.parse_args(argv)
-    if args.cmd == "release":
+    if args.cmd == "sync":
+        changed = sync()
+        print("\n".join(f"wrote {c}" for c in changed) or "everything derived from pyproject.toml is current")
+    elif args.cmd == "release":
         for lab in labs():
             print(f"wrote {release(lab).relative_to(LABS.parent)}")
     elif args.cmd == "sources":
@@ -157,10 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             stale = [lab for lab in labs()
                      if release(lab, Path(tmp)).read_bytes() != (RELEASE / lab / f"{lab}.ipynb").read_bytes()]
+        drift = sync(write=False)
+        if drift:
+            print(f"{', '.join(drift)} no longer match pyproject.toml: run python labs/tools.py sync, then release")
+            return 1
         if stale:
             print(f"labs/release is stale for {', '.join(stale)}: run python labs/tools.py release")
             return 1
-        print("labs/release is up to date")
+        print("labs/release is up to date, and the install cells and _config.yml match pyproject.toml")
     else:
         lab = args.lab or args.notebook.stem
         scores = grade(nbformat.read(args.notebook, as_version=4), lab)

@@ -113,3 +113,10 @@ def test_bad_gpu_options_one_line_exit_2(args, needle):
     r = run("estimate", *args)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_sequence_longer_than_the_model_reads_is_refused():
+    r = run("estimate", "train", "--model", "gpt2", "--batch-size", "1", "--seq-len", "99999")
+    assert r.returncode == 2 and "gpt2 reads at most 1,024 positions" in r.stderr and "Traceback" not in r.stderr
+    ok = run("estimate", "train", "--model", "t5-small", "--batch-size", "1", "--seq-len", "4096")
+    assert ok.returncode == 0  # T5's relative positions have no such limit

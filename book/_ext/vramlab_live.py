@@ -10,7 +10,8 @@ Tidying (each was a console error or a visible defect in the built book):
 - sphinx-thebe's inline configuration was added twice ("THEBE_JS_URL has already been declared")
   and points at a CDN; the book has no Thebe (its launch buttons open Colab): drop its assets;
 - pydata-sphinx-theme read an empty colour mode ("Got invalid theme mode"): default to light;
-- the theme's header repeated the sidebar's search box: no persistent header search.
+- the theme's header repeated the sidebar's search box: no persistent header search;
+- Colab launch buttons on the chapters' pages pointed at .md files Colab cannot open.
 """
 
 from __future__ import annotations
@@ -67,8 +68,16 @@ def _no_thebe(app, pagename, templatename, context, doctree) -> None:
             context[key] = [a for a in context[key] if keep(a)]
 
 
+def _no_launch_for_markdown(app, pagename, templatename, context, doctree) -> None:
+    """The chapters are MyST Markdown: Colab cannot open a .md file, so their pages get no launch
+    button (the labs' pages, generated .ipynb files, keep theirs)."""
+    if str(context.get("sourcename", "")).endswith((".md", ".md.txt")) and "header_buttons" in context:
+        context["header_buttons"] = [b for b in context["header_buttons"] if b.get("label") != "launch-buttons"]
+
+
 def setup(app):
     app.connect("config-inited", _theme)
     app.connect("html-page-context", _no_thebe)
+    app.connect("html-page-context", _no_launch_for_markdown, priority=900)  # after the theme adds them
     app.connect("build-finished", _write)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
