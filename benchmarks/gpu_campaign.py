@@ -37,10 +37,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-# this checkout's vramlab, for this process and every process it starts (labs change directory):
-# no install needed on a bare GPU image
-sys.path.insert(0, str(ROOT / "src"))
-os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+
+
+def _use_this_checkout() -> None:
+    """This checkout's vramlab, for this process and every process it starts (labs change
+    directory): no install needed on a bare GPU image. Called by main(), never at import."""
+    sys.path.insert(0, str(ROOT / "src"))
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *rest])
 STEPS = ("accuracy", "inference", "maxbatch", "labs")
 LABS = ("lab01_where_memory_goes", "lab02_collectives", "lab05_mixed_precision")
 INFERENCE = [  # (preset, batch, prompt, new tokens or None for a prefill with all logits, dtype)
@@ -179,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps: {', '.join(STEPS)}")
     p.add_argument("--dry-run", action="store_true", help="print the plan; measure nothing (no GPU needed)")
     args = p.parse_args(argv)
+    _use_this_checkout()
     steps = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in steps if s not in STEPS]
     if unknown:

@@ -21,6 +21,7 @@ _spec = importlib.util.spec_from_file_location("tools", ROOT / "labs" / "tools.p
 tools = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tools)
 # what the fresh environment gets besides the wheel: the CPU torch and what a Jupyter kernel needs
+CLEAN = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
 STACK = ["torch==2.13.0", "transformers==5.23.0", "nbclient==0.11.0", "nbformat==5.11.1", "ipykernel==7.4.0",
          "matplotlib==3.11.2"]
 
@@ -65,7 +66,7 @@ def test_install_cell_fails_with_one_clear_message(tmp_path):
     """No index and no repository reachable: one line that says what to do, no pip traceback."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
     bare = tmp_path / "bare" / "bin" / "python"
-    env = {**os.environ, "PIP_NO_INDEX": "1", "GIT_ALLOW_PROTOCOL": "file", "GIT_TERMINAL_PROMPT": "0"}
+    env = {**CLEAN, "PIP_NO_INDEX": "1", "GIT_ALLOW_PROTOCOL": "file", "GIT_TERMINAL_PROMPT": "0"}
     r = subprocess.run([str(bare), "-c", tools.install_block()], capture_output=True, text=True, env=env,
                        cwd=tmp_path, timeout=120)
     assert r.returncode == 1
@@ -79,7 +80,7 @@ def test_released_lab_runs_from_the_wheel_in_a_fresh_venv(dist, tmp_path):
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
     r = subprocess.run([str(py), "-m", "pip", "install", "-q", *STACK, str(dist["wheel"])], capture_output=True,
-                       text=True, timeout=900)
+                       text=True, timeout=900, env=CLEAN)
     assert r.returncode == 0, r.stderr[-2000:]
     lab = "lab01_where_memory_goes"
     work = tmp_path / "student"
@@ -96,8 +97,7 @@ errors = [o["ename"] for c in nb.cells for o in c.get("outputs", []) if o.get("o
 text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
 print(json.dumps({{"errors": errors, "text": text, "vramlab": vramlab.__file__, "path": sys.path}}))
 """
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    r = subprocess.run([str(py), "-c", runner], capture_output=True, text=True, cwd=work, env=env, timeout=900)
+    r = subprocess.run([str(py), "-c", runner], capture_output=True, text=True, cwd=work, env=CLEAN, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["vramlab"].startswith(str(venv)), out["vramlab"]  # the wheel, not the checkout
