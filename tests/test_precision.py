@@ -120,3 +120,25 @@ def test_recipe_ledgers_agree_with_the_estimator(recipe, precision):
     r = P.RECIPES[recipe]
     assert (st.parameters, st.gradients, st.optimizer_states) == (
         r.weights * spec.params, r.gradients * spec.params, (r.master_weights + r.optimizer_states) * spec.params)
+
+
+def test_round_to_matches_torch_casts_including_overflow():
+    """e4m3fn has no infinity: torch saturates to +-448 (was: inf); e5m2 and fp16 overflow to inf."""
+    torch = pytest.importorskip("torch")
+    from vramlab.precision import round_to
+
+    dtypes = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2, "fp16": torch.float16,
+              "bf16": torch.bfloat16}
+    for name, dt in dtypes.items():
+        for v in (500.0, -500.0, 1e5, 460.0, 70000.0, 3e-8, 1e-3, 0.1, float("inf"), float("-inf")):
+            expected = torch.tensor(v).to(dt).float().item()
+            assert round_to(v, name) == expected, (name, v, round_to(v, name), expected)
+
+
+@pytest.mark.parametrize("call", ["min_loss_scale(float('nan'))", "min_loss_scale(float('inf'))", "round_to('x', 'fp16')",
+                                  "round_to(1.0, 'fp7')", "min_loss_scale(True)"])
+def test_precision_rejects_what_it_cannot_answer(call):
+    from vramlab.precision import min_loss_scale, round_to  # noqa: F401
+
+    with pytest.raises(ValueError):
+        eval(call)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -51,10 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--seq-len", type=_positive_int, required=True, help="tokens per sequence")
     est.add_argument("--precision", default=None,
                      help="train: fp32 | bf16-mixed | fp16-mixed | bf16 (default fp32); infer: fp32 | bf16 | fp16 | int8 (default bf16)")
-    est.add_argument("--optimizer", default="adamw", choices=memory.OPTIMIZERS)
-    est.add_argument("--optimizer-impl", default="foreach", choices=memory.OPTIMIZER_IMPLS)
+    est.add_argument("--optimizer", default=None, choices=memory.OPTIMIZERS, help="train only (default adamw)")
+    est.add_argument("--optimizer-impl", default=None, choices=memory.OPTIMIZER_IMPLS, help="train only (default foreach)")
     est.add_argument("--attention", default="sdpa", choices=memory.ATTENTIONS)
-    est.add_argument("--recompute", default="none", choices=memory.RECOMPUTES)
+    est.add_argument("--recompute", default=None, choices=memory.RECOMPUTES, help="train only (default none)")
     est.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="whose kernels run (default cuda)")
     est.add_argument("--new-tokens", type=_non_negative_int, default=None,
                      help="infer: model.generate() with this many new tokens (default: one prefill, all logits)")
@@ -69,17 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _estimate(args: argparse.Namespace) -> int:
     spec = specs.preset(args.model) if args.model else specs.from_config(args.hf_config)
-    gpu = specs.gpu(args.gpu) if args.gpu else None
+    gpu = specs.gpu(args.gpu) if args.gpu is not None else None
+    only = {"train": ("optimizer", "optimizer_impl", "recompute"), "infer": ("new_tokens",)}
+    for mode, flags in only.items():
+        given = [f for f in flags if getattr(args, f) is not None]
+        if mode != args.mode and given:
+            raise ValueError(f"--{given[0].replace('_', '-')} does not apply to 'estimate {args.mode}' "
+                             f"(it is for 'estimate {mode}')")
     if gpu and args.device != "cuda":
         raise ValueError("--gpu checks the fit on a GPU: leave --device at cuda")
     if args.expandable_segments and not gpu:
         raise ValueError("--expandable-segments changes the fit on a GPU: give --gpu too")
     if args.mode == "train":
-        if args.new_tokens is not None:
-            raise ValueError("--new-tokens is for 'estimate infer' (generation)")
-        options = dict(seq_len=args.seq_len, precision=args.precision or "fp32", optimizer=args.optimizer,
-                       optimizer_impl=args.optimizer_impl, attention=args.attention, recompute=args.recompute,
-                       device=args.device)
+        options = dict(seq_len=args.seq_len, precision=args.precision or "fp32", optimizer=args.optimizer or "adamw",
+                       optimizer_impl=args.optimizer_impl or "foreach", attention=args.attention,
+                       recompute=args.recompute or "none", device=args.device)
         est = memory.estimate_training(spec, batch_size=args.batch_size, gpu=gpu, **options)
     else:
         options = dict(seq_len=args.seq_len, dtype=args.precision or "bf16", attention=args.attention,
@@ -114,6 +119,15 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except BrokenPipeError:  # `vramlab presets | head -1`: the reader left; not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         if args.command == "estimate":
             return _estimate(args)

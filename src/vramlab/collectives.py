@@ -108,7 +108,7 @@ LINKS: dict[str, Link] = {lk.name: lk for lk in (
 
 
 def link(name: str) -> Link:
-    if name not in LINKS:
+    if not isinstance(name, str) or name not in LINKS:
         raise ValueError(f"unknown link {name!r}; choose from {', '.join(LINKS)}")
     return LINKS[name]
 
@@ -117,9 +117,15 @@ def collective_time(op: Op, n: int, size_bytes: int, lk: Link | str, *, algorith
                     chunks: int = 1) -> float:
     """Seconds for one collective by the alpha-beta model (formulas in the module docstring)."""
     _check(op, n)
-    if size_bytes < 0:
-        raise ValueError("size must be non-negative")
+    if isinstance(size_bytes, bool) or not isinstance(size_bytes, (int, float)) or not (0 <= size_bytes < math.inf):
+        raise ValueError(f"size must be a finite non-negative number of bytes, got {size_bytes!r}")
+    if algorithm not in ("ring", "tree"):
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose ring or tree")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     lk = link(lk) if isinstance(lk, str) else lk
+    if not isinstance(lk, Link):
+        raise ValueError(f"link must be a Link or one of {', '.join(LINKS)}, got {lk!r}")
     a, B, S = lk.alpha_s, lk.bytes_per_s, size_bytes
     if n == 1:
         return 0.0
@@ -156,8 +162,10 @@ def fit_alpha_beta(op: Op, n: int, sizes: Sequence[int], seconds: Sequence[float
         raise ValueError("need at least two (size, time) pairs of equal length")
     if error not in ("relative", "absolute"):
         raise ValueError(f"error must be 'relative' or 'absolute', not {error!r}")
-    if any(t <= 0 for t in seconds):
-        raise ValueError("measured times must be positive")
+    if any(not (isinstance(t, (int, float)) and 0 < t < math.inf) for t in seconds):
+        raise ValueError("measured times must be positive finite numbers (no NaN)")
+    if any(not (isinstance(x, (int, float)) and 0 <= x < math.inf) for x in sizes):
+        raise ValueError("sizes must be finite non-negative numbers of bytes")
     ca, cb = alpha_beta_coefficients(op, n)
     xs, ys = [float(s) for s in sizes], [float(t) for t in seconds]
     ws = [1.0 / y ** 2 for y in ys] if error == "relative" else [1.0] * len(ys)
@@ -168,7 +176,10 @@ def fit_alpha_beta(op: Op, n: int, sizes: Sequence[int], seconds: Sequence[float
         raise ValueError("sizes must differ")
     slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / sxx  # seconds per byte
     intercept = my - slope * mx
-    bandwidth = cb / slope if slope > 0 else float("inf")
+    if slope <= 0:  # time that does not grow with size has no bandwidth to find
+        raise ValueError("the times do not grow with the size: no finite bandwidth fits them "
+                         "(measure larger sizes, or check the timings)")
+    bandwidth = cb / slope
     return Link(name="fitted", bandwidth_GBps=bandwidth / 1e9, latency_us=max(intercept, 0.0) / ca * 1e6)
 
 

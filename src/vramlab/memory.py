@@ -9,6 +9,8 @@ the step's phases, with the breakdown at that peak. `estimate_inference` returns
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import operator
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -163,9 +165,13 @@ def model_states(model: ModelSpec | str, *, precision: Precision = "fp32", optim
     _check_choice(precision, PRECISIONS, "precision")
     _check_choice(optimizer, OPTIMIZERS, "optimizer")
     n_all = spec.params
-    n_train = n_all if trainable_params is None else trainable_params
-    if not 0 <= n_train <= n_all:
-        raise ValueError(f"trainable_params must be between 0 and {n_all}, got {trainable_params}")
+    try:
+        n_train = n_all if trainable_params is None else (
+            None if isinstance(trainable_params, bool) else operator.index(trainable_params))
+    except TypeError:
+        n_train = None
+    if n_train is None or not 0 <= n_train <= n_all:
+        raise ValueError(f"trainable_params must be a whole number from 0 to {n_all:,}, got {trainable_params!r}")
     pb = param_bytes(precision)
     return MemoryBreakdown(parameters=n_all * pb, gradients=n_train * pb,
                            optimizer_states=optimizer_state_bytes(optimizer, n_train, precision),
@@ -417,6 +423,12 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     (autocast's half-precision weights). With full recompute a block keeps only its input.
     `frozen_base`: PEFT with adapters on the attention projections (LoRA's default targets): the
     frozen linears save no input (checked on mT5-base LoRA r=8 q,v on an H100)."""
+    spec = _resolve(spec)
+    _check_positive(batch_size=batch_size, seq_len=seq_len)
+    _check_choice(precision, PRECISIONS, "precision")
+    _check_choice(attention, ATTENTIONS, "attention implementation")
+    _check_choice(recompute, RECOMPUTES, "recompute")
+    _check_choice(device, ("cuda", "cpu"), "device")
     nb = _dtype_bytes(precision, device)
     b, s, a = batch_size, seq_len, spec.num_heads
     tokens, scores = b * s, b * a * s * s
@@ -464,7 +476,11 @@ def cublas_workspace_bytes(gpu: GPUSpec | str | None = None) -> int:
     """One cuBLAS handle's workspace on `gpu` (default: Hopper's 32 MiB, what the H100 measured)."""
     if gpu is None:
         return 4096 * 8 * 1024
-    return (_gpu(gpu) if isinstance(gpu, str) else gpu).cublas_workspace_bytes
+    if isinstance(gpu, str):
+        return _gpu(gpu).cublas_workspace_bytes
+    if isinstance(gpu, GPUSpec):
+        return gpu.cublas_workspace_bytes
+    raise ValueError(f"gpu must be a GPUSpec or a catalogue name, got {gpu!r}")
 
 
 def _resolve(model: ModelSpec | str) -> ModelSpec:
@@ -474,7 +490,7 @@ def _resolve(model: ModelSpec | str) -> ModelSpec:
         from .specs import preset
 
         return preset(model)
-    raise TypeError(f"model must be a ModelSpec or a preset name, got {type(model).__name__}")
+    raise ValueError(f"model must be a ModelSpec or a preset name, got {model!r}")
 
 
 def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
@@ -482,10 +498,25 @@ def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
         raise ValueError(f"unknown {what} {value!r}; choose from {', '.join(choices)}")
 
 
+MAX_BATCH = 1 << 31  # sequences in one step; far beyond any GPU, small enough to stay exact and fast
+
+
 def _check_positive(**sizes: int) -> None:
+    """Whole positive numbers (numpy integers too), and not absurdly large: a batch of 10^35 is a
+    typo, not a question."""
     for name, v in sizes.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        try:
+            n = operator.index(v) if not isinstance(v, bool) else None
+        except TypeError:
+            n = None
+        if n is None or n <= 0:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if n > MAX_BATCH:
+            raise ValueError(f"{name} must be at most {MAX_BATCH:,}, got {n:,}")
+
+
+def _int(v: int) -> int:
+    return operator.index(v)
 
 
 def _check_positions(spec: ModelSpec, seq_len: int) -> None:
@@ -548,6 +579,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     """
     spec = _resolve(model)
     _check_positive(batch_size=batch_size, seq_len=seq_len)
+    batch_size, seq_len = _int(batch_size), _int(seq_len)
     _check_positions(spec, seq_len)
     _check_choice(precision, PRECISIONS, "precision")
     _check_choice(optimizer, OPTIMIZERS, "optimizer")
@@ -561,7 +593,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     states = model_states(spec, precision=precision, optimizer=optimizer, trainable_params=trainable_params)
     P, G, O = states.parameters, states.gradients, states.optimizer_states
     n_all = spec.params
-    n_train = n_all if trainable_params is None else trainable_params
+    n_train = n_all if trainable_params is None else operator.index(trainable_params)  # checked by model_states
 
     b, s, V = batch_size, seq_len, spec.vocab_size
     pb = param_bytes(precision)
@@ -628,6 +660,9 @@ def kv_cache_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, dtype: str
     overestimates Llama-3-8B's cache 4x). T5: the decoder's self-attention cache plus its
     cross-attention cache of the encoder's seq_len tokens. Source: Pope+22 (arXiv:2211.05102);
     vLLM (Kwon+23, arXiv:2309.06180): OPT-13B ~ 800 KB per token in fp16."""
+    spec = _resolve(spec)
+    _check_positive(batch_size=batch_size, seq_len=seq_len)
+    _check_choice(dtype, tuple(_INFER_BYTES), "dtype")
     layers = spec.num_decoder_layers if spec.family == "t5" else spec.num_layers
     if spec.family == "bert":
         return 0
@@ -668,6 +703,7 @@ def estimate_inference(model: ModelSpec | str, *, batch_size: int, seq_len: int,
     Known limitations: the block's intermediates are a bound on what it holds at once, not a trace."""
     spec = _resolve(model)
     _check_positive(batch_size=batch_size, seq_len=seq_len)
+    batch_size, seq_len = _int(batch_size), _int(seq_len)
     _check_positions(spec, seq_len + (new_tokens or 0))
     _check_choice(dtype, tuple(_INFER_BYTES), "dtype")
     _check_choice(attention, ATTENTIONS, "attention implementation")
@@ -703,7 +739,11 @@ def estimate_inference(model: ModelSpec | str, *, batch_size: int, seq_len: int,
 def checkpoint_bytes(model: ModelSpec | str | int, *, dtype: str = "fp32") -> int:
     """Size of the weights on disk: params x bytes per param (BERT-base, 110 M params in fp32:
     419.62 MiB). Accepts a ModelSpec, a preset name or a parameter count."""
-    n = model if isinstance(model, int) and not isinstance(model, bool) else _resolve(model).params
+    if isinstance(model, (str, ModelSpec)):
+        n = _resolve(model).params
+    else:
+        _check_positive(parameter_count=model)
+        n = _int(model)
     _check_choice(dtype, tuple(_INFER_BYTES), "dtype")
     return n * _INFER_BYTES[dtype]
 
@@ -732,6 +772,7 @@ class Fit:
     fragmentation: int  # the caching allocator's headroom at the given batch size
     context: int  # the CUDA context and libraries, outside the allocator
     expandable_segments: bool = False
+    capped: bool = False  # even the search's limit fits: max_batch_size is a lower bound, not the answer
 
     @property
     def reserve(self) -> int:
@@ -750,8 +791,10 @@ class Fit:
 
     def __str__(self) -> str:
         verdict = "fits" if self.fits else "does NOT fit"
+        largest = (f"more than {self.max_batch_size:,} (the search stops there)" if self.capped
+                   else f"{self.max_batch_size}")
         return (f"{verdict} on {self.gpu.name} ({fmt_bytes(self.needed)} needed incl. {fmt_bytes(self.reserve)} "
-                f"reserve, {fmt_bytes(self.available)} available); largest batch size that fits: {self.max_batch_size}")
+                f"reserve, {fmt_bytes(self.available)} available); largest batch size that fits: {largest}")
 
 
 def largest_tensor_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: int, mode: Literal["train", "infer"] = "train",
@@ -814,13 +857,21 @@ def fit(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: int = 1, mode
     Checked against bisected out-of-memory boundaries on an H100 (tests/test_gpu_truth.py)."""
     g = _gpu(gpu) if isinstance(gpu, str) else gpu
     if not isinstance(g, GPUSpec):
-        raise TypeError(f"gpu must be a GPUSpec or a catalogue name, got {type(gpu).__name__}")
+        raise ValueError(f"gpu must be a GPUSpec or a catalogue name, got {gpu!r} (for a GPU known only by its "
+                         "memory, use vramlab.specs.custom_gpu(bytes))")
     if mode not in ("train", "infer"):
         raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
+    _check_positive(batch_size=batch_size, max_search=max_search)
+    if not isinstance(expandable_segments, bool):
+        raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
     est = estimate_training if mode == "train" else estimate_inference
     if options.get("device", "cuda") != "cuda":
         raise ValueError("fit() answers for a GPU: leave device at 'cuda'")
     options = {k: v for k, v in options.items() if k != "device"}
+    allowed = set(inspect.signature(est).parameters) - {"model", "batch_size", "gpu", "device"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(f"fit(mode={mode!r}) does not take {', '.join(unknown)}; it takes {', '.join(sorted(allowed))}")
 
     def terms(bs: int) -> tuple[int, int, int]:
         e = est(model, batch_size=bs, gpu=g, **options).total
@@ -835,4 +886,5 @@ def fit(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: int = 1, mode
     e, margin, frag = terms(batch_size)
     needed = e + margin + frag + g.context_bytes
     return Fit(gpu=g, needed=needed, available=available, fits=needed <= available, max_batch_size=lo, estimate=e,
-               margin=margin, fragmentation=frag, context=g.context_bytes, expandable_segments=expandable_segments)
+               margin=margin, fragmentation=frag, context=g.context_bytes, expandable_segments=expandable_segments,
+               capped=lo >= max_search)

@@ -83,12 +83,19 @@ def fmt(name: str | Format) -> Format:
 
 
 def round_to(x: float, f: str | Format) -> float:
-    """`x` rounded to the nearest value of format `f` (ties to even), as a cast does. Overflow gives
-    +-inf (a cast to fp8 e4m3fn, which has no infinity, gives NaN there); small values go through the
-    subnormals and flush to 0."""
+    """`x` rounded to the nearest value of format `f` (ties to even), as PyTorch's cast does.
+    Overflow gives +-inf; fp8 e4m3fn has no infinity, and torch's cast saturates there to +-448
+    (checked against torch in the tests). Small values go through the subnormals and flush to 0."""
     f = fmt(f)
+    if isinstance(x, bool) or not isinstance(x, (int, float)) and not hasattr(x, "__float__"):
+        raise ValueError(f"round_to needs a number, got {x!r}")
+    x = float(x)
     if not f.is_float:
-        return float(max(-128, min(127, round(x))))
+        if math.isnan(x):
+            raise ValueError("int8 has no NaN: round_to(nan, 'int8') has no answer")
+        return float(max(-128, min(127, round(x)))) if math.isfinite(x) else (127.0 if x > 0 else -128.0)
+    if f.finite_only and math.isinf(x):
+        return math.copysign(f.max, x)
     if x == 0 or math.isnan(x) or math.isinf(x):
         return x
     sign = -1.0 if x < 0 else 1.0
@@ -102,9 +109,8 @@ def round_to(x: float, f: str | Format) -> float:
     if frac > 0.5 or (frac == 0.5 and r % 2 == 1):
         r += 1
     y = r * quantum
-    if y > f.max:
-        # IEEE rounding overflows once a is at least max + half an ulp of max
-        return sign * math.inf
+    if y > f.max:  # IEEE rounding overflows once a is at least max + half an ulp of max
+        return sign * (f.max if f.finite_only else math.inf)
     return sign * y
 
 
@@ -121,6 +127,8 @@ def min_loss_scale(grad: float, f: str | Format = "fp16") -> int:
     """The smallest power-of-two loss scale S for which grad x S does not flush to zero when cast
     to `f` (grad itself given in fp32)."""
     f = fmt(f)
+    if isinstance(grad, bool) or not isinstance(grad, (int, float)) or not math.isfinite(grad):
+        raise ValueError(f"grad must be a finite number, got {grad!r}")
     if grad == 0:
         raise ValueError("a zero gradient stays zero at any scale")
     s = 1

@@ -13,7 +13,9 @@ or `preset("gpt2")`. What-if questions: `dataclasses.replace(spec, num_layers=48
 from __future__ import annotations
 
 import json
+import math
 import os
+import stat
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -84,11 +86,27 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
             raise SpecError(f"unsupported model_type {self.model_type!r}; supported: {', '.join(MODEL_TYPES)}")
-        for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                      "intermediate_size"):
+        bounds = {"vocab_size": (1, MAX_WIDTH), "hidden_size": (1, MAX_WIDTH), "num_layers": (1, MAX_LAYERS),
+                  "num_heads": (1, MAX_WIDTH), "num_kv_heads": (1, MAX_WIDTH), "head_dim": (1, MAX_WIDTH),
+                  "intermediate_size": (1, MAX_WIDTH), "max_position_embeddings": (1, MAX_POSITIONS),
+                  "num_decoder_layers": (0, MAX_LAYERS), "relative_attention_num_buckets": (0, MAX_WIDTH),
+                  "type_vocab_size": (0, MAX_WIDTH), "word_embed_proj_dim": (0, MAX_WIDTH)}
+        for field, (lo, hi) in bounds.items():
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise SpecError(f"{field} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+                what = "a positive integer" if lo == 1 else "a non-negative integer"
+                raise SpecError(f"{field} must be {what} up to {hi:,}, got {value!r}")
+        for field in ("gated_mlp", "tie_word_embeddings", "qkv_bias", "out_bias", "mlp_bias", "norm_bias",
+                      "norm_affine", "final_norm", "parallel_residual"):
+            if not isinstance(getattr(self, field), bool):
+                raise SpecError(f"{field} must be True or False, got {getattr(self, field)!r}")
+        for field, upper_ok in (("hidden_dropout", False), ("attention_dropout", False), ("rotary_fraction", True)):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v <= 1) or (v == 1 and not upper_ok):
+                raise SpecError(f"{field} must be a number in [0, 1{']' if upper_ok else ')'}, got {v!r}")
+        for field in ("name", "activation"):
+            if not isinstance(getattr(self, field), str):
+                raise SpecError(f"{field} must be text, got {getattr(self, field)!r}")
         if self.family in ("gpt2", "gpt_neox", "opt", "bert"):
             if self.num_heads * self.head_dim != self.hidden_size or self.num_kv_heads != self.num_heads:
                 raise SpecError(f"{self.model_type}: num_heads x head_dim must equal hidden_size and every head has "
@@ -338,9 +356,51 @@ _TENSORS = {"gpt2": _t_gpt2, "gpt_neox": _t_gpt_neox, "opt": _t_opt, "llama": _t
 
 # ----------------------------------------------------------------------------- config parsing
 
+# Bounds on what a config may say (well beyond any real model; they keep the calculators finite and fast)
+MAX_WIDTH = 1 << 24  # hidden sizes, vocabularies, MLP widths, heads
+MAX_LAYERS = 10_000
+MAX_POSITIONS = 1 << 26
+_LAYER_KEYS = {"n_layer", "num_hidden_layers", "num_layers", "num_decoder_layers"}
+_POSITION_KEYS = {"n_positions", "max_position_embeddings"}
+_ZERO_OK = {"type_vocab_size"}  # counts that may be 0
+_FRACTION_KEYS = {"partial_rotary_factor", "rotary_pct"}  # (0, 1]; other float fields are dropout probabilities [0, 1)
+
+
 def _get(cfg: Mapping[str, Any], key: str, default: Any) -> Any:
+    """cfg[key] (or `default` when absent or null), checked against the type and range of the
+    default: whole numbers for sizes (bounded), true/false for switches, probabilities for dropout,
+    text for names. A bad value raises SpecError naming the field and the value."""
     value = cfg.get(key)
-    return default if value is None else value
+    if value is None:
+        return default
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise SpecError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        hi = MAX_LAYERS if key in _LAYER_KEYS else MAX_POSITIONS if key in _POSITION_KEYS else MAX_WIDTH
+        lo = 0 if key in _ZERO_OK else 1
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise SpecError(f"{key}: expected a whole number from {lo} to {hi:,}, got {value!r}")
+        return value
+    if isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if key in _FRACTION_KEYS:
+            if not (ok and 0 < value <= 1):
+                raise SpecError(f"{key}: expected a fraction in (0, 1], got {value!r}")
+        elif not (ok and 0 <= value < 1):
+            raise SpecError(f"{key}: expected a probability in [0, 1), got {value!r}")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str) or not value or len(value) > 100:
+            raise SpecError(f"{key}: expected a name, got {value!r}")
+        return value
+    return value
+
+
+def _opt_int(cfg: Mapping[str, Any], key: str) -> int | None:
+    """An optional size: absent/null gives None, anything else must be a valid size."""
+    return None if cfg.get(key) is None else _get(cfg, key, 1)
 
 
 def _from_gpt2(cfg: Mapping[str, Any], name: str) -> ModelSpec:
@@ -361,6 +421,8 @@ def _from_gpt_neox(cfg: Mapping[str, Any], name: str) -> ModelSpec:
     _divides(h, a, "hidden_size", "num_attention_heads")
     bias = _get(cfg, "attention_bias", True)
     rope = cfg.get("rope_parameters") or {}
+    if not isinstance(rope, Mapping):
+        raise SpecError(f"rope_parameters: expected an object, got {rope!r}")
     return ModelSpec(
         name=name, model_type="gpt_neox", vocab_size=_get(cfg, "vocab_size", 50432), hidden_size=h,
         num_layers=_get(cfg, "num_hidden_layers", 44), num_heads=a, num_kv_heads=a, head_dim=h // a,
@@ -385,14 +447,14 @@ def _from_opt(cfg: Mapping[str, Any], name: str) -> ModelSpec:
         qkv_bias=bias, out_bias=bias, mlp_bias=bias, norm_affine=_get(cfg, "layer_norm_elementwise_affine", True),
         hidden_dropout=_get(cfg, "dropout", 0.1), attention_dropout=_get(cfg, "attention_dropout", 0.0),
         word_embed_proj_dim=_get(cfg, "word_embed_proj_dim", h),
-        final_norm=bool(_get(cfg, "do_layer_norm_before", True)) and not _get(cfg, "_remove_final_layer_norm", False))
+        final_norm=_get(cfg, "do_layer_norm_before", True) and not _get(cfg, "_remove_final_layer_norm", False))
 
 
 def _from_llama(cfg: Mapping[str, Any], name: str) -> ModelSpec:
     mt = cfg["model_type"]
     h, a = _get(cfg, "hidden_size", 4096), _get(cfg, "num_attention_heads", 32)
     kv = _get(cfg, "num_key_value_heads", 8 if mt == "mistral" else a)
-    head_dim = cfg.get("head_dim")
+    head_dim = _opt_int(cfg, "head_dim")
     if head_dim is None:
         _divides(h, a, "hidden_size", "num_attention_heads")
         head_dim = h // a
@@ -401,8 +463,8 @@ def _from_llama(cfg: Mapping[str, Any], name: str) -> ModelSpec:
     elif mt == "mistral":
         qkv_bias = out_bias = mlp_bias = False
     else:
-        qkv_bias = out_bias = bool(_get(cfg, "attention_bias", False))
-        mlp_bias = bool(_get(cfg, "mlp_bias", False))
+        qkv_bias = out_bias = _get(cfg, "attention_bias", False)
+        mlp_bias = _get(cfg, "mlp_bias", False)
     defaults = {"llama": (32000, 11008, 2048), "mistral": (32000, 14336, 131072), "qwen2": (151936, 22016, 32768)}[mt]
     return ModelSpec(
         name=name, model_type=mt, vocab_size=_get(cfg, "vocab_size", defaults[0]), hidden_size=h,
@@ -533,17 +595,13 @@ def from_config(config: Any, *, name: str | None = None) -> ModelSpec:
     Raises SpecError (a ValueError) for an unreadable file, an unsupported model_type or
     inconsistent sizes, with a message that says which.
     """
+    where = "config"
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        try:
-            with open(path, encoding="utf-8") as f:
-                cfg = json.load(f)
-        except OSError as e:
-            raise SpecError(f"cannot read config {path!r}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise SpecError(f"{path!r} is not valid JSON: {e.msg} (line {e.lineno})") from None
+        where = path
+        cfg = _read_json(path)
         name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or "model"
     elif isinstance(config, Mapping):
         cfg = dict(config)
@@ -552,14 +610,55 @@ def from_config(config: Any, *, name: str | None = None) -> ModelSpec:
     else:
         raise SpecError(f"expected a transformers config, a dict or a config.json path, got {type(config).__name__}")
     if not isinstance(cfg, Mapping):
-        raise SpecError("a model config must be a JSON object")
+        raise SpecError(f"{where}: a model config must be a JSON object")
     model_type = cfg.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise SpecError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
+        raise SpecError(f"{where}: unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+    label = name or cfg.get("_name_or_path") or model_type
+    if not isinstance(label, str):
+        label = model_type
     try:
-        return _PARSERS[MODEL_TYPES[model_type]](cfg, name or cfg.get("_name_or_path") or model_type)
-    except TypeError as e:  # e.g. a string where a size belongs
-        raise SpecError(f"malformed {model_type} config: {e}") from None
+        return _PARSERS[MODEL_TYPES[model_type]](cfg, label)
+    except SpecError as e:
+        raise SpecError(f"{where}: {e}") from None
+    except (TypeError, AttributeError, ValueError) as e:  # a list where a name belongs, and the like
+        raise SpecError(f"{where}: malformed {model_type} config: {e}") from None
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a transformers config.json is a few KB
+
+
+def _read_json(path: str) -> Any:
+    """A config file: regular files only (a FIFO or a device would hang or never end), at most
+    MAX_CONFIG_BYTES, valid JSON of sane depth; every failure is one SpecError naming the file."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise SpecError(f"cannot read config {path!r}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise SpecError(f"cannot read config {path!r}: not a regular file")
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise SpecError(f"cannot read config {path!r}: {st.st_size:,} bytes is too large for a config "
+                        f"(at most {MAX_CONFIG_BYTES:,})")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise SpecError(f"cannot read config {path!r}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{path!r} is not UTF-8 text") from None
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except SpecError as e:
+        raise SpecError(f"{path!r}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{path!r} is not valid JSON: {e.msg} (line {e.lineno})") from None
+    except RecursionError:
+        raise SpecError(f"{path!r} is nested too deeply to be a model config") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise SpecError(f"{name} is not a number JSON allows (a config must use finite numbers)")
 
 
 def _preset_dir():
@@ -655,6 +754,8 @@ _GPU_ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "gtx-1060": "gtx-1060-
 
 def gpu(name: str) -> GPUSpec:
     """Look up a GPU by catalogue name ('t4', 'a100-80gb', 'h100', ...), case-insensitive."""
+    if not isinstance(name, str) or not name.strip():
+        raise SpecError(f"a GPU is named by a catalogue name ({', '.join(GPUS)}), got {name!r}")
     key = name.lower().replace("_", "-").replace(" ", "-")
     key = _GPU_ALIASES.get(key, key)
     if key not in GPUS:
