@@ -138,24 +138,73 @@ def _bench(rank: int, world: int, args) -> list[dict] | None:
         rows.append({"size": nbytes, "count": nbytes // 4, "type": "float", "redop": "sum", "root": 0 if args.op in
                      ("broadcast", "reduce") else -1, "time_us": t * 1e6, "min_time_us": min(m) * 1e6,
                      "op_median_us": statistics.median(ops) * 1e6,
-                     "op_p90_us": sorted(ops)[int(0.9 * (len(ops) - 1))] * 1e6,
+                     "op_p90_us": _p90(ops) * 1e6,
                      "op_times_us": [round(x * 1e6, 2) for x in ops],
                      "algbw_GBps": C.algbw(nbytes, t) / 1e9, "busbw_GBps": C.busbw(args.op, n, nbytes, t) / 1e9})
     return rows if rank == 0 else None
 
 
+class CommbenchError(RuntimeError):
+    """A rank could not finish: the message says which and why, in one line."""
+
+
+def _p90(xs: list[float]) -> float:
+    """The 90th percentile, interpolated between order statistics: never below the median, also
+    for two or three samples (the old lower order statistic read the minimum there)."""
+    return xs[0] if len(xs) == 1 else statistics.quantiles(xs, n=10, method="inclusive")[-1]
+
+
 def _worker(rank: int, world: int, args, port: int) -> None:
+    import datetime
+
     import torch.distributed as dist
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
-    dist.init_process_group(args.backend, rank=rank, world_size=world)
+    timeout = datetime.timedelta(seconds=args.timeout)
+    try:
+        dist.init_process_group(args.backend, rank=rank, world_size=world, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - the rendezvous never completed
+        raise CommbenchError(f"rank {rank} of {world}: the process group did not form within {args.timeout:g} s "
+                             f"(a rank never started or cannot reach {os.environ['MASTER_ADDR']}:"
+                             f"{os.environ['MASTER_PORT']}): {_first_line(e)}") from None
     try:
         rows = _bench(rank, world, args)
         if rows is not None:
             _report(rows, args, world)
+    except CommbenchError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a collective timed out or a peer died
+        raise CommbenchError(f"rank {rank} of {world}: a collective did not complete within {args.timeout:g} s or a "
+                             f"peer failed (a rank stopped or is stuck): {_first_line(e)}") from None
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _check_out(path: str) -> None:
+    """Fail before measuring, not after: the output's folder must exist or be creatable, and writable."""
+    folder = Path(path).resolve().parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".commbench-{os.getpid()}.tmp"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        print(f"commbench: cannot write --out {path}: {e.strerror or e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _report(rows: list[dict], args, world: int) -> None:
@@ -185,29 +234,58 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--op", default="all_reduce", choices=OPS)
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
     p.add_argument("--nproc", type=int, default=2, help="local processes to spawn (ignored under torchrun)")
-    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=default_sizes(),
-                   help="comma-separated sizes in bytes (default 1 KiB .. 16 MiB, x4)")
+    p.add_argument("--sizes", type=_sizes, default=default_sizes(),
+                   help="comma-separated sizes in bytes, multiples of 4 (float32) (default 1 KiB .. 16 MiB, x4)")
     p.add_argument("--warmup", type=int, default=3, help="untimed operations before each size")
     p.add_argument("--warmup-s", type=float, default=0.5, help="seconds of small all-reduces before the first size")
     p.add_argument("--iters", type=int, default=20, help="back-to-back operations per timed run")
     p.add_argument("--runs", type=int, default=5, help="timed runs per size (the median is reported)")
     p.add_argument("--order", default="interleaved", choices=("interleaved", "sequential"),
                    help="interleaved: sizes take turns run by run (default); sequential: one size after another")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--port", type=int, default=29511)
+    p.add_argument("--out", default=None, help="write the results as JSON here (checked before the run)")
+    p.add_argument("--port", type=int, default=0, help="rendezvous port (default: a free one)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds a rendezvous or one collective may take before the run stops (default 60)")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin CPU ranks to cores")
     args = p.parse_args(argv)
-    if args.nproc < 1 or any(s < 4 for s in args.sizes):
-        p.error("--nproc must be >= 1 and sizes >= 4 bytes")
-    if args.iters < 1 or args.runs < 1 or args.warmup < 0 or args.warmup_s < 0:
-        p.error("--iters and --runs must be >= 1, --warmup and --warmup-s >= 0")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
-        _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, args.port)
-        return 0
-    import torch.multiprocessing as mp
+    if not 1 <= args.nproc <= 256:
+        p.error("--nproc must be from 1 to 256")
+    if args.iters < 1 or args.runs < 1 or args.warmup < 0:
+        p.error("--iters and --runs must be >= 1, --warmup >= 0")
+    if not (0 <= args.warmup_s <= 60):
+        p.error(f"--warmup-s must be from 0 to 60 seconds, got {args.warmup_s}")
+    if not (0 < args.timeout <= 3600):
+        p.error(f"--timeout must be from 0 to 3600 seconds, got {args.timeout}")
+    if args.out:
+        _check_out(args.out)
+    try:
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+            _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, args.port or 29511)
+            return 0
+        import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(args.nproc, args, args.port), nprocs=args.nproc, join=True)
+        mp.spawn(_worker, args=(args.nproc, args, args.port or _free_port()), nprocs=args.nproc, join=True)
+    except CommbenchError as e:
+        print(f"commbench: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - mp.spawn re-raises a rank's error wrapped: keep its last line
+        last = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        print(f"commbench: {last[-1] if last else type(e).__name__}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers of bytes, got {text!r}") from None
+    bad = [s for s in sizes if s < 4 or s % 4 or s > 1 << 34]
+    if bad:
+        raise argparse.ArgumentTypeError(f"sizes are float32 buffers: multiples of 4 from 4 B to 16 GiB, got {bad}")
+    if len(set(sizes)) != len(sizes):
+        raise argparse.ArgumentTypeError(f"each size once, got {text!r}")
+    return sizes
 
 
 if __name__ == "__main__":
