@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import json
 import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import nbformat
 
@@ -145,45 +147,198 @@ def write_sources() -> None:
         nbformat.write(source_notebook(lab), SOURCE / lab / f"{lab}.ipynb")
 
 
-def grade(submission: nbformat.NotebookNode, lab: str, *, timeout: int = 600, env: dict | None = None,
-          executed: list | None = None) -> dict:
-    """Autograde a submission: restore every test cell from the instructor source (hidden tests
-    included, whatever the student did to them), execute, and score each graded cell: full points
-    when it raises nothing. Returns {grade_id: (points earned, points possible, error or None)};
-    the executed notebook is appended to `executed` when given."""
-    from nbclient import NotebookClient
+MAX_OUTPUT_CHARS = 20_000  # of each output kept in the executed notebook (a cell printing 200 MB is cut)
 
-    src = {c.metadata["nbgrader"]["grade_id"]: c for c in source_notebook(lab).cells
-           if c.metadata.get("nbgrader", {}).get("grade")}
-    nb = copy.deepcopy(submission)
+
+def _solution_ids(lab: str) -> list[str]:
+    return [c.metadata["nbgrader"]["grade_id"] for c in source_notebook(lab).cells
+            if c.metadata.get("nbgrader", {}).get("solution")]
+
+
+def assemble(submission: Any, lab: str) -> nbformat.NotebookNode:
+    """The notebook that is graded: the instructor source, cell for cell (its order, types, sources,
+    metadata: every test, hidden tests included, every locked cell), with each solution cell's source
+    taken from the submission's code cell of the same grade_id. Nothing else of the submission is
+    used: a test turned into markdown, a forged or renamed graded cell, deleted tests or metadata,
+    extra cells — none of them reaches the graded notebook. A solution the submission lacks becomes a
+    cell that raises, so its tests score 0."""
+    answers: dict[str, str] = {}
+    cells = submission.get("cells") if isinstance(submission, dict) else None
+    for cell in cells if isinstance(cells, list) else []:
+        try:
+            gid = cell["metadata"]["nbgrader"]["grade_id"]
+            if cell["cell_type"] == "code" and isinstance(gid, str) and isinstance(cell["source"], (str, list)):
+                src = cell["source"] if isinstance(cell["source"], str) else "".join(map(str, cell["source"]))
+                answers.setdefault(gid, src)
+        except (KeyError, TypeError):
+            continue
+    nb = copy.deepcopy(source_notebook(lab))
     for cell in nb.cells:
-        gid = cell.metadata.get("nbgrader", {}).get("grade_id")
-        if gid in src and not src[gid].metadata["nbgrader"].get("solution"):
-            cell.source = src[gid].source
-            cell.metadata = copy.deepcopy(src[gid].metadata)
-    old_env = dict(os.environ)
-    os.environ.update(env or {})
-    try:
-        NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
-                       resources={"metadata": {"path": str(SOURCE / lab)}}).execute()
-    finally:
-        os.environ.clear()
-        os.environ.update(old_env)
+        meta = cell.metadata.get("nbgrader", {})
+        if meta.get("solution"):
+            gid = meta["grade_id"]
+            cell.source = answers.get(gid, f"raise NotImplementedError('the submission has no code cell {gid!r}')")
+    return nb
+
+
+def _zero(lab: str, why: str) -> dict:
+    return {c.metadata["nbgrader"]["grade_id"]: (0, c.metadata["nbgrader"]["points"], why)
+            for c in source_notebook(lab).cells
+            if c.metadata.get("nbgrader", {}).get("grade") and not c.metadata["nbgrader"].get("solution")}
+
+
+def grade(submission: Any, lab: str, *, timeout: int = 600, env: dict | None = None,
+          executed: list | None = None) -> dict:
+    """Autograde a submission. Threat model (labs/README.md): the student may edit the notebook in any
+    way and run any Python in their solution cells. So the graded notebook is `assemble`d from the
+    instructor source (only solution cells come from the submission), it runs in a scratch directory
+    that holds nothing but what the kernel writes and is deleted afterwards, each cell may run
+    `timeout` seconds, outputs are cut to MAX_OUTPUT_CHARS, and the kernel's process group is killed
+    at the end (no background process outlives grading). A test cell earns its points when it raises
+    nothing (what a solution writes to stderr, a warning say, does not cost points).
+    Returns {grade_id: (points earned, points possible, reason or None)}; never raises for a bad
+    submission (a dead kernel, say, scores the unfinished tests 0 with the reason)."""
+    import signal
+    import tempfile
+    import threading
+    import time
+
+    from jupyter_client.manager import KernelManager
+    from nbclient import NotebookClient
+    from nbclient.exceptions import DeadKernelError
+
+    if lab not in labs():
+        raise ValueError(f"unknown lab {lab!r}; labs: {', '.join(labs())}")
+    nb = assemble(submission, lab)
+    problem = None
+    with tempfile.TemporaryDirectory(prefix="vramlab-grade-") as scratch:
+        kernel_env = {**os.environ, **(env or {})}
+        km = KernelManager(kernel_name="python3")
+        km.start_kernel(cwd=scratch, env=kernel_env)
+        pid = km.provisioner.process.pid if getattr(km, "provisioner", None) else None
+        # a watchdog: a cell that runs past `timeout` (and ignores the interrupt, as a busy loop in C or
+        # a solution that catches KeyboardInterrupt does) gets its kernel and everything it started killed
+        started: dict = {}
+        killed: list = []
+        stop = threading.Event()
+
+        proc = km.provisioner.process if getattr(km, "provisioner", None) else None
+        died: list = []
+
+        def watch() -> None:
+            while not stop.wait(0.5):
+                t0, gid = started.get("t", None), started.get("gid")
+                if proc is not None and proc.poll() is not None:  # the kernel exited (os._exit, a crash)
+                    died.append(gid)
+                    return
+                if t0 is not None and time.monotonic() - t0 > timeout + 5 and pid:
+                    killed.append(gid)
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError, OSError):
+                        pass
+                    return
+
+        def on_start(cell, cell_index):
+            started.update(t=time.monotonic(), gid=cell.metadata.get("nbgrader", {}).get("grade_id", f"cell {cell_index}"))
+
+        dog = threading.Thread(target=watch, daemon=True)
+        dog.start()
+        outcome: dict = {}
+
+        def run() -> None:  # in a thread: nbclient can wait forever on a killed kernel's output
+            try:
+                NotebookClient(nb, km=km, timeout=timeout, allow_errors=True, interrupt_on_timeout=True,
+                               resources={"metadata": {"path": scratch}}, on_cell_start=on_start).execute()
+            except DeadKernelError:
+                outcome["problem"] = "the kernel died (the submission ended its own process?)"
+            except Exception as e:  # noqa: BLE001 - whatever the submission did, the report says so
+                first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+                outcome["problem"] = f"grading stopped: {type(e).__name__}: {first}"
+
+        runner = threading.Thread(target=run, daemon=True)
+        try:
+            runner.start()
+            while runner.is_alive() and not killed and not died:
+                runner.join(0.5)
+            if killed:
+                runner.join(5)
+                problem = f"{killed[0]} ran past the {timeout} s limit: the kernel was stopped"
+            elif died and runner.is_alive():
+                runner.join(2)
+                problem = f"the kernel died during {died[0]} (the submission ended its own process?)"
+            else:
+                problem = outcome.get("problem")
+        finally:
+            stop.set()
+            try:
+                km.shutdown_kernel(now=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+            if pid:
+                try:
+                    os.killpg(pid, signal.SIGKILL)  # the kernel's own session: whatever it started
+                except (ProcessLookupError, PermissionError, OSError):
+                    pass
+    for cell in nb.cells:  # bounded: a cell that printed 200 MB keeps its first 20 kB
+        for o in cell.get("outputs", []):
+            if isinstance(o.get("text"), str) and len(o["text"]) > MAX_OUTPUT_CHARS:
+                o["text"] = o["text"][:MAX_OUTPUT_CHARS] + "\n[... output cut by the grader ...]\n"
     if executed is not None:
         executed.append(nb)
     scores = {}
     for cell in nb.cells:
         meta = cell.metadata.get("nbgrader", {})
         if meta.get("grade") and not meta.get("solution"):
-            # nbgrader's rule (utils.determine_grade): an error, or anything written to stderr, fails
-            errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"
-                      or (o.get("output_type") == "stream" and o.get("name") == "stderr")]
-            err = None
+            errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+            ran = cell.get("execution_count") is not None
             if errors:
                 e = errors[0]
-                err = f"{e['ename']}: {e['evalue']}" if e["output_type"] == "error" else f"stderr: {e['text'][:300]}"
-            scores[meta["grade_id"]] = (0 if errors else meta["points"], meta["points"], err)
+                scores[meta["grade_id"]] = (0, meta["points"], f"{e['ename']}: {e['evalue']}"[:500])
+            elif not ran:
+                scores[meta["grade_id"]] = (0, meta["points"], problem or "not run")
+            else:
+                scores[meta["grade_id"]] = (meta["points"], meta["points"], None)
     return scores
+
+
+def read_submission(path: Path) -> tuple[Any, str | None]:
+    """(notebook, None), or (None, why it cannot be read) for a missing file, a folder, not JSON,
+    an unknown nbformat or a wrong shape: the report gives the reason instead of a traceback."""
+    try:
+        if not path.is_file():
+            return None, f"{path} is not a file"
+        if path.stat().st_size > 50 << 20:
+            return None, f"{path} is larger than 50 MiB"
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"cannot read {path}: {e}"
+    except (json.JSONDecodeError, RecursionError):
+        return None, f"{path} is not a notebook (not JSON)"
+    if not isinstance(raw, dict) or raw.get("nbformat") != 4 or not isinstance(raw.get("cells"), list):
+        return None, f"{path} is not an nbformat-4 notebook with a list of cells"
+    return raw, None
+
+
+def detect_lab(nb: Any, path: Path) -> str | None:
+    """The lab a submission answers: its file name (alice.ipynb and 'lab01 (1).ipynb' included) if it
+    names one, else the lab whose solution grade_ids it carries."""
+    for lab in labs():
+        if path.stem.startswith(lab) or path.stem.split(" ")[0] == lab:
+            return lab
+    ids = set()
+    for cell in nb.get("cells", []) if isinstance(nb, dict) else []:
+        try:
+            ids.add(cell["metadata"]["nbgrader"]["grade_id"])
+        except (KeyError, TypeError):
+            pass
+    # every lab has ex1-solution ...: compare all its cell ids (setup, configs, bench, ...) and take the
+    # lab the submission shares the most with, if that is one lab
+    overlap = {lab: len(ids & {c.metadata.get("nbgrader", {}).get("grade_id") for c in source_notebook(lab).cells})
+               for lab in labs()}
+    best = max(overlap.values(), default=0)
+    winners = [lab for lab, n in overlap.items() if n == best]
+    return winners[0] if best and len(winners) == 1 else None
 
 
 def total(scores: dict) -> tuple[int, int]:
@@ -200,10 +355,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("sources")
     r = sub.add_parser("record", help="run a lab's instructor version and store its results in labs/results/")
     r.add_argument("lab")
-    g = sub.add_parser("grade")
+    g = sub.add_parser("grade", help="score one submission (see labs/README.md for what it defends against)")
     g.add_argument("notebook", type=Path)
-    g.add_argument("--lab", default=None)
+    g.add_argument("--lab", default=None, help="which lab (default: from the file name or its cells)")
+    g.add_argument("--timeout", type=int, default=600, help="seconds each cell may run (default 600)")
+    g.add_argument("--json", type=Path, default=None, help="also write the scores here as JSON")
     args = p.parse_args(argv)
+    if getattr(args, "lab", None) is not None and args.lab not in labs():
+        print(f"tools: unknown lab {args.lab!r}; labs: {', '.join(labs())}", file=sys.stderr)
+        return 2
     if args.cmd == "sync":
         changed = sync()
         print("\n".join(f"wrote {c}" for c in changed) or "everything derived from pyproject.toml is current")
@@ -213,16 +373,33 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "sources":
         write_sources()
     elif args.cmd == "record":
+        import tempfile
+
         out = LABS / "results" / f"{args.lab}.json"
-        scores = grade(source_notebook(args.lab), args.lab, env={
-            "VRAMLAB_RESULTS": str(out), "VRAMLAB_COMMAND": f"python labs/tools.py record {args.lab}"})
-        print(f"wrote {out.relative_to(LABS.parent)}; instructor score {'/'.join(map(str, total(scores)))}")
+        with tempfile.TemporaryDirectory() as tmp:  # the stored results change only if every cell ran
+            staged = Path(tmp) / out.name
+            executed: list = []
+            scores = grade(source_notebook(args.lab), args.lab, executed=executed, env={
+                "VRAMLAB_RESULTS": str(staged), "VRAMLAB_COMMAND": f"python labs/tools.py record {args.lab}"})
+            failed = [c.metadata.get("nbgrader", {}).get("grade_id", "?") for c in executed[0].cells
+                      if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+            got, possible = total(scores)
+            if failed or got != possible or not staged.exists():
+                why = f"cells {', '.join(failed)} failed" if failed else f"instructor score {got}/{possible}"
+                print(f"tools: record {args.lab}: {why}; {out.relative_to(LABS.parent)} left as it was", file=sys.stderr)
+                return 1
+            out.write_bytes(staged.read_bytes())
+        print(f"wrote {out.relative_to(LABS.parent)}; instructor score {got}/{possible}")
     elif args.cmd == "check":
         import tempfile
 
         with tempfile.TemporaryDirectory() as tmp:
-            stale = [lab for lab in labs()
-                     if release(lab, Path(tmp)).read_bytes() != (RELEASE / lab / f"{lab}.ipynb").read_bytes()]
+            stale = [lab for lab in labs() if not (RELEASE / lab / f"{lab}.ipynb").is_file()
+                     or release(lab, Path(tmp)).read_bytes() != (RELEASE / lab / f"{lab}.ipynb").read_bytes()]
+        stray = sorted(p.name for p in RELEASE.iterdir() if p.name not in labs()) if RELEASE.is_dir() else []
+        if stray:
+            print(f"labs/release has {', '.join(stray)}, which no lab source releases: remove it")
+            return 1
         drift = sync(write=False)
         if drift:
             print(f"{', '.join(drift)} no longer match pyproject.toml: run python labs/tools.py sync, then release")
@@ -232,11 +409,24 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("labs/release is up to date, and the install cells and _config.yml match pyproject.toml")
     else:
-        lab = args.lab or args.notebook.stem
-        scores = grade(nbformat.read(args.notebook, as_version=4), lab)
+        nb, why = read_submission(args.notebook)
+        lab = args.lab or detect_lab(nb if nb is not None else {}, args.notebook)
+        if lab is None:
+            lab_names = ", ".join(labs())
+            print(f"tools: cannot tell which lab {args.notebook} answers ({why or 'no lab name, no known cells'}); "
+                  f"pass --lab ({lab_names})", file=sys.stderr)
+            return 2
+        scores = _zero(lab, why) if nb is None else grade(nb, lab, timeout=args.timeout)
         for gid, (got, possible, err) in scores.items():
             print(f"{gid:12s}{got:>3}/{possible}  {err or 'ok'}")
-        print(f"total {'/'.join(map(str, total(scores)))}")
+        print(f"total {'/'.join(map(str, total(scores)))}  ({lab})")
+        if args.json:
+            try:
+                args.json.write_text(json.dumps({"lab": lab, "scores": {k: list(v) for k, v in scores.items()},
+                                                 "total": list(total(scores))}, indent=1) + "\n")
+            except OSError as e:
+                print(f"tools: cannot write {args.json}: {e.strerror or e} (the scores are printed above)", file=sys.stderr)
+                return 1
     return 0
 
 

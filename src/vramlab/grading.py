@@ -82,7 +82,15 @@ if __name__ == "__main__":
 '''
 
 
-def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: float = 60.0, port: int = 29620) -> None:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: float = 60.0, port: int | None = None) -> None:
     """Run the student's `fn(tensor, rank, world_size)` on real gloo process groups (spawned
     processes on this machine) and compare with `dist.all_reduce`. `cases` are (ranks, elements);
     element counts that the rank count does not divide are the usual bug."""
@@ -101,10 +109,19 @@ def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: flo
         with open(path, "w") as f:
             f.write(_RING_HARNESS.format(source=source, name=fn.__name__))
         for i, (world, numel) in enumerate(cases):
+            # a free port each time (port=None, the default), and the ranks in a process group of their
+            # own that is killed on a deadlock: nothing is left holding a port for the next grading
+            proc = subprocess.Popen([sys.executable, path, str(world), str(numel), str(port + i if port else _free_port())],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
             try:
-                r = subprocess.run([sys.executable, path, str(world), str(numel), str(port + i)], capture_output=True,
-                                   text=True, timeout=timeout)
+                out, err = proc.communicate(timeout=timeout)
+                r = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
             except subprocess.TimeoutExpired:
+                import os
+                import signal
+
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
                 raise AssertionError(
                     f"{world} ranks, {numel} elements: no answer within {timeout:.0f} s — a deadlock? A blocking "
                     "send waits for its matching recv: post the receive with dist.irecv (or alternate the order "
