@@ -63,7 +63,7 @@ def install_block() -> str:
         "",
         f'    if not (_pip("{name}[labs]=={version}") or _pip("{name}[labs] @ git+{repo}@v{version}")):',
         f'        raise SystemExit("Could not install {name} {version}, from the package index or from {repo}. "',
-        f'                         "Check that this notebook can reach the internet, or install it yourself: "',
+        '                         "Check that this notebook can reach the internet, or install it yourself: "',
         f'                         "pip install \'{name}[labs]=={version}\'")',
         END,
     ])

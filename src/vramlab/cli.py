@@ -20,24 +20,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"vramlab: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _int_at_least(lo: int):
+    """An argparse type: a whole number >= lo, or one error line saying so."""
+    what = "a positive integer" if lo == 1 else "a non-negative integer"
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
-    return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = est.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help=f"a preset: {', '.join(specs.preset_names())}")
     src.add_argument("--hf-config", metavar="PATH", help="a transformers config.json (or a folder holding one)")
-    est.add_argument("--batch-size", type=_positive_int, required=True, help="sequences per step")
-    est.add_argument("--seq-len", type=_positive_int, required=True, help="tokens per sequence")
+    est.add_argument("--batch-size", type=_int_at_least(1), required=True, help="sequences per step")
+    est.add_argument("--seq-len", type=_int_at_least(1), required=True, help="tokens per sequence")
     est.add_argument("--precision", default=None,
                      help="train: fp32 | bf16-mixed | fp16-mixed | bf16 (default fp32); infer: fp32 | bf16 | fp16 | int8 (default bf16)")
     est.add_argument("--optimizer", default=None, choices=memory.OPTIMIZERS, help="train only (default adamw)")
@@ -57,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--attention", default="sdpa", choices=memory.ATTENTIONS)
     est.add_argument("--recompute", default=None, choices=memory.RECOMPUTES, help="train only (default none)")
     est.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="whose kernels run (default cuda)")
-    est.add_argument("--new-tokens", type=_non_negative_int, default=None,
+    est.add_argument("--new-tokens", type=_int_at_least(0), default=None,
                      help="infer: model.generate() with this many new tokens (default: one prefill, all logits)")
     est.add_argument("--gpu", help=f"check the fit on: {', '.join(specs.GPUS)} (shows the reserve it assumes)")
     est.add_argument("--expandable-segments", action="store_true",

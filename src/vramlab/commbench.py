@@ -186,7 +186,8 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing holds now (the OS picks it)."""
     import socket
 
     with socket.socket() as sock:
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         import torch.multiprocessing as mp
 
-        mp.spawn(_worker, args=(args.nproc, args, args.port or _free_port()), nprocs=args.nproc, join=True)
+        mp.spawn(_worker, args=(args.nproc, args, args.port or free_port()), nprocs=args.nproc, join=True)
     except CommbenchError as e:
         print(f"commbench: {e}", file=sys.stderr)
         return 1

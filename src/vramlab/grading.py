@@ -82,14 +82,6 @@ if __name__ == "__main__":
 '''
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: float = 60.0, port: int | None = None) -> None:
     """Run the student's `fn(tensor, rank, world_size)` on real gloo process groups (spawned
     processes on this machine) and compare with `dist.all_reduce`. `cases` are (ranks, elements);
@@ -99,6 +91,8 @@ def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: flo
     import sys
     import tempfile
     import textwrap
+
+    from .commbench import free_port
 
     try:
         source = textwrap.dedent(inspect.getsource(fn))
@@ -111,7 +105,7 @@ def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: flo
         for i, (world, numel) in enumerate(cases):
             # a free port each time (port=None, the default), and the ranks in a process group of their
             # own that is killed on a deadlock: nothing is left holding a port for the next grading
-            proc = subprocess.Popen([sys.executable, path, str(world), str(numel), str(port + i if port else _free_port())],
+            proc = subprocess.Popen([sys.executable, path, str(world), str(numel), str(port + i if port else free_port())],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
             try:
                 out, err = proc.communicate(timeout=timeout)

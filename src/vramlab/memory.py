@@ -501,9 +501,10 @@ def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
 MAX_BATCH = 1 << 31  # sequences in one step; far beyond any GPU, small enough to stay exact and fast
 
 
-def _check_positive(**sizes: int) -> None:
+def _check_positive(**sizes: int) -> list[int]:
     """Whole positive numbers (numpy integers too), and not absurdly large: a batch of 10^35 is a
-    typo, not a question."""
+    typo, not a question. Returns them as plain ints, in the order given."""
+    out = []
     for name, v in sizes.items():
         try:
             n = operator.index(v) if not isinstance(v, bool) else None
@@ -513,10 +514,8 @@ def _check_positive(**sizes: int) -> None:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if n > MAX_BATCH:
             raise ValueError(f"{name} must be at most {MAX_BATCH:,}, got {n:,}")
-
-
-def _int(v: int) -> int:
-    return operator.index(v)
+        out.append(n)
+    return out
 
 
 def _check_positions(spec: ModelSpec, seq_len: int) -> None:
@@ -578,8 +577,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     assumes adapters on the attention projections and leaves the adapters' own bytes out.
     """
     spec = _resolve(model)
-    _check_positive(batch_size=batch_size, seq_len=seq_len)
-    batch_size, seq_len = _int(batch_size), _int(seq_len)
+    batch_size, seq_len = _check_positive(batch_size=batch_size, seq_len=seq_len)
     _check_positions(spec, seq_len)
     _check_choice(precision, PRECISIONS, "precision")
     _check_choice(optimizer, OPTIMIZERS, "optimizer")
@@ -641,12 +639,9 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     # place: old and new only (measured on an H100; fake tensors never add in place).
     emb = V * e * pb if n_train == n_all else 0
     accumulate = (2 if amp else 3) if spec.tie_word_embeddings else 1
-    phases.append(MemoryBreakdown(parameters=P, gradients=G - emb, optimizer_states=O, inputs=inputs, other=workspaces,
-                                  temporaries=emb * accumulate, label=base["label"], precision=precision, device=device,
+    phases.append(MemoryBreakdown(**base, gradients=G - emb, temporaries=emb * accumulate,
                                   phase="embedding backward (gradient accumulation)"))
-    phases.append(MemoryBreakdown(parameters=P, gradients=G, optimizer_states=O, temporaries=T_opt, inputs=inputs,
-                                  other=workspaces, label=base["label"], precision=precision, device=device,
-                                  phase="optimizer.step()"))
+    phases.append(MemoryBreakdown(**base, gradients=G, temporaries=T_opt, phase="optimizer.step()"))
     return phases
 
 
@@ -702,8 +697,7 @@ def estimate_inference(model: ModelSpec | str, *, batch_size: int, seq_len: int,
 
     Known limitations: the block's intermediates are a bound on what it holds at once, not a trace."""
     spec = _resolve(model)
-    _check_positive(batch_size=batch_size, seq_len=seq_len)
-    batch_size, seq_len = _int(batch_size), _int(seq_len)
+    batch_size, seq_len = _check_positive(batch_size=batch_size, seq_len=seq_len)
     _check_positions(spec, seq_len + (new_tokens or 0))
     _check_choice(dtype, tuple(_INFER_BYTES), "dtype")
     _check_choice(attention, ATTENTIONS, "attention implementation")
@@ -742,8 +736,7 @@ def checkpoint_bytes(model: ModelSpec | str | int, *, dtype: str = "fp32") -> in
     if isinstance(model, (str, ModelSpec)):
         n = _resolve(model).params
     else:
-        _check_positive(parameter_count=model)
-        n = _int(model)
+        (n,) = _check_positive(parameter_count=model)
     _check_choice(dtype, tuple(_INFER_BYTES), "dtype")
     return n * _INFER_BYTES[dtype]
 
