@@ -210,20 +210,26 @@ def grade(submission: Any, lab: str, *, timeout: int = 600, env: dict | None = N
     if lab not in labs():
         raise ValueError(f"unknown lab {lab!r}; labs: {', '.join(labs())}")
     nb = assemble(submission, lab)
-    problem = None
+
+    def kill_group(pid: int | None) -> None:  # the kernel's own session: it and whatever it started
+        if pid:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, OSError):
+                pass
+
     with tempfile.TemporaryDirectory(prefix="vramlab-grade-") as scratch:
-        kernel_env = {**os.environ, **(env or {})}
         km = KernelManager(kernel_name="python3")
-        km.start_kernel(cwd=scratch, env=kernel_env)
-        pid = km.provisioner.process.pid if getattr(km, "provisioner", None) else None
+        km.start_kernel(cwd=scratch, env={**os.environ, **(env or {})})
+        proc = km.provisioner.process if getattr(km, "provisioner", None) else None
+        pid = proc.pid if proc is not None else None
         # a watchdog: a cell that runs past `timeout` (and ignores the interrupt, as a busy loop in C or
-        # a solution that catches KeyboardInterrupt does) gets its kernel and everything it started killed
+        # a solution that catches KeyboardInterrupt does) gets its kernel and everything it started
+        # killed; a kernel that exits is noticed at once
         started: dict = {}
         killed: list = []
-        stop = threading.Event()
-
-        proc = km.provisioner.process if getattr(km, "provisioner", None) else None
         died: list = []
+        stop = threading.Event()
 
         def watch() -> None:
             while not stop.wait(0.5):
@@ -233,10 +239,7 @@ def grade(submission: Any, lab: str, *, timeout: int = 600, env: dict | None = N
                     return
                 if t0 is not None and time.monotonic() - t0 > timeout + 5 and pid:
                     killed.append(gid)
-                    try:
-                        os.killpg(pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError, OSError):
-                        pass
+                    kill_group(pid)
                     return
 
         def on_start(cell, cell_index):
@@ -275,11 +278,7 @@ def grade(submission: Any, lab: str, *, timeout: int = 600, env: dict | None = N
                 km.shutdown_kernel(now=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
-            if pid:
-                try:
-                    os.killpg(pid, signal.SIGKILL)  # the kernel's own session: whatever it started
-                except (ProcessLookupError, PermissionError, OSError):
-                    pass
+            kill_group(pid)
     for cell in nb.cells:  # bounded: a cell that printed 200 MB keeps its first 20 kB
         for o in cell.get("outputs", []):
             if isinstance(o.get("text"), str) and len(o["text"]) > MAX_OUTPUT_CHARS:
