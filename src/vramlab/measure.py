@@ -69,13 +69,12 @@ class Measurement:
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "breakdown"}
         d["step_seconds"] = list(self.step_seconds)
-        d["breakdown"] = {**self.breakdown.to_dict(), "label": self.breakdown.label}
+        d["breakdown"] = dataclasses.asdict(self.breakdown)  # categories, label, precision, device
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Measurement":
-        bd = dict(d["breakdown"])
-        d = {**d, "breakdown": MemoryBreakdown(**bd), "step_seconds": tuple(d.get("step_seconds", ()))}
+        d = {**d, "breakdown": MemoryBreakdown(**d["breakdown"]), "step_seconds": tuple(d.get("step_seconds", ()))}
         return cls(**d)
 
 
