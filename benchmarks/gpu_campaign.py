@@ -70,7 +70,7 @@ def _bench():
 def run_parallel(jobs: list[tuple[str, int, object]], budget: int, workers: int = 4) -> dict[str, object]:
     """Run (name, bytes it will hold, callable) jobs concurrently while the bytes of the running ones
     stay within `budget`; the largest first. Returns {name: result}."""
-    lock, cond, held = threading.Lock(), threading.Condition(threading.Lock()), [0]
+    cond, held = threading.Condition(), [0]  # one lock guards the budget and the results
     results: dict[str, object] = {}
 
     def one(name: str, need: int, fn) -> None:
@@ -84,7 +84,7 @@ def run_parallel(jobs: list[tuple[str, int, object]], budget: int, workers: int 
             with cond:
                 held[0] -= need
                 cond.notify_all()
-        with lock:
+        with cond:
             results[name] = r
             say(f"  {len(results)}/{len(jobs)} {name}")
 
