@@ -45,6 +45,9 @@ TRAIN += [(r["case"], r["peak_allocated"]) for r in rows("presets_train_h100.jso
 
 def test_the_regression_set_is_complete():
     assert len(TRAIN) == 30 + 14
+    prov = json.loads((H100 / "provenance.json").read_text())
+    assert prov["gpu"].startswith("NVIDIA H100") and prov["torch"] and prov["date"]
+    assert all((H100 / f).is_file() for f in prov["files"])
     assert {r["probe"] for r in rows("presets_infer_h100.jsonl")} == {"infer"}
 
 
