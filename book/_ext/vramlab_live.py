@@ -46,11 +46,12 @@ def _write(app, exception) -> None:
     (static / name).parent.mkdir(parents=True, exist_ok=True)
     (static / name).write_bytes(data)
     (static / "vramlab-live.json").write_text(json.dumps({"archive": name, "version": version}) + "\n")
-    # the root index.html is a bare redirect (sphinx-external-toc): give it the favicon too, or the
-    # browser asks for /favicon.ico and logs a 404
+    # the root index.html is a bare redirect (sphinx-external-toc): without an icon the browser asks
+    # for /favicon.ico (a 404), and a real icon's request is cut off by the redirect (ERR_ABORTED):
+    # an empty inline icon asks for nothing
     index = Path(app.outdir) / "index.html"
     if index.exists() and "http-equiv=\"Refresh\"" in index.read_text() and "rel=\"icon\"" not in index.read_text():
-        index.write_text('<link rel="icon" href="_static/favicon.svg" />\n' + index.read_text())
+        index.write_text('<link rel="icon" href="data:," />\n' + index.read_text())
 
 
 def _theme(app, config) -> None:
