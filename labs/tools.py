@@ -5,11 +5,12 @@ The instructor sources are MyST Markdown (labs/source/<lab>/<lab>.md) with nbgra
     python labs/tools.py sync               # the install cells and _config.yml's repository, from pyproject.toml
     python labs/tools.py release            # regenerate labs/release/ (commit the result)
     python labs/tools.py check              # fail if either is stale
-    python labs/tools.py grade NOTEBOOK.ipynb [--lab lab01_where_memory_goes]
+    python labs/tools.py grade NOTEBOOK.ipynb... [--lab LAB] [--timeout S] [--memory-gib G] [--json FILE]
 
-`release` and `grade` are the light path: nbgrader's own preprocessors, run without its database
-(generate_assignment's chain minus SaveCells and the header; autograde's minus SaveAutoGrades).
-With a real nbgrader course (this folder is one: nbgrader_config.py), instructors run
+`release` runs nbgrader's generate_assignment preprocessors without its database (minus SaveCells
+and the header). `grade` scores each test cell of the instructor source in this process against the
+submission's answers run in a sandboxed process of their own (labs/sandbox.py, threat model in
+labs/README.md); `record` runs the instructor's notebook in a Jupyter kernel. With a real nbgrader course (this folder is one: nbgrader_config.py), instructors run
 `nbgrader generate_assignment LAB` and `nbgrader autograde LAB` from labs/ after `python
 labs/tools.py sources`, which writes the .ipynb sources nbgrader reads.
 """
@@ -30,6 +31,8 @@ import nbformat
 
 LABS = Path(__file__).resolve().parent
 ROOT = LABS.parent
+if str(LABS) not in sys.path:  # sandbox.py beside this file, when tools.py is loaded by path (tests)
+    sys.path.insert(0, str(LABS))
 SOURCE, RELEASE = LABS / "source", LABS / "release"
 KERNEL = {"display_name": "Python 3", "language": "python", "name": "python3"}
 BEGIN, END = "# --- install: generated from pyproject.toml by `python labs/tools.py sync`", "# --- end install ---"
@@ -187,17 +190,86 @@ def _zero(lab: str, why: str) -> dict:
             if c.metadata.get("nbgrader", {}).get("grade") and not c.metadata["nbgrader"].get("solution")}
 
 
-def grade(submission: Any, lab: str, *, timeout: int = 600, env: dict | None = None,
-          executed: list | None = None) -> dict:
+def _graded(cell) -> bool:
+    meta = cell.metadata.get("nbgrader", {})
+    return bool(meta.get("grade")) and not meta.get("solution")
+
+
+def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float = 4, sandbox: bool | None = None,
+          report: dict | None = None) -> dict:
     """Autograde a submission. Threat model (labs/README.md): the student may edit the notebook in any
-    way and run any Python in their solution cells. So the graded notebook is `assemble`d from the
-    instructor source (only solution cells come from the submission), it runs in a scratch directory
-    that holds nothing but what the kernel writes and is deleted afterwards, each cell may run
-    `timeout` seconds, outputs are cut to MAX_OUTPUT_CHARS, and the kernel's process group is killed
-    at the end (no background process outlives grading). A test cell earns its points when it raises
-    nothing (what a solution writes to stderr, a warning say, does not cost points).
+    way and run any Python in their solution cells. So:
+    - only the solution cells come from the submission (`assemble`); the tests are the instructor's;
+    - the answers run in a process of their own (labs/answer_worker.py, started afresh for each test
+      cell, in a scratch directory, with `timeout` seconds to load and `timeout` per test cell, at most
+      `memory_gib` GiB of data, and inside a sandbox where one can be made: sandbox.sandbox_prefix);
+    - the tests run here, in the grader, and see the answer's functions as `sandbox.Remote` objects:
+      no student code runs where the expected values are computed and compared;
+    - an answer that changes a file of the checkout or of the Python packages voids the grading.
     Returns {grade_id: (points earned, points possible, reason or None)}; never raises for a bad
-    submission (a dead kernel, say, scores the unfinished tests 0 with the reason)."""
+    submission. `report`, if given, receives the sandbox used and each test's printed output."""
+    import tempfile
+
+    import sandbox as sb
+
+    if lab not in labs():
+        raise ValueError(f"unknown lab {lab!r}; labs: {', '.join(labs())}")
+    nb = assemble(submission, lab)
+    solutions = [(c.metadata["nbgrader"]["grade_id"], c.source) for c in nb.cells
+                 if c.metadata.get("nbgrader", {}).get("solution") and c.cell_type == "code"]
+    first = next(i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("solution"))
+    preamble = sb.setup_imports([c.source for c in nb.cells[:first] if c.cell_type == "code"])
+    prefix, how = sb.sandbox_prefix() if sandbox is not False else ([], "no sandbox (asked for none)")
+    if sandbox and not prefix:
+        raise RuntimeError(f"a sandbox was required: {how}")
+    report = report if report is not None else {}
+    report.update(sandbox=how, outputs={})
+    import vramlab.grading
+
+    before = sb.fingerprint()
+    scores = {}
+    saved_prefix = list(vramlab.grading.SANDBOX_PREFIX)
+    vramlab.grading.SANDBOX_PREFIX[:] = prefix  # lab 2's ring check runs the answer's ranks in it too
+    try:
+        with tempfile.TemporaryDirectory(prefix="vramlab-grade-") as scratch:
+            for i, cell in enumerate(nb.cells):
+                if not _graded(cell):
+                    continue
+                gid, points = cell.metadata["nbgrader"]["grade_id"], cell.metadata["nbgrader"]["points"]
+                here = Path(scratch) / f"test-{i}"
+                here.mkdir()
+                # as in the notebook: the answers above this test, in order (an answer further down that
+                # ends its process or loops cannot cost an earlier exercise its points)
+                above = [(c.metadata["nbgrader"]["grade_id"], c.source) for c in nb.cells[:i]
+                         if c.metadata.get("nbgrader", {}).get("solution") and c.cell_type == "code"]
+                try:
+                    worker = sb.Worker(above, scratch=str(here), timeout=timeout, preamble=preamble,
+                                       memory_bytes=int(memory_gib * 2**30), prefix=prefix)
+                except sb.GradingStopped as e:
+                    scores[gid] = (0, points, str(e))
+                    continue
+                try:
+                    ok, why, out = sb.run_test(cell.source, gid, worker, dict(solutions))
+                finally:
+                    worker.close()
+                report["outputs"][gid] = out[-MAX_OUTPUT_CHARS:]
+                scores[gid] = (points if ok else 0, points, why)
+    finally:
+        vramlab.grading.SANDBOX_PREFIX[:] = saved_prefix
+    after = sb.fingerprint()
+    changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
+    if changed:
+        shown = ", ".join(str(Path(p).relative_to(ROOT)) if p.startswith(str(ROOT)) else p for p in changed[:3])
+        why = (f"grading void: the submission changed {len(changed)} file(s) outside its scratch directory "
+               f"({shown}); restore them before grading anything else")
+        scores = {gid: (0, s[1], why) for gid, s in scores.items()}
+    return scores
+
+
+def execute(nb: nbformat.NotebookNode, *, timeout: float = 600, env: dict | None = None) -> tuple[nbformat.NotebookNode, str | None]:
+    """Run a whole notebook in a Jupyter kernel (the instructor's, for `record`: trusted code), in a
+    scratch directory, each cell at most `timeout` seconds, the kernel's process group killed at the
+    end. Returns (the executed notebook, why it stopped early or None)."""
     import signal
     import tempfile
     import threading
@@ -207,9 +279,7 @@ def grade(submission: Any, lab: str, *, timeout: int = 600, env: dict | None = N
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
-    if lab not in labs():
-        raise ValueError(f"unknown lab {lab!r}; labs: {', '.join(labs())}")
-    nb = assemble(submission, lab)
+    nb = copy.deepcopy(nb)
 
     def kill_group(pid: int | None) -> None:  # the kernel's own session: it and whatever it started
         if pid:
@@ -218,23 +288,20 @@ def grade(submission: Any, lab: str, *, timeout: int = 600, env: dict | None = N
             except (ProcessLookupError, PermissionError, OSError):
                 pass
 
-    with tempfile.TemporaryDirectory(prefix="vramlab-grade-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="vramlab-run-") as scratch:
         km = KernelManager(kernel_name="python3")
         km.start_kernel(cwd=scratch, env={**os.environ, **(env or {})})
         proc = km.provisioner.process if getattr(km, "provisioner", None) else None
         pid = proc.pid if proc is not None else None
-        # a watchdog: a cell that runs past `timeout` (and ignores the interrupt, as a busy loop in C or
-        # a solution that catches KeyboardInterrupt does) gets its kernel and everything it started
-        # killed; a kernel that exits is noticed at once
         started: dict = {}
         killed: list = []
         died: list = []
         stop = threading.Event()
 
-        def watch() -> None:
+        def watch() -> None:  # a cell past `timeout` that ignores the interrupt: kill the kernel
             while not stop.wait(0.5):
                 t0, gid = started.get("t", None), started.get("gid")
-                if proc is not None and proc.poll() is not None:  # the kernel exited (os._exit, a crash)
+                if proc is not None and proc.poll() is not None:
                     died.append(gid)
                     return
                 if t0 is not None and time.monotonic() - t0 > timeout + 5 and pid:
@@ -245,8 +312,7 @@ def grade(submission: Any, lab: str, *, timeout: int = 600, env: dict | None = N
         def on_start(cell, cell_index):
             started.update(t=time.monotonic(), gid=cell.metadata.get("nbgrader", {}).get("grade_id", f"cell {cell_index}"))
 
-        dog = threading.Thread(target=watch, daemon=True)
-        dog.start()
+        threading.Thread(target=watch, daemon=True).start()
         outcome: dict = {}
 
         def run() -> None:  # in a thread: nbclient can wait forever on a killed kernel's output
@@ -254,10 +320,10 @@ def grade(submission: Any, lab: str, *, timeout: int = 600, env: dict | None = N
                 NotebookClient(nb, km=km, timeout=timeout, allow_errors=True, interrupt_on_timeout=True,
                                resources={"metadata": {"path": scratch}}, on_cell_start=on_start).execute()
             except DeadKernelError:
-                outcome["problem"] = "the kernel died (the submission ended its own process?)"
-            except Exception as e:  # noqa: BLE001 - whatever the submission did, the report says so
+                outcome["problem"] = "the kernel died"
+            except Exception as e:  # noqa: BLE001 - the report says what stopped it
                 first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-                outcome["problem"] = f"grading stopped: {type(e).__name__}: {first}"
+                outcome["problem"] = f"execution stopped: {type(e).__name__}: {first}"
 
         runner = threading.Thread(target=run, daemon=True)
         try:
@@ -266,10 +332,10 @@ def grade(submission: Any, lab: str, *, timeout: int = 600, env: dict | None = N
                 runner.join(0.5)
             if killed:
                 runner.join(5)
-                problem = f"{killed[0]} ran past the {timeout} s limit: the kernel was stopped"
+                problem = f"{killed[0]} ran past the {timeout:g} s limit: the kernel was stopped"
             elif died and runner.is_alive():
                 runner.join(2)
-                problem = f"the kernel died during {died[0]} (the submission ended its own process?)"
+                problem = f"the kernel died during {died[0]}"
             else:
                 problem = outcome.get("problem")
         finally:
@@ -282,19 +348,22 @@ def grade(submission: Any, lab: str, *, timeout: int = 600, env: dict | None = N
     for cell in nb.cells:  # bounded: a cell that printed 200 MB keeps its first 20 kB
         for o in cell.get("outputs", []):
             if isinstance(o.get("text"), str) and len(o["text"]) > MAX_OUTPUT_CHARS:
-                o["text"] = o["text"][:MAX_OUTPUT_CHARS] + "\n[... output cut by the grader ...]\n"
-    if executed is not None:
-        executed.append(nb)
+                o["text"] = o["text"][:MAX_OUTPUT_CHARS] + "\n[... output cut ...]\n"
+    return nb, problem
+
+
+def kernel_scores(nb: nbformat.NotebookNode, problem: str | None = None) -> dict:
+    """The test cells' scores of an `execute`d notebook, as nbgrader counts them but for stderr: a
+    test earns its points when it ran and raised nothing. (For the instructor's own notebook: a
+    student's is scored by `grade`.)"""
     scores = {}
     for cell in nb.cells:
-        meta = cell.metadata.get("nbgrader", {})
-        if meta.get("grade") and not meta.get("solution"):
+        if _graded(cell):
+            meta = cell.metadata["nbgrader"]
             errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
-            ran = cell.get("execution_count") is not None
             if errors:
-                e = errors[0]
-                scores[meta["grade_id"]] = (0, meta["points"], f"{e['ename']}: {e['evalue']}"[:500])
-            elif not ran:
+                scores[meta["grade_id"]] = (0, meta["points"], f"{errors[0]['ename']}: {errors[0]['evalue']}"[:500])
+            elif cell.get("execution_count") is None:
                 scores[meta["grade_id"]] = (0, meta["points"], problem or "not run")
             else:
                 scores[meta["grade_id"]] = (meta["points"], meta["points"], None)
@@ -345,6 +414,16 @@ def total(scores: dict) -> tuple[int, int]:
     return sum(s[0] for s in scores.values()), sum(s[1] for s in scores.values())
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < v <= 86_400:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 86400, got {text}")
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -355,9 +434,11 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("record", help="run a lab's instructor version and store its results in labs/results/")
     r.add_argument("lab")
     g = sub.add_parser("grade", help="score one submission (see labs/README.md for what it defends against)")
-    g.add_argument("notebook", type=Path)
+    g.add_argument("notebook", type=Path, nargs="+", help="one or more submissions")
     g.add_argument("--lab", default=None, help="which lab (default: from the file name or its cells)")
-    g.add_argument("--timeout", type=int, default=600, help="seconds each cell may run (default 600)")
+    g.add_argument("--timeout", type=_positive_seconds, default=600,
+                   help="seconds the answers may take to load, and each test cell to run (default 600)")
+    g.add_argument("--memory-gib", type=_positive_seconds, default=4, help="data memory of the answers' process (default 4)")
     g.add_argument("--json", type=Path, default=None, help="also write the scores here as JSON")
     args = p.parse_args(argv)
     if getattr(args, "lab", None) is not None and args.lab not in labs():
@@ -377,14 +458,14 @@ def main(argv: list[str] | None = None) -> int:
         out = LABS / "results" / f"{args.lab}.json"
         with tempfile.TemporaryDirectory() as tmp:  # the stored results change only if every cell ran
             staged = Path(tmp) / out.name
-            executed: list = []
-            scores = grade(source_notebook(args.lab), args.lab, executed=executed, env={
+            executed, problem = execute(source_notebook(args.lab), env={
                 "VRAMLAB_RESULTS": str(staged), "VRAMLAB_COMMAND": f"python labs/tools.py record {args.lab}"})
-            failed = [c.metadata.get("nbgrader", {}).get("grade_id", "?") for c in executed[0].cells
+            scores = kernel_scores(executed, problem)
+            failed = [c.metadata.get("nbgrader", {}).get("grade_id", "?") for c in executed.cells
                       if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
             got, possible = total(scores)
-            if failed or got != possible or not staged.exists():
-                why = f"cells {', '.join(failed)} failed" if failed else f"instructor score {got}/{possible}"
+            if failed or problem or got != possible or not staged.exists():
+                why = (f"cells {', '.join(failed)} failed" if failed else problem or f"instructor score {got}/{possible}")
                 print(f"tools: record {args.lab}: {why}; {out.relative_to(LABS.parent)} left as it was", file=sys.stderr)
                 return 1
             out.write_bytes(staged.read_bytes())
@@ -408,24 +489,35 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("labs/release is up to date, and the install cells and _config.yml match pyproject.toml")
     else:
-        nb, why = read_submission(args.notebook)
-        lab = args.lab or detect_lab(nb if nb is not None else {}, args.notebook)
-        if lab is None:
-            lab_names = ", ".join(labs())
-            print(f"tools: cannot tell which lab {args.notebook} answers ({why or 'no lab name, no known cells'}); "
-                  f"pass --lab ({lab_names})", file=sys.stderr)
-            return 2
-        scores = _zero(lab, why) if nb is None else grade(nb, lab, timeout=args.timeout)
-        for gid, (got, possible, err) in scores.items():
-            print(f"{gid:12s}{got:>3}/{possible}  {err or 'ok'}")
-        print(f"total {'/'.join(map(str, total(scores)))}  ({lab})")
+        results, status = [], 0
+        for path in args.notebook:  # several: e.g. nbgrader's submitted/*/LAB/LAB.ipynb, each scored alone
+            nb, why = read_submission(path)
+            lab = args.lab or detect_lab(nb if nb is not None else {}, path)
+            if lab is None:
+                print(f"tools: cannot tell which lab {path} answers ({why or 'no lab name, no known cells'}); "
+                      f"pass --lab ({', '.join(labs())})", file=sys.stderr)
+                status = 2
+                continue
+            report: dict = {}
+            scores = _zero(lab, why) if nb is None else grade(nb, lab, timeout=args.timeout,
+                                                              memory_gib=args.memory_gib, report=report)
+            if len(args.notebook) > 1:
+                print(f"== {path}")
+            if report.get("sandbox"):
+                print(report["sandbox"])
+            for gid, (got, possible, err) in scores.items():
+                print(f"{gid:12s}{got:>3}/{possible}  {err or 'ok'}")
+            print(f"total {'/'.join(map(str, total(scores)))}  ({lab})", flush=True)
+            results.append({"notebook": str(path), "lab": lab, "scores": {k: list(v) for k, v in scores.items()},
+                            "total": list(total(scores))})
         if args.json:
             try:
-                args.json.write_text(json.dumps({"lab": lab, "scores": {k: list(v) for k, v in scores.items()},
-                                                 "total": list(total(scores))}, indent=1) + "\n")
+                args.json.write_text(json.dumps(results[0] if len(args.notebook) == 1 and results else results,
+                                                indent=1) + "\n")
             except OSError as e:
                 print(f"tools: cannot write {args.json}: {e.strerror or e} (the scores are printed above)", file=sys.stderr)
                 return 1
+        return status
     return 0
 
 

@@ -87,15 +87,16 @@ def _run_instructor(lab, points, tmp_path):
     """Execute the instructor version in CPU mode: full marks, no error in any cell, under 90 s.
     Returns the results file it saved and the executed notebook."""
     results = tmp_path / f"{lab}.json"
-    executed = []
     t0 = time.perf_counter()
-    scores = tools.grade(tools.source_notebook(lab), lab, env={"VRAMLAB_RESULTS": str(results)}, executed=executed)
+    executed, problem = tools.execute(tools.source_notebook(lab), env={"VRAMLAB_RESULTS": str(results)})
     elapsed = time.perf_counter() - t0
-    assert tools.total(scores) == (points, points), scores
-    errors = [o for c in executed[0].cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert problem is None and tools.total(tools.kernel_scores(executed)) == (points, points)
+    errors = [o for c in executed.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, errors
     assert elapsed < 90, f"{lab} must run in CPU mode in under 90 s, took {elapsed:.0f} s"
-    return json.loads(results.read_text()), executed[0]
+    # and graded as a submission (answers in their own process, tests in the grader): full marks
+    assert tools.total(tools.grade(tools.source_notebook(lab), lab, timeout=120)) == (points, points)
+    return json.loads(results.read_text()), executed
 
 
 def test_instructor_version_full_marks_and_cpu_run(tmp_path):

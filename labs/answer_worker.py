@@ -1,0 +1,189 @@
+"""The process in which a student's answers run when a lab is graded (labs/README.md, threat model).
+
+Standard library only, and started as `python -I answer_worker.py REQ_FD RESP_FD` in a scratch
+directory (inside a sandbox where one can be made): the grader (`labs/sandbox.py`) sends the
+submission's solution cells, this process runs them, then answers the grader's requests (call this
+function, read that attribute) with plain values: ints, floats, strings, lists, tuples, dicts, None,
+or a reference to an object that stays here. Nothing of the student's code ever runs in the
+grader, and nothing of the grader's (its tests, its expected values) is sent here.
+
+Before any student code runs: resource limits (file size, memory, no core files), and the packages
+that would answer the exercises for the student (vramlab, transformers, ...) made unimportable.
+"""
+
+import json
+import math
+import os
+import resource
+import sys
+import traceback
+
+MAX_FRAME = 4 << 20  # bytes of one message, either way
+MAX_REFS = 100_000
+
+
+def read_frame(fd):
+    head = b""
+    while len(head) < 8:
+        chunk = os.read(fd, 8 - len(head))
+        if not chunk:
+            raise EOFError
+        head += chunk
+    n = int.from_bytes(head, "big")
+    if n > MAX_FRAME:
+        raise ValueError("frame too large")
+    data = bytearray()
+    while len(data) < n:
+        chunk = os.read(fd, min(1 << 20, n - len(data)))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return json.loads(data.decode())
+
+
+def write_frame(fd, obj):
+    data = json.dumps(obj, allow_nan=False).encode()
+    if len(data) > MAX_FRAME:
+        data = json.dumps({"id": obj.get("id"), "error": ["ValueError", "the answer returned more than 4 MiB"]}).encode()
+    data = len(data).to_bytes(8, "big") + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+class Refs:
+    def __init__(self):
+        self.objects = {}
+
+    def add(self, obj):
+        if len(self.objects) >= MAX_REFS:
+            raise MemoryError("too many objects handed to the grader")
+        ref = len(self.objects) + 1
+        self.objects[ref] = obj
+        return ref
+
+
+def encode(x, refs, depth=0):
+    """Exact built-in types only (a subclass, a numpy number, anything else: a reference)."""
+    t = type(x)
+    if x is None or t is bool or t is str:
+        return x
+    if t is int:
+        return x if x.bit_length() < 4096 else {"$r": refs.add(x), "type": "int (too large)"}
+    if t is float:
+        return x if math.isfinite(x) else {"$f": repr(x)}
+    if depth < 32 and t in (list, tuple) and len(x) <= 100_000:
+        items = [encode(v, refs, depth + 1) for v in x]
+        return items if t is list else {"$t": items}
+    if depth < 32 and t is dict and len(x) <= 100_000:
+        return {"$d": [[encode(k, refs, depth + 1), encode(v, refs, depth + 1)] for k, v in x.items()]}
+    ref = {"$r": refs.add(x), "type": t.__name__, "callable": callable(x)}
+    name = getattr(x, "__name__", None) if isinstance(x, type) or callable(x) else None
+    if type(name) is str:
+        ref["name"] = name
+    return ref
+
+
+def decode(x, refs):
+    if isinstance(x, list):
+        return [decode(v, refs) for v in x]
+    if isinstance(x, dict):
+        if "$f" in x:
+            return float(x["$f"])
+        if "$t" in x:
+            return tuple(decode(v, refs) for v in x["$t"])
+        if "$d" in x:
+            return {decode(k, refs): decode(v, refs) for k, v in x["$d"]}
+        if "$r" in x:
+            return refs.objects[x["$r"]]
+    return x
+
+
+def error(e):
+    tb = traceback.extract_tb(e.__traceback__)
+    where = next((f"line {f.lineno} of {f.filename}" for f in reversed(tb) if f.filename.startswith("<answer")), "")
+    return [type(e).__name__, str(e)[:2000], where]
+
+
+def block(names):
+    """The packages that hold the answers cannot be used here: each is a placeholder module whose every
+    attribute raises, a finder refuses their submodules (and under the sandbox their files are gone)."""
+    import types
+
+    why = "cannot be used by a graded answer: the exercise asks you to compute this yourself " \
+          "(plain Python and torch are available)"
+
+    class Placeholder(types.ModuleType):
+        def __getattr__(self, attr):
+            if attr.startswith("__"):  # hasattr(module, "__file__") and the like: a module without it
+                raise AttributeError(attr)
+            raise ImportError(f"{self.__name__} {why}")
+
+    class Blocked:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in names:
+                raise ModuleNotFoundError(f"{name} {why}")
+            return None
+
+    for mod in list(sys.modules):
+        if mod.split(".")[0] in names:
+            del sys.modules[mod]
+    for name in names:
+        sys.modules[name] = Placeholder(name)
+        sys.modules[name].__path__ = []
+    sys.meta_path.insert(0, Blocked())
+
+
+def main():
+    req, resp = int(sys.argv[1]), int(sys.argv[2])
+    init = read_frame(req)
+    mem = int(init.get("memory_bytes") or 0)
+    for limit, value in ((resource.RLIMIT_FSIZE, 64 << 20), (resource.RLIMIT_CORE, 0),
+                         (resource.RLIMIT_DATA, mem if mem > 0 else None)):
+        if value is not None:
+            try:
+                resource.setrlimit(limit, (value, value))
+            except (ValueError, OSError):
+                pass
+    block(set(init["block"]))
+    ns = {"__name__": "__main__", "__builtins__": __builtins__}
+    for stmt in init.get("preamble", []):  # the lab's setup imports (import torch, ...), minus the blocked
+        try:
+            exec(compile(stmt, "<setup>", "exec"), ns)
+        except Exception:  # noqa: BLE001 - a missing optional module: the answer will say NameError
+            pass
+    refs = Refs()
+    names, errors = {}, {}
+    for gid, source in init["cells"]:
+        before = dict(ns)
+        try:
+            exec(compile(source, f"<answer {gid}>", "exec"), ns)
+        except BaseException as e:  # noqa: BLE001 - whatever the answer raised (SystemExit too) is its result
+            errors[gid] = error(e)
+        for k, v in ns.items():
+            if not k.startswith("_") and (k not in before or before[k] is not v):
+                names[k] = {"cell": gid, "value": encode(v, refs)}
+    sys.stdout.flush()
+    write_frame(resp, {"names": names, "errors": errors})
+    while True:
+        try:
+            msg = read_frame(req)
+        except EOFError:
+            return
+        rid = msg.get("id")
+        try:
+            if msg["op"] == "call":
+                fn = refs.objects[msg["ref"]]
+                out = fn(*decode(msg["args"], refs), **decode(msg["kwargs"], refs))
+            elif msg["op"] == "getattr":
+                out = getattr(refs.objects[msg["ref"]], msg["name"])
+            else:
+                raise ValueError(f"unknown request {msg['op']!r}")
+            reply = {"id": rid, "ok": encode(out, refs)}
+        except BaseException as e:  # noqa: BLE001 - reported to the grader as the answer's exception
+            reply = {"id": rid, "error": error(e)}
+        sys.stdout.flush()
+        write_frame(resp, reply)
+
+
+if __name__ == "__main__":
+    main()

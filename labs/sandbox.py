@@ -1,0 +1,433 @@
+"""The grader's side of grading: the instructor's test cells run here, the student's answers in
+another process (labs/answer_worker.py), inside a sandbox where one can be made.
+
+A test cell sees the answer's functions and classes as `Remote` objects: calling one sends the
+arguments (plain values) to the worker and returns what came back (plain values again, or another
+`Remote`). So no student code runs in this process: it cannot replace a check, fake the library a
+reference value comes from, or hook the interpreter; and the expected values never leave this
+process. Threat model and limits: labs/README.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import contextlib
+import io
+import json
+import os
+import select
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+LABS = Path(__file__).resolve().parent
+ROOT = LABS.parent
+WORKER = LABS / "answer_worker.py"
+MAX_FRAME = 4 << 20
+# the packages whose functions answer the exercises (vramlab's calculators, a real model's parameter
+# count, ...): an answer cannot import them
+BLOCKED = ("vramlab", "transformers", "peft", "deepspeed", "accelerate")
+
+
+class GradingStopped(BaseException):
+    """The answer's process ran past its limit or died: ends the test cell (a BaseException, so a
+    test's own `except Exception` does not swallow it)."""
+
+
+class AnswerError(RuntimeError):
+    """The answer raised an exception that is not one of Python's built-in ones."""
+
+
+def _mount_options(path: Path) -> str:
+    """The per-mount flags of the mount holding `path` (nosuid, nodev, ...): a read-only remount in
+    a user namespace must keep them, or the kernel refuses it."""
+    best, opts = "", ""
+    try:
+        for line in Path("/proc/self/mountinfo").read_text().splitlines():
+            fields = line.split()
+            point = fields[4].replace("\\040", " ")
+            if (str(path) == point or str(path).startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                best, opts = point, fields[5]
+    except OSError:
+        return ""
+    return ",".join(o for o in opts.split(",") if o in ("nosuid", "nodev", "noexec", "noatime", "nodiratime", "relatime"))
+
+
+def _outermost(paths) -> list[Path]:
+    paths = sorted({Path(p).resolve() for p in paths if p and Path(p).is_dir()}, key=lambda p: len(p.parts))
+    kept: list[Path] = []
+    for p in paths:
+        if not any(p == k or k in p.parents for k in kept):
+            kept.append(p)
+    return kept
+
+
+def hidden_paths() -> list[Path]:
+    """What an answer must not see: the instructor material (labs/) and the blocked packages' files."""
+    import importlib.util
+
+    out = [LABS]
+    for name in BLOCKED:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None:
+            out += [Path(p) for p in (spec.submodule_search_locations or [])] or (
+                [Path(spec.origin)] if spec.origin and spec.origin not in ("built-in", "frozen") else [])
+    return [p.resolve() for p in out if p.exists()]
+
+
+_PROBE: dict = {}
+
+
+def sandbox_prefix() -> tuple[list[str], str]:
+    """(command prefix, description). The prefix runs a command in new user, mount and PID
+    namespaces: the checkout and the Python installation read-only, the instructor material and the
+    blocked packages replaced by empty directories, and every process it starts killed with it.
+    Where namespaces cannot be made (some distributions forbid them to users), ([], why)."""
+    if "result" in _PROBE:
+        return _PROBE["result"]
+    unshare = shutil.which("unshare")
+    if os.environ.get("VRAMLAB_GRADE_SANDBOX") == "off":
+        _PROBE["result"] = ([], "no sandbox (VRAMLAB_GRADE_SANDBOX=off)")
+        return _PROBE["result"]
+    if unshare is None or not sys.platform.startswith("linux"):
+        _PROBE["result"] = ([], "no sandbox (needs Linux's unshare)")
+        return _PROBE["result"]
+    script = ["set -e"]
+    import tempfile
+
+    scratch = Path(tempfile.gettempdir()).resolve()
+    ro = [p for p in _outermost([ROOT, sys.prefix, sys.base_prefix, *[p for p in sys.path if "-packages" in p]])
+          if p != scratch and p not in scratch.parents]  # the scratch directories stay writable
+    for p in ro:
+        q = shlex.quote(str(p))
+        flags = _mount_options(p)
+        script.append(f"mount --bind {q} {q}; mount -o remount,bind,ro{',' + flags if flags else ''} {q}")
+    for p in hidden_paths():
+        q = shlex.quote(str(p))
+        if p.is_dir():
+            script.append(f"mount -t tmpfs -o size=16k,mode=0555 vramlab-hidden {q}")
+        else:
+            script.append(f"mount --bind /dev/null {q}")
+    script.append('exec "$@"')
+    prefix = [unshare, "--user", "--map-root-user", "--mount", "--pid", "--fork", "--kill-child",
+              "--propagation", "private", "--", "sh", "-c", "; ".join(script), "sandbox"]
+    try:
+        r = subprocess.run([*prefix, sys.executable, "-I", "-c", "open('/dev/null')"], capture_output=True,
+                           text=True, timeout=60)
+        ok, why = r.returncode == 0, (r.stderr.strip().splitlines() or ["failed"])[-1]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        ok, why = False, str(e)
+    _PROBE["result"] = (prefix, "sandbox: read-only checkout and Python, no instructor files, own PID namespace") \
+        if ok else ([], f"no sandbox (namespaces unavailable: {why[:160]})")
+    return _PROBE["result"]
+
+
+def fingerprint() -> dict[str, tuple[int, int]]:
+    """(size, mtime) of every file of the checkout's labs/ and src/ and of the Python packages the
+    grader imports: an answer that writes to any of them (possible without a sandbox) is caught."""
+    roots = _outermost([LABS, ROOT / "src", *[p for p in sys.path if p and "-packages" in p]])
+    seen: dict[str, tuple[int, int]] = {}
+    for root in roots:
+        for dirpath, dirnames, files in os.walk(root):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            for f in files:
+                if f.endswith(".pyc"):
+                    continue
+                try:
+                    st = os.stat(os.path.join(dirpath, f))
+                    seen[os.path.join(dirpath, f)] = (st.st_size, st.st_mtime_ns)
+                except OSError:
+                    pass
+    return seen
+
+
+def setup_imports(cells: list[str]) -> list[str]:
+    """The top-level import statements of the lab's setup cells (what an answer may rely on being
+    imported, as in the notebook), minus the blocked packages."""
+    out = []
+    for src in cells:
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if not any(m.split(".")[0] in BLOCKED for m in mods) and not getattr(node, "level", 0):
+                    out.append(ast.unparse(node))
+    return out
+
+
+def _children() -> set[int]:
+    me = str(os.getpid())
+    out = set()
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            if stat.rsplit(")", 1)[1].split()[1] == me:
+                out.add(int(d))
+    return out
+
+
+def _become_subreaper() -> None:
+    """Orphans of the answer's process (a `setsid` child that left its process group) are re-parented
+    to this process instead of init, so that `Worker.close` can find and kill them (Linux)."""
+    if _PROBE.get("subreaper") is None:
+        try:
+            import ctypes
+
+            _PROBE["subreaper"] = ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+        except (OSError, AttributeError):
+            _PROBE["subreaper"] = False
+
+
+class Worker:
+    """One answer process: started with the solution cells, then asked for calls and attributes."""
+
+    def __init__(self, cells: list[tuple[str, str]], *, scratch: str, timeout: float, preamble: list[str],
+                 memory_bytes: int, prefix: list[str]):
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.dead: str | None = None
+        req_r, self.req_w = os.pipe()
+        self.resp_r, resp_w = os.pipe()
+        script = Path(scratch) / "answer_worker.py"
+        script.write_bytes(WORKER.read_bytes())
+        self.log = Path(scratch) / "answer-output.txt"
+        _become_subreaper()
+        self.others = _children()  # this process's children before the answer's (not to be killed)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([*prefix, sys.executable, "-I", str(script), str(req_r), str(resp_w)],
+                                         cwd=scratch, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         pass_fds=(req_r, resp_w), start_new_session=True,
+                                         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": scratch,
+                                              "OMP_NUM_THREADS": "1", "TMPDIR": scratch})
+        os.close(req_r)
+        os.close(resp_w)
+        self._send({"cells": cells, "block": list(BLOCKED), "preamble": preamble, "memory_bytes": memory_bytes})
+        hello = self._receive("running the answer cells")
+        self.names: dict = hello.get("names", {})
+        self.errors: dict = hello.get("errors", {})
+        self.deadline = time.monotonic() + timeout
+        self._next = 0
+
+    # --- transport ---
+    def _send(self, obj: dict) -> None:
+        data = json.dumps(obj, allow_nan=False).encode()
+        data = len(data).to_bytes(8, "big") + data
+        try:
+            while data:
+                data = data[os.write(self.req_w, data):]
+        except (BrokenPipeError, OSError):
+            self._stop(self._died("sending it a request"))
+
+    def _read(self, n: int, doing: str) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            left = self.deadline - time.monotonic()
+            if left <= 0 or not select.select([self.resp_r], [], [], left)[0]:
+                self._stop(f"ran past the {self.timeout:g} s limit while {doing}: its process was stopped")
+            chunk = os.read(self.resp_r, min(1 << 20, n - len(out)))
+            if not chunk:
+                self._stop(self._died(doing))
+            out += chunk
+        return bytes(out)
+
+    def _receive(self, doing: str) -> dict:
+        if self.dead:
+            raise GradingStopped(self.dead)
+        n = int.from_bytes(self._read(8, doing), "big")
+        if n > MAX_FRAME:
+            self._stop("the answer's process sent a message larger than 4 MiB")
+        try:
+            msg = json.loads(self._read(n, doing))
+        except (ValueError, RecursionError):
+            self._stop("the answer's process sent something that is not a reply")
+        if not isinstance(msg, dict):
+            self._stop("the answer's process sent something that is not a reply")
+        return msg
+
+    def _died(self, doing: str) -> str:
+        try:
+            code = self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            code = None
+        tail = ""
+        try:
+            lines = self.log.read_bytes()[-2000:].decode(errors="replace").strip().splitlines()
+            tail = f" (its last output: {lines[-1][:200]})" if lines else ""
+        except OSError:
+            pass
+        return f"the answer's process ended while {doing} (exit code {code}){tail}"
+
+    def _stop(self, why: str):
+        self.dead = why
+        self.close()
+        raise GradingStopped(why)
+
+    def close(self) -> None:
+        for fd in (self.req_w, self.resp_r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.req_w = self.resp_r = -1
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        for _ in range(3):  # what escaped the process group and was re-parented here: killed, reaped
+            strays = _children() - self.others - {self.proc.pid}
+            if not strays:
+                break
+            for pid in strays:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except (ProcessLookupError, ChildProcessError, PermissionError, OSError):
+                    pass
+            time.sleep(0.1)
+
+    # --- requests ---
+    def request(self, op: str, **kw) -> Any:
+        if self.dead:
+            raise GradingStopped(self.dead)
+        self._next += 1
+        rid = self._next
+        self._send({"id": rid, "op": op, **kw})
+        msg = self._receive(f"answering {op} of {kw.get('name') or 'a function'}")
+        if msg.get("id") != rid:
+            self._stop("the answer's process replied out of turn")
+        if "error" in msg:
+            raise_error(msg["error"])
+        return self.decode(msg.get("ok"))
+
+    def encode(self, x: Any, depth: int = 0) -> Any:
+        if isinstance(x, Remote) and x._worker is self:
+            return {"$r": x._ref}
+        t = type(x)
+        if x is None or t in (bool, int, str):
+            return x
+        if t is float:
+            return x if x == x and abs(x) != float("inf") else {"$f": repr(x)}
+        if t in (list, tuple) and depth < 32:
+            items = [self.encode(v, depth + 1) for v in x]
+            return items if t is list else {"$t": items}
+        if t is dict and depth < 32:
+            return {"$d": [[self.encode(k, depth + 1), self.encode(v, depth + 1)] for k, v in x.items()]}
+        raise TypeError(f"the grader cannot send a {t.__name__} to the answer's process")
+
+    def decode(self, x: Any, depth: int = 0) -> Any:
+        if depth > 40:
+            self._stop("the answer's process sent a value nested too deeply")
+        if isinstance(x, list):
+            return [self.decode(v, depth + 1) for v in x]
+        if isinstance(x, dict):
+            if "$f" in x and x["$f"] in ("inf", "-inf", "nan"):
+                return float(x["$f"])
+            if isinstance(x.get("$t"), list):
+                return tuple(self.decode(v, depth + 1) for v in x["$t"])
+            if isinstance(x.get("$d"), list):
+                out = {}
+                for kv in x["$d"]:
+                    k = self.decode(kv[0], depth + 1) if isinstance(kv, list) and len(kv) == 2 else None
+                    try:
+                        out[k] = self.decode(kv[1], depth + 1)
+                    except TypeError:  # an unhashable key (a reference is hashable; a list is not)
+                        self._stop("the answer's process sent a dict with an unhashable key")
+                return out
+            if isinstance(x.get("$r"), int):
+                return Remote(self, x["$r"], str(x.get("type", "object"))[:100], x.get("name"))
+            self._stop("the answer's process sent something that is not a value")
+        if x is None or type(x) in (bool, int, str, float):
+            return x
+        self._stop("the answer's process sent something that is not a value")
+
+
+def raise_error(err: Any) -> None:
+    """Raise, here, the exception the answer raised there: a built-in exception type as itself (a
+    test may expect `ValueError`), anything else as AnswerError. The message says where."""
+    name, msg, where = (list(err) + ["", "", ""])[:3] if isinstance(err, list) else ("Error", str(err), "")
+    text = f"{str(msg)[:2000]}" + (f" [{where}]" if where else "")
+    cls = getattr(builtins, str(name), None)
+    if name == "MemoryError":
+        text += " (the answers' process may hold --memory-gib of data)"
+    if isinstance(cls, type) and issubclass(cls, Exception) and cls.__module__ == "builtins":
+        try:
+            raise cls(text)
+        except TypeError:  # an exception type that wants other arguments (UnicodeDecodeError, ...)
+            pass
+    raise AnswerError(f"{name}: {text}")
+
+
+class Remote:
+    """An object of the answer's, seen from the grader: calling it or reading its attributes asks
+    the answer's process. It is never equal to anything but itself, and has no truth value."""
+
+    __slots__ = ("_worker", "_ref", "_type", "__name__", "__vramlab_source__", "__vramlab_type__")
+
+    def __init__(self, worker: Worker, ref: int, type_name: str, name: Any = None, source: str | None = None):
+        self._worker, self._ref, self._type = worker, ref, type_name
+        self.__name__ = name if isinstance(name, str) else type_name
+        self.__vramlab_source__ = source
+        self.__vramlab_type__ = type_name
+
+    def __call__(self, *args, **kwargs):
+        w = self._worker
+        return w.request("call", ref=self._ref, args=w.encode(list(args)), kwargs=w.encode(kwargs))
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._worker.request("getattr", ref=self._ref, name=name)
+
+    def __setattr__(self, name, value):
+        if name in Remote.__slots__:
+            object.__setattr__(self, name, value)
+        else:
+            raise TypeError("the grader does not change the answer's objects")
+
+    def __bool__(self):
+        raise TypeError(f"a {self._type} from the answer has no truth value here: return a bool, int or float")
+
+    def __repr__(self):
+        return f"<{self._type} {self.__name__} from the answer>" if self.__name__ != self._type else f"<{self._type} from the answer>"
+
+
+def run_test(source: str, gid: str, worker: Worker, sources: dict[str, str]) -> tuple[bool, str | None, str]:
+    """Run one instructor test cell here, against the answer's names. (passed, reason, its output)."""
+    ns: dict[str, Any] = {"__name__": "__main__"}
+    for name, info in worker.names.items():
+        val = worker.decode(info.get("value"))
+        if isinstance(val, Remote):
+            val.__vramlab_source__ = sources.get(info.get("cell"))
+        ns[name] = val
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(source, f"<{gid}>", "exec"), ns)
+        return True, None, out.getvalue()
+    except GradingStopped as e:
+        return False, str(e), out.getvalue()
+    except Exception as e:  # noqa: BLE001 - a failing test is a score with its reason
+        reason = f"{type(e).__name__}: {e}"
+        if isinstance(e, NameError) and worker.errors:
+            gid_e, err = next(iter(worker.errors.items()))
+            reason += f" (the answer cell {gid_e} raised {err[0]}: {str(err[1])[:200]})"
+        return False, reason[:500], out.getvalue()
