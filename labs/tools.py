@@ -226,7 +226,9 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
     report.update(sandbox=how, outputs={})
     import vramlab.grading
 
-    before = sb.fingerprint()
+    # without a sandbox an answer could write to the checkout or the packages: compare before and after
+    # (in the sandbox they are read-only, and a change would be someone else's)
+    before = sb.fingerprint() if not prefix else {}
     scores = {}
     saved_prefix = list(vramlab.grading.SANDBOX_PREFIX)
     vramlab.grading.SANDBOX_PREFIX[:] = prefix  # lab 2's ring check runs the answer's ranks in it too
@@ -256,7 +258,7 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
                 scores[gid] = (points if ok else 0, points, why)
     finally:
         vramlab.grading.SANDBOX_PREFIX[:] = saved_prefix
-    after = sb.fingerprint()
+    after = sb.fingerprint() if not prefix else {}
     changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
     if changed:
         shown = ", ".join(str(Path(p).relative_to(ROOT)) if p.startswith(str(ROOT)) else p for p in changed[:3])

@@ -1,0 +1,498 @@
+"""Data, tensor and pipeline parallelism: memory per device, the pipeline bubble, communication.
+Pure Python: no torch import.
+
+A layout is `dp` data-parallel replicas x `tp` tensor-parallel ranks x `pp` pipeline stages
+(dp * tp * pp devices), optionally with sequence parallelism (`sp`, Korthikanti et al. 2022) and
+`micro_batches` micro-batches per step run by a pipeline schedule.
+
+- Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, arXiv:1909.08053) splits each block's
+  matrices by t: the first linear of the MLP and the q/k/v projections by columns (output features,
+  i.e. attention heads) with their biases, the second linear of the MLP and the attention's output
+  projection by rows (input features; their biases are replicated); the word embedding and the LM
+  head by vocabulary. Norms and learned position embeddings are replicated.
+- Pipeline parallelism splits the blocks into contiguous stages; the first stage also holds the
+  embeddings, the last the final norm and the LM head (a tied head: the last stage keeps its own copy
+  of the embedding matrix, whose gradient Megatron all-reduces with the first stage's).
+- Bubble: GPipe's fraction of the step's total time, (p-1)/(m+p-1), or Megatron's (Narayanan et
+  al. 2021, arXiv:2104.04473) relative to the ideal time, (p-1)/m; interleaved 1F1B with v model
+  chunks per device divides the bubble by v. `bubble_fraction(..., of=...)` says which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Literal
+
+from . import collectives as _coll
+from . import memory as _mem
+from .specs import ModelSpec
+
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+MAX_DEVICES = 1 << 20
+MAX_MICRO_BATCHES = 1 << 14
+
+
+def _count(name: str, value, *, lo: int = 1, hi: int = MAX_DEVICES) -> int:
+    """A whole number in [lo, hi] (numpy integers too), or a ValueError naming the argument."""
+    try:
+        v = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        v = None
+    if v is None or not lo <= v <= hi:
+        raise ValueError(f"{name} must be a whole number from {lo:,} to {hi:,}, got {value!r}")
+    return v
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """dp x tp x pp devices. `micro_batches` (m) per step and per data-parallel replica; `chunks`
+    (v) model chunks per device for the interleaved schedule."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+    micro_batches: int = 1
+    schedule: Schedule = "1f1b"
+    chunks: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            object.__setattr__(self, name, _count(name, getattr(self, name)))
+        object.__setattr__(self, "micro_batches", _count("micro_batches", self.micro_batches, hi=MAX_MICRO_BATCHES))
+        object.__setattr__(self, "chunks", _count("chunks", self.chunks, hi=1024))
+        if not isinstance(self.sp, bool):
+            raise ValueError(f"sp must be True or False, got {self.sp!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
+        if self.sp and self.tp == 1:
+            raise ValueError("sequence parallelism splits along the tensor-parallel group: it needs tp > 1")
+        if self.schedule == "interleaved":
+            if self.pp == 1:
+                raise ValueError("the interleaved schedule needs pp > 1")
+            if self.micro_batches % self.pp:
+                raise ValueError(f"the interleaved schedule runs micro-batches in groups of pp: micro_batches "
+                                 f"({self.micro_batches}) must be a multiple of pp ({self.pp})")
+        elif self.chunks != 1:
+            raise ValueError("chunks (model chunks per device) apply to the interleaved schedule only")
+        if self.devices > MAX_DEVICES:
+            raise ValueError(f"dp x tp x pp = {self.devices:,} devices is more than this calculator models")
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+# ============================================================================ activations (Korthikanti+22)
+def korthikanti_layer_activations(*, s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                                  recompute: str = "none") -> Fraction:
+    """Bytes of activations one transformer layer keeps per tensor-parallel rank, exactly as in
+    Korthikanti et al. 2022 (arXiv:2205.05198) Table 2: 16-bit values, 1-byte dropout masks, the
+    attention scores materialised (no FlashAttention).
+        none, t = 1        sbh (34 + 5as/h)
+        TP                 sbh (10 + 24/t + 5as/(ht))
+        TP + SP            sbh/t (34 + 5as/h)
+        TP + selective     sbh (10 + 24/t)          (+ SP: 34 sbh/t)
+        full recompute     2 sbh
+    An exact Fraction (t need not divide the terms)."""
+    s, b, h, a = (_count(n, v, hi=1 << 40) for n, v in (("s", s), ("b", b), ("h", h), ("a", a)))
+    t = _count("t", t)
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"unknown recompute {recompute!r}; choose from {', '.join(RECOMPUTE)}")
+    if sp and t == 1:
+        raise ValueError("sequence parallelism needs t > 1")
+    sbh = Fraction(s * b * h)
+    if recompute == "full":
+        return 2 * sbh
+    scores = 0 if recompute == "selective" else Fraction(5 * a * s, h)
+    if sp:
+        return sbh / t * (34 + scores)
+    return sbh * (10 + Fraction(24, t) + scores / t)
+
+
+# ============================================================================ the bubble
+def bubble_fraction(p: int, m: int, schedule: Schedule = "1f1b", *, chunks: int = 1,
+                    of: Literal["total", "ideal"] = "total") -> Fraction:
+    """The pipeline bubble with equal stages and no communication time. `of="total"`: the share of
+    the step's time a device idles (GPipe's convention): (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1).
+    `of="ideal"`: bubble time over ideal time (Megatron's): (p-1)/m, interleaved (p-1)/(vm).
+    GPipe and 1F1B have the same bubble; 1F1B holds fewer micro-batches in flight."""
+    p, m = _count("p", p), _count("m", m, hi=MAX_MICRO_BATCHES)
+    v = _count("chunks", chunks, hi=1024)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
+    if schedule != "interleaved" and v != 1:
+        raise ValueError("chunks apply to the interleaved schedule only")
+    if of not in ("total", "ideal"):
+        raise ValueError(f"of must be 'total' or 'ideal', got {of!r}")
+    if of == "ideal":
+        return Fraction(p - 1, v * m)
+    return Fraction(p - 1, v * m + p - 1)
+
+
+@dataclass(frozen=True)
+class Op:
+    device: int
+    kind: str  # "F" or "B"
+    micro: int
+    chunk: int  # model chunk on the device (0 unless interleaved)
+    start: Fraction
+    end: Fraction
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """A simulated schedule: every forward and backward with its start and end (in units of one
+    micro-batch's forward through one device's whole share of the model)."""
+
+    p: int
+    m: int
+    schedule: str
+    chunks: int
+    ops: tuple[Op, ...]
+    makespan: Fraction
+    in_flight: tuple[int, ...]  # per device, the most (micro-batch, chunk) activations held at once
+
+    @property
+    def bubble(self) -> Fraction:
+        """Idle share of the total device time, measured on the simulated run."""
+        busy = sum(o.end - o.start for o in self.ops)
+        return 1 - busy / (self.p * self.makespan)
+
+
+def _orders(p: int, m: int, schedule: str, v: int) -> list[list[tuple[str, int, int]]]:
+    """Each device's sequence of (kind, micro-batch, chunk)."""
+    orders = []
+    for d in range(p):
+        if schedule == "gpipe":
+            orders.append([("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)])
+        elif schedule == "1f1b":
+            warm = min(p - d - 1, m)
+            seq = [("F", i, 0) for i in range(warm)]
+            f, bk = warm, 0
+            while f < m:  # steady state: one forward, one backward
+                seq += [("F", f, 0), ("B", bk, 0)]
+                f, bk = f + 1, bk + 1
+            seq += [("B", i, 0) for i in range(bk, m)]
+            orders.append(seq)
+        else:  # Megatron's interleaved 1F1B: micro-batches in groups of p, chunk by chunk
+            total = m * v
+
+            def fwd(k):
+                return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
+
+            def bwd(k):
+                return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
+
+            warm = min((p - d - 1) * 2 + (v - 1) * p, total)
+            seq = [fwd(k) for k in range(warm)]
+            for k in range(total - warm):
+                seq += [fwd(warm + k), bwd(k)]
+            seq += [bwd(k) for k in range(total - warm, total)]
+            orders.append(seq)
+    return orders
+
+
+def simulate(p: int, m: int, schedule: Schedule = "1f1b", *, chunks: int = 1, forward: float = 1,
+             backward: float = 2) -> PipelineRun:
+    """Run a schedule on p devices: each device executes its ops in its schedule's order, each op as
+    soon as its input exists (a forward needs the previous stage's forward of that micro-batch; a
+    backward needs the next stage's backward, or, on the last stage, its own forward). A forward of
+    one micro-batch through one device's share takes `forward`, a backward `backward` (about twice
+    as long: two matmuls per matmul), divided by v under interleaving. Communication is free."""
+    p, m = _count("p", p, hi=256), _count("m", m, hi=1024)
+    v = _count("chunks", chunks, hi=64)
+    Layout(pp=p, micro_batches=m, schedule=schedule, chunks=v)  # validates the combination
+    tf, tb = Fraction(forward) / v, Fraction(backward) / v
+    if not (tf > 0 and tb > 0):
+        raise ValueError("forward and backward times must be positive")
+    stages = p * v  # virtual stage k*p + d is chunk k on device d
+    orders = _orders(p, m, schedule, v)
+    done: dict[tuple[str, int, int], Fraction] = {}
+    pos, free, ops = [0] * p, [Fraction(0)] * p, []
+    while any(pos[d] < len(orders[d]) for d in range(p)):
+        progressed = False
+        for d in range(p):
+            if pos[d] == len(orders[d]):
+                continue
+            kind, i, c = orders[d][pos[d]]
+            stage = c * p + d
+            if kind == "F":
+                need = [("F", i, stage - 1)] if stage > 0 else []
+            else:
+                need = [("B", i, stage + 1)] if stage < stages - 1 else [("F", i, stage)]
+            if all(n in done for n in need):
+                start = max([free[d], *(done[n] for n in need)])
+                end = start + (tf if kind == "F" else tb)
+                done[(kind, i, stage)] = end
+                ops.append(Op(d, kind, i, c, start, end))
+                free[d], pos[d], progressed = end, pos[d] + 1, True
+        if not progressed:  # cannot happen for the orders above; a guard against a bad order
+            raise RuntimeError(f"the {schedule} schedule deadlocked")
+    in_flight = []
+    for d in range(p):
+        events = sorted([(o.end, 1) for o in ops if o.device == d and o.kind == "F"]
+                        + [(o.end, -1) for o in ops if o.device == d and o.kind == "B"], key=lambda e: (e[0], e[1]))
+        held = peak = 0
+        for _, delta in events:
+            held += delta
+            peak = max(peak, held)
+        in_flight.append(peak)
+    return PipelineRun(p, m, schedule, v, tuple(sorted(ops, key=lambda o: (o.device, o.start))),
+                       max(o.end for o in ops), tuple(in_flight))
+
+
+# ============================================================================ parameters per device
+_COLUMN = ("c_attn", "q_proj", "k_proj", "v_proj", "query_key_value", "c_fc", "gate_proj", "up_proj", "fc1",
+           "dense_h_to_4h")
+_ROW = ("attn.c_proj", "o_proj", "out_proj", "attention.dense", "down_proj", "fc2", "dense_4h_to_h", "mlp.c_proj")
+_VOCAB = ("wte", "embed_tokens", "embed_in", "lm_head")
+_FIRST = ("wte", "wpe", "embed_tokens", "embed_in", "embed_positions", "project_in")
+DECODER_FAMILIES = ("gpt2", "llama", "opt", "gpt_neox")
+
+
+def _layer_index(name: str) -> int | None:
+    parts = name.split(".")
+    for k, part in enumerate(parts[:-1]):
+        if part in ("h", "layers") and parts[k + 1].isdigit():
+            return int(parts[k + 1])
+    return None
+
+
+def _tp_numel(name: str, numel: int, t: int, vocab: int) -> int:
+    """One rank's share of a tensor: column- and row-parallel weights (and column-parallel biases)
+    divided by t; vocabulary-parallel matrices by rows, ceil(V/t) of them (the largest rank); the
+    rest whole."""
+    if any(name.startswith(k) for k in _VOCAB):
+        return -(-vocab // t) * (numel // vocab)
+    last = name.rsplit(".", 1)[-1]
+    if any(k in name for k in _COLUMN) or (last == "weight" and any(k in name for k in _ROW)):
+        return numel // t
+    return numel
+
+
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """Contiguous blocks per stage; the first num_layers % pp stages take one more."""
+    base, extra = divmod(num_layers, pp)
+    out, start = [], 0
+    for k in range(pp):
+        n = base + (1 if k < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def _check_layout_model(spec: ModelSpec, layout: Layout) -> None:
+    if spec.family not in DECODER_FAMILIES:
+        raise ValueError(f"tensor and pipeline layouts are modelled for decoder-only LMs ({', '.join(DECODER_FAMILIES)}); "
+                         f"{spec.name} is {spec.family}")
+    t = layout.tp
+    for what, n in (("attention heads", spec.num_heads), ("key/value heads", spec.num_kv_heads),
+                    ("the MLP width", spec.intermediate_size)):
+        if n % t:
+            raise ValueError(f"tp={t} must divide {what} ({n}) of {spec.name}")
+    if spec.num_layers < layout.pp * layout.chunks:
+        raise ValueError(f"{spec.name} has {spec.num_layers} blocks: fewer than pp x chunks = {layout.pp * layout.chunks} stages")
+
+
+def rank_params(model: ModelSpec | str, layout: Layout, stage: int) -> int:
+    """Parameters held by one tensor-parallel rank of pipeline stage `stage` (the largest rank
+    when the vocabulary does not divide by t). Interleaved: the device's v chunks."""
+    spec = _mem._resolve(model)
+    _check_layout_model(spec, layout)
+    stage = _count("stage", stage, lo=0, hi=layout.pp - 1)
+    v = layout.chunks
+    chunks = stage_layers(spec.num_layers, layout.pp * v)
+    mine = {i for c in range(v) for i in chunks[c * layout.pp + stage]}
+    first, last = stage == 0, stage == layout.pp - 1
+    total = 0
+    for name, numel in spec.param_tensors():
+        i = _layer_index(name)
+        if i is not None:
+            keep = i in mine
+        elif any(name.startswith(k) for k in _FIRST):
+            keep = first or (last and spec.tie_word_embeddings and name.split(".")[0] in _VOCAB)
+        else:  # final norm, LM head
+            keep = last
+        if keep:
+            total += _tp_numel(name, numel, layout.tp, spec.vocab_size)
+    return total
+
+
+# ============================================================================ activations per device
+_SPLIT_NAMES = ("attn out", "o_proj input", "down input", "logsumexp")
+
+
+def _tp_split(x: _mem.Saved, h: int) -> bool:
+    """Does tensor parallelism split this saved tensor by t? Everything inside the heads and the MLP
+    width (q, k, v, scores, attention output before the row-parallel projection, the MLP's inner
+    tensors) is split; the h-wide tensors around them (norm inputs, the column-parallel linears'
+    input, dropout masks on the residual) and norm statistics are replicated."""
+    if x.per_score or any(x.name.startswith(n) for n in _SPLIT_NAMES):
+        return True
+    return x.width not in (h, 1, 2)
+
+
+def layer_activation_bytes(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, tp: int = 1, sp: bool = False,
+                           precision: str = "fp32", attention: str = "sdpa", device: str = "cuda") -> int:
+    """One block's saved tensors on one tensor-parallel rank, from `memory`'s ledger (the tensors
+    PyTorch really saves for this model), split as Megatron splits them; with sequence parallelism
+    the replicated part is split along the sequence too."""
+    nb = _mem._dtype_bytes(precision, device)
+    b, s, a = micro_batch_size, seq_len, spec.num_heads
+    tokens, scores = b * s, b * a * s * s
+    total = Fraction(0)
+    for x in _mem.layer_saved(spec, attention=attention, device=device, precision=precision, batch_size=b):
+        n = x.width * nb[x.kind] * (scores if x.per_score else tokens)
+        total += Fraction(n, tp) if (_tp_split(x, spec.hidden_size) or sp) else n
+    return math.ceil(total)
+
+
+def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size: int, seq_len: int,
+                    precision: str = "bf16-mixed", optimizer: str = "adamw", attention: str = "sdpa",
+                    recompute: str = "none", device: str = "cuda",
+                    gradient_as_bucket_view: bool = False) -> list[_mem.MemoryBreakdown]:
+    """Memory of one device of each pipeline stage (index = stage), without ZeRO: parameters,
+    gradients and optimizer states of the device's share; the activations of the micro-batches the
+    schedule holds in flight on it (from `simulate`); the first stage's embedding output and the last
+    stage's head and loss for one micro-batch. With dp > 1, DDP's buckets: a flat copy of the
+    gradients (counted with them) unless `gradient_as_bucket_view=True` makes the gradients views into
+    the buckets. The same categories as `memory.estimate_training`."""
+    spec = _mem._resolve(model)
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout must be a vramlab.parallel.Layout, got {layout!r}")
+    _check_layout_model(spec, layout)
+    b, s = _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
+    _mem._check_positions(spec, s)
+    _mem._check_choice(precision, _mem.PRECISIONS, "precision")
+    _mem._check_choice(optimizer, _mem.OPTIMIZERS, "optimizer")
+    _mem._check_choice(attention, _mem.ATTENTIONS, "attention implementation")
+    _mem._check_choice(recompute, ("none", "full"), "recompute")
+    _mem._check_choice(device, ("cuda", "cpu"), "device")
+    p, v = layout.pp, layout.chunks
+    run = simulate(p, layout.micro_batches, layout.schedule, chunks=v) if p > 1 else None
+    pb = _mem.param_bytes(precision)
+    nb = _mem._dtype_bytes(precision, device)
+    chunks = stage_layers(spec.num_layers, p * v)
+    per_layer = layer_activation_bytes(spec, micro_batch_size=b, seq_len=s, tp=layout.tp, sp=layout.sp,
+                                       precision=precision, attention=attention, device=device)
+    if recompute == "full":  # each block keeps its input (split along the sequence under SP)
+        per_layer = -(-b * s * spec.hidden_size * nb["x"] // (layout.tp if layout.sp else 1))
+    outside = _mem._ledger_bytes(_mem.model_saved(spec), tokens=b * s, scores=0, nbytes=nb)
+    out = []
+    for stage in range(p):
+        n = rank_params(spec, layout, stage)
+        layers = max(len(chunks[c * p + stage]) for c in range(v))
+        held = run.in_flight[stage] if run else 1  # (micro-batch, chunk) pairs in flight
+        acts = held * layers * per_layer
+        if stage == p - 1:  # logits, log-softmax and targets of the micro-batch in its backward
+            acts += math.ceil(Fraction(outside, layout.tp))
+        out.append(_mem.MemoryBreakdown(
+            parameters=n * pb, gradients=n * pb * (2 if layout.dp > 1 and not gradient_as_bucket_view else 1),
+            optimizer_states=_mem.optimizer_state_bytes(optimizer, n, precision),
+            activations=acts, label=f"{spec.name} stage {stage} of {p}, tp {layout.tp}"
+            + (" + sp" if layout.sp else "") + f", {layout.schedule} m={layout.micro_batches}",
+            phase="end of the forward passes in flight", precision=precision, device=device))
+    return out
+
+
+# ============================================================================ communication
+def communication(model: ModelSpec | str, layout: Layout, *, micro_batch_size: int, seq_len: int,
+                  precision: str = "bf16-mixed", dp_link: str = "ib-ndr", tp_link: str = "nvlink4",
+                  pp_link: str = "ib-ndr") -> dict[str, dict[str, float]]:
+    """What each kind of parallelism sends in one training step, and how long it takes on its link
+    (alpha-beta model, `collectives`):
+    - dp: one ring all-reduce of the device's gradients over the dp replicas (DDP overlaps it with
+      the backward: see `ddp_overlap`);
+    - tp: per block and micro-batch, two all-reduces of the b x s x h activations in the forward
+      and two in the backward (with SP: all-gathers and reduce-scatters of the same volume);
+    - pp: per micro-batch, one activation tensor forward and one gradient backward across each stage
+      boundary (point to point)."""
+    spec = _mem._resolve(model)
+    _check_layout_model(spec, layout)
+    b, s = _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
+    _mem._check_choice(precision, _mem.PRECISIONS, "precision")
+    links = {k: _coll.link(v) for k, v in (("dp", dp_link), ("tp", tp_link), ("pp", pp_link))}
+    grad = max(rank_params(spec, layout, k) for k in range(layout.pp)) * _mem.param_bytes(precision)
+    act = b * s * spec.hidden_size * _mem._dtype_bytes(precision, "cuda")["half"]
+    m, L = layout.micro_batches, spec.num_layers
+    per_stage_layers = -(-L // layout.pp)
+    tp_calls = 4 * per_stage_layers * m
+    out = {"dp": {"bytes": grad, "calls": 1, "seconds": _coll.collective_time("all_reduce", layout.dp, grad, links["dp"])},
+           "tp": {"bytes": act, "calls": tp_calls,
+                  "seconds": tp_calls * _coll.collective_time("all_reduce", layout.tp, act, links["tp"])},
+           "pp": {"bytes": act, "calls": 2 * m * (layout.pp - 1) * layout.chunks,
+                  "seconds": 0.0 if layout.pp == 1 else 2 * m * layout.chunks * (links["pp"].alpha_s + act / links["pp"].bytes_per_s)}}
+    return out
+
+
+def ddp_buckets(param_bytes: list[int], *, bucket_cap_mb: float = 25, first_bucket_mb: float = 1) -> list[int]:
+    """DDP's gradient buckets (torch.nn.parallel.DistributedDataParallel) once it has rebuilt them
+    after the first iteration (before that, with the default find_unused_parameters=False, all
+    gradients share one bucket): parameters in the order their gradients become ready in backward
+    (here: the reverse of model.parameters()), each added to the open bucket, which is closed once it
+    holds at least its cap; the first bucket's cap is `first_bucket_mb` (torch's
+    _DEFAULT_FIRST_BUCKET_BYTES, 1 MiB) so that communication starts early. Returns bucket bytes, in
+    the order they are all-reduced."""
+    if not isinstance(param_bytes, (list, tuple)) or not param_bytes:
+        raise ValueError("param_bytes must be a non-empty list of byte counts")
+    sizes = [_count("a parameter's bytes", n, lo=0, hi=1 << 50) for n in param_bytes]
+    for name, cap in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < 1 << 20:
+            raise ValueError(f"{name} must be a positive number of MiB, got {cap!r}")
+    buckets, current, cap = [], 0, int(first_bucket_mb * 2**20)
+    for n in reversed(sizes):
+        current += n
+        if current >= cap:
+            buckets.append(current)
+            current, cap = 0, int(bucket_cap_mb * 2**20)
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def ddp_overlap(buckets: list[int], *, n: int, backward_seconds: float, link: str | _coll.Link) -> dict[str, float]:
+    """How much of DDP's gradient all-reduce hides behind the backward pass: bucket k is ready when
+    the backward has produced its share of the gradients (gradients assumed to appear at a constant
+    rate), all-reduces run one at a time on the link. Returns the communication time, the time it
+    exceeds the backward by (exposed), and the share hidden."""
+    if not buckets:
+        raise ValueError("no buckets")
+    n = _count("n", n)
+    if isinstance(backward_seconds, bool) or not isinstance(backward_seconds, (int, float)) or not 0 <= backward_seconds < math.inf:
+        raise ValueError(f"backward_seconds must be a finite non-negative number, got {backward_seconds!r}")
+    total = sum(buckets)
+    ready, t_link, comm = 0, 0.0, 0.0
+    for size in buckets:
+        ready += size
+        t_ready = backward_seconds * ready / total if total else backward_seconds
+        dt = _coll.collective_time("all_reduce", n, size, link)
+        t_link = max(t_link, t_ready) + dt
+        comm += dt
+    exposed = max(0.0, t_link - backward_seconds)
+    return {"communication_s": comm, "exposed_s": exposed, "hidden_share": 1 - exposed / comm if comm else 1.0}
+
+
+def fits(model: ModelSpec | str, layout: Layout, gpu, *, micro_batch_size: int, seq_len: int, **kw) -> tuple[bool, int, int]:
+    """(fits, bytes needed on the fullest device, usable bytes of the GPU) for a layout without
+    ZeRO: the fullest stage's estimate plus the same margins `memory.fit` adds (3 %, the CUDA
+    context, one more block of the largest activation tensor)."""
+    from .specs import gpu as _gpu
+
+    g = _gpu(gpu) if isinstance(gpu, str) else gpu
+    stages = estimate_layout(model, layout, micro_batch_size=micro_batch_size, seq_len=seq_len, **kw)
+    worst = max(x.total for x in stages)
+    need = math.ceil(worst * 1.03) + g.context_bytes
+    return need <= g.usable_bytes, need, g.usable_bytes
+
+
+__all__ = ["Layout", "SCHEDULES", "korthikanti_layer_activations", "bubble_fraction", "simulate", "PipelineRun",
+           "rank_params", "stage_layers", "layer_activation_bytes", "estimate_layout", "communication",
+           "ddp_buckets", "ddp_overlap", "fits"]
+_ = dataclasses  # (dataclasses.replace is how callers vary a Layout)

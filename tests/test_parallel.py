@@ -1,0 +1,197 @@
+"""vramlab.parallel against the papers' formulas, an independent count of parameters, torch's own
+DDP bucketing, and a schedule simulation checked against the closed-form bubble."""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+
+import pytest
+
+import vramlab
+import vramlab.collectives
+from vramlab import parallel as P
+
+# Korthikanti et al. 2022 (arXiv:2205.05198), Table 3: their models, all with s = 2048 and t = 8
+KORTHIKANTI_MODELS = {"22B": dict(a=64, h=6144), "175B": dict(a=96, h=12288), "530B": dict(a=128, h=20480),
+                      "1T": dict(a=160, h=25600)}
+
+
+@pytest.mark.parametrize("name", KORTHIKANTI_MODELS)
+def test_korthikanti_table2_exactly(name):
+    a, h = KORTHIKANTI_MODELS[name]["a"], KORTHIKANTI_MODELS[name]["h"]
+    s, b, t = 2048, 1, 8
+    sbh = s * b * h
+    paper = {  # Table 2, written out here from the paper
+        ("none", 1, False): sbh * (34 + Fraction(5 * a * s, h)),
+        ("none", t, False): sbh * (10 + Fraction(24, t) + Fraction(5 * a * s, h * t)),
+        ("none", t, True): Fraction(sbh, t) * (34 + Fraction(5 * a * s, h)),
+        ("selective", t, False): sbh * (10 + Fraction(24, t)),
+        ("selective", t, True): Fraction(34 * sbh, t),
+        ("full", t, False): 2 * sbh,
+    }
+    for (recompute, tt, sp), expected in paper.items():
+        got = P.korthikanti_layer_activations(s=s, b=b, h=h, a=a, t=tt, sp=sp, recompute=recompute)
+        assert got == expected, (recompute, tt, sp)
+    # the paper's headline: sequence parallelism + selective recompute cut activations ~5x vs TP alone
+    ratio = paper[("none", t, False)] / paper[("selective", t, True)]
+    assert 4.5 <= ratio <= 6.5  # 4.9x (530B) to 6.2x (22B)
+
+
+def _megatron_like_gpt(L=2, h=256, a=4):
+    """GPT-2's block with exact GELU (one saved tensor, as in Megatron), dropout everywhere, in pure
+    16-bit with the scores materialised: the layer Korthikanti+22 count."""
+    spec = vramlab.preset("gpt2")
+    return dataclasses.replace(spec, name="megatron-like", num_layers=L, hidden_size=h, num_heads=a, num_kv_heads=a, head_dim=h // a,
+                               intermediate_size=4 * h, activation="gelu", hidden_dropout=0.1, attention_dropout=0.1)
+
+
+@pytest.mark.parametrize("t, sp", [(1, False), (2, False), (4, False), (2, True), (4, True)])
+def test_ledger_split_reproduces_korthikanti(t, sp):
+    """The calculator's own ledger (the tensors PyTorch saves), split as Megatron splits it, equals
+    the paper's per-layer formula plus the two layer norms' statistics (fp32 mean and rstd per token,
+    which the paper leaves out)."""
+    spec = _megatron_like_gpt()
+    s, b = 128, 2
+    got = P.layer_activation_bytes(spec, micro_batch_size=b, seq_len=s, tp=t, sp=sp, precision="bf16",
+                                   attention="eager", device="cuda")
+    paper = P.korthikanti_layer_activations(s=s, b=b, h=spec.hidden_size, a=spec.num_heads, t=t, sp=sp)
+    norm_stats = Fraction(2 * 2 * 4 * s * b, t if sp else 1)
+    assert got == paper + norm_stats
+
+
+@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)])
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 4), (4, 8), (8, 16), (3, 9)])
+def test_simulated_bubble_matches_the_formula(schedule, v, p, m):
+    if schedule == "interleaved" and m % p:
+        pytest.skip("interleaving needs m divisible by p")
+    run = P.simulate(p, m, schedule, chunks=v)
+    assert run.bubble == P.bubble_fraction(p, m, schedule, chunks=v) == Fraction(p - 1, v * m + p - 1)
+    assert P.bubble_fraction(p, m, schedule, chunks=v, of="ideal") == Fraction(p - 1, v * m)
+    assert len(run.ops) == 2 * p * m * v  # every forward and backward of every micro-batch and chunk, once
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (8, 16), (4, 2)])
+def test_micro_batches_in_flight(p, m):
+    """GPipe holds every micro-batch on every stage; 1F1B holds p - s on stage s (Narayanan+21)."""
+    assert P.simulate(p, m, "gpipe").in_flight == (m,) * p
+    assert P.simulate(p, m, "1f1b").in_flight == tuple(min(p - s, m) for s in range(p))
+
+
+def test_interleaving_holds_more_on_the_first_device():
+    """Megatron (Narayanan+21, section 2.2): the interleaved schedule's first device holds
+    1 + (p-1)/(pv) times the activations of 1F1B's (in units of one stage's worth)."""
+    p, v, m = 4, 2, 8
+    run = P.simulate(p, m, "interleaved", chunks=v)
+    assert Fraction(run.in_flight[0], v) == p * (1 + Fraction(p - 1, p * v))
+
+
+def _gpt2_rank_params_by_hand(t: int) -> int:
+    h, L, V, n_pos = 768, 12, 50257, 1024
+    per_layer = (4 * h  # two layer norms, replicated
+                 + (h * 3 * h + 3 * h) // t  # c_attn: column-parallel, bias split
+                 + h * h // t + h  # attention c_proj: row-parallel, bias replicated
+                 + (h * 4 * h + 4 * h) // t  # c_fc
+                 + 4 * h * h // t + h)  # mlp c_proj
+    return -(-V // t) * h + n_pos * h + L * per_layer + 2 * h
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_tensor_parallel_parameters_per_rank(t):
+    spec = vramlab.preset("gpt2")
+    assert P.rank_params(spec, P.Layout(tp=t), 0) == _gpt2_rank_params_by_hand(t)
+    if t == 1:
+        assert P.rank_params(spec, P.Layout(), 0) == 124_439_808  # sum(p.numel()) of GPT2LMHeadModel
+
+
+def test_pipeline_stages_cover_the_model_once_plus_the_tied_head():
+    spec = vramlab.preset("gpt2")
+    L = P.Layout(pp=4, micro_batches=4)
+    per_stage = [P.rank_params(spec, L, k) for k in range(4)]
+    h, V = 768, 50257
+    assert sum(per_stage) == spec.params + V * h  # the last stage's copy of the tied embedding
+    block = (spec.params - V * h - 1024 * h - 2 * h) // 12
+    assert per_stage[1] == per_stage[2] == 3 * block
+    untied = vramlab.preset("pythia-160m")
+    assert sum(P.rank_params(untied, P.Layout(pp=2), k) for k in range(2)) == untied.params
+
+
+def test_ddp_buckets_match_torch():
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    spec = dataclasses.replace(vramlab.preset("gpt2"), num_layers=3)
+    sizes = [n for _, n in spec.param_tensors()]
+    tensors = [torch.empty(n, device="meta") for n in reversed(sizes)]  # the order gradients are ready
+    indices, _ = dist._compute_bucket_assignment_by_size(tensors, [1 << 20, 25 << 20], [False] * len(tensors))
+    expected = [sum(tensors[i].numel() * 4 for i in bucket) for bucket in indices]
+    assert P.ddp_buckets([4 * n for n in sizes]) == expected
+
+
+def test_ddp_overlap_hides_communication_behind_a_long_backward():
+    buckets = P.ddp_buckets([4 * n for _, n in vramlab.preset("gpt2").param_tensors()])
+    slow = P.ddp_overlap(buckets, n=8, backward_seconds=10.0, link="nvlink4")
+    # a long backward hides every bucket but the last: the embedding's gradient (used first in the
+    # forward, and tied to the head) is complete only when the backward ends
+    last = vramlab.collectives.collective_time("all_reduce", 8, buckets[-1], "nvlink4")
+    assert slow["exposed_s"] == pytest.approx(last) and slow["hidden_share"] == pytest.approx(1 - last / slow["communication_s"])
+    fast = P.ddp_overlap(buckets, n=8, backward_seconds=0.0, link="ethernet-100g")
+    assert fast["exposed_s"] == pytest.approx(fast["communication_s"]) and fast["hidden_share"] == pytest.approx(0)
+
+
+def test_layout_memory_composes_with_memory():
+    """One device, one stage: the layout estimate's model states are memory.model_states'."""
+    spec = vramlab.preset("gpt2")
+    (one,) = P.estimate_layout(spec, P.Layout(), micro_batch_size=2, seq_len=256, precision="bf16-mixed")
+    states = vramlab.memory.model_states(spec, precision="bf16-mixed", optimizer="adamw")
+    assert (one.parameters, one.gradients, one.optimizer_states) == (states.parameters, states.gradients,
+                                                                    states.optimizer_states)
+    ddp = P.estimate_layout(spec, P.Layout(dp=4), micro_batch_size=2, seq_len=256)[0]
+    assert ddp.gradients == 2 * one.gradients  # DDP's bucket copy
+    tp = P.estimate_layout(spec, P.Layout(tp=4), micro_batch_size=2, seq_len=256)[0]
+    assert tp.total < one.total and tp.activations < one.activations
+
+
+def test_1f1b_needs_less_than_gpipe_on_the_first_stage():
+    kw = dict(micro_batch_size=1, seq_len=1024)
+    gpipe = P.estimate_layout("llama-3.2-1b", P.Layout(pp=4, micro_batches=16, schedule="gpipe"), **kw)
+    one = P.estimate_layout("llama-3.2-1b", P.Layout(pp=4, micro_batches=16, schedule="1f1b"), **kw)
+    assert one[0].activations * 4 == gpipe[0].activations  # 4 micro-batches in flight instead of 16
+
+
+def test_communication_volumes():
+    spec = vramlab.preset("gpt2")
+    c = P.communication(spec, P.Layout(dp=8, tp=2, pp=2, micro_batches=4), micro_batch_size=2, seq_len=1024)
+    assert c["tp"]["bytes"] == 2 * 1024 * 768 * 2 and c["tp"]["calls"] == 4 * 6 * 4  # 4 per block, 6 blocks, 4 micro
+    assert c["dp"]["bytes"] == max(P.rank_params(spec, P.Layout(tp=2, pp=2, micro_batches=4), k) for k in (0, 1)) * 4  # AMP: fp32 grads
+    assert c["pp"]["calls"] == 2 * 4  # one activation forward, one gradient back, per micro-batch
+    single = P.communication(spec, P.Layout(), micro_batch_size=2, seq_len=1024)
+    assert single["dp"]["seconds"] == single["tp"]["seconds"] == single["pp"]["seconds"] == 0
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(tp=0), "tp must be"), (dict(pp=-1), "pp must be"), (dict(dp=2.5), "dp must be"),
+    (dict(sp=True), "needs tp > 1"), (dict(schedule="zigzag"), "unknown schedule"),
+    (dict(pp=4, micro_batches=6, schedule="interleaved", chunks=2), "multiple of pp"),
+    (dict(pp=1, schedule="interleaved"), "needs pp > 1"), (dict(chunks=2), "interleaved schedule only"),
+    (dict(micro_batches=True), "micro_batches must be"),
+])
+def test_bad_layouts_are_one_line_errors(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        P.Layout(**kw)
+
+
+def test_layouts_the_model_cannot_take():
+    with pytest.raises(ValueError, match="tp=5 must divide"):
+        P.rank_params("gpt2", P.Layout(tp=5), 0)
+    with pytest.raises(ValueError, match="decoder-only"):
+        P.estimate_layout("bert-base", P.Layout(tp=2), micro_batch_size=1, seq_len=128)
+    with pytest.raises(ValueError, match="fewer than"):
+        P.rank_params("gpt2", P.Layout(pp=16, micro_batches=16), 0)
+    with pytest.raises(ValueError, match="stage must be"):
+        P.rank_params("gpt2", P.Layout(pp=2), 2)
+    with pytest.raises(ValueError, match="positions|seq_len"):
+        P.estimate_layout("gpt2", P.Layout(), micro_batch_size=1, seq_len=4096)
+    import numpy as np
+
+    assert P.Layout(tp=np.int64(2)).tp == 2  # numpy integers are whole numbers too
