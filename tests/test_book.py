@@ -84,3 +84,17 @@ def test_chapter5_formats_and_gradients(built):
     assert "65504" in page.replace(",", "") or "6.55e+04" in page  # fp16's max, from the format table
     assert "loss_type" not in page  # no library warnings leak into the page
     assert "flush probe" in page and "tokens:" in page
+
+
+def test_chapter3_schedules_split_and_calculator(built):
+    """Chapter 3: the tensor-parallel split and three pipeline schedules drawn at build (inline SVG,
+    the bubble's idle pattern in each Gantt chart), the Korthikanti table, and the live calculator."""
+    html, _ = built
+    page = (html / "book" / "03_parallelism.html").read_text()
+    assert page.count('class="vl-figure"') >= 4
+    assert page.count('fill="url(#vl-idle)"') >= 3 * 4  # an idle band behind each device of each chart
+    assert "Tensor-parallel MLP on 2 devices" in page
+    assert "GPipe: all forwards, then all backwards: bubble 27.3%" in page  # (p-1)/(m+p-1) = 3/11
+    assert "interleaved 1F1B, 2 model chunks per GPU: bubble 15.8%" in page  # 3/19
+    assert 'id="vl-parallel"' in page and "+ sequence parallel + selective" in page
+    assert "Traceback" not in page and "Error" not in page.split('id="vl-parallel"')[0][-20000:]

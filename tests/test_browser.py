@@ -32,6 +32,8 @@ CASES = [
      [{"model": "llama-3.1-8b", "batch_size": 16, "precision": "fp32"}, {"batch_size": 2, "gpu": "h100-80gb"}]),
     ("collectives", "book/02_collectives.html", [{"op": "reduce_scatter", "ranks": 64}, {"size_mib": 4.0, "link": "pcie4-x16"}]),
     ("precision", "book/05_mixed_precision.html", [{"value": 3e-8, "model": "llama-3.2-1b"}, {"batch_size": 32}]),
+    ("parallel", "book/03_parallelism.html", [{"model": "llama-3.1-70b", "tp": 8, "schedule": "interleaved"},
+                                               {"pp": 8, "micro_batches": 16, "sp": "yes"}]),
 ]
 
 

@@ -18,8 +18,9 @@ from typing import Any, Callable, Literal
 
 from . import collectives as C
 from . import memory, specs
+from . import parallel as PAR
 from . import precision as P
-from .svg import loglog_lines, stacked_bars
+from .svg import gantt, loglog_lines, stacked_bars
 from .units import GiB, fmt_bytes
 
 Kind = Literal["choice", "int", "float"]
@@ -189,7 +190,68 @@ PRECISION = Calculator(
             Input(name="model", label="model", kind="choice", default="gpt2", choices=specs.preset_names()),
             Input(name="batch_size", label="batch size", kind="int", default=8, min=1, max=64)))
 
-CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION)}
+# ----------------------------------------------------------------------------- chapter 3
+
+DECODER_PRESETS = tuple(n for n in specs.preset_names() if specs.preset(n).family in PAR.DECODER_FAMILIES)
+
+
+def _parallel(*, model: str, dp: int, tp: int, pp: int, sp: str, schedule: str, micro_batches: int,
+              micro_batch_size: int, seq_len: int, precision: str, gpu: str, link: str) -> Result:
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    chunks = 2 if schedule == "interleaved" else 1
+    layout = PAR.Layout(dp=dp, tp=tp, pp=pp, sp=sp == "yes", micro_batches=micro_batches, schedule=schedule,
+                        chunks=chunks)
+    kw = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision)
+    stages = PAR.estimate_layout(spec, layout, **kw)
+    ok, need, usable = PAR.fits(spec, layout, g, **kw)
+    comm = PAR.communication(spec, layout, dp_link=link, pp_link=link, tp_link="nvlink4", **kw)
+    bubble = PAR.bubble_fraction(pp, micro_batches, schedule, chunks=chunks) if pp > 1 else 0
+    shown = list(enumerate(stages))
+    shown = shown if len(shown) <= 8 else shown[:4] + shown[-4:]  # the first and last stages differ most
+    bars = [(f"stage {i}", [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
+            for i, b in shown]
+    title = f"{spec.name} on {layout.devices} GPUs (dp {dp} x tp {tp} x pp {pp}): memory per device"
+    svgs = [stacked_bars(bars, title=title, line=(g.usable_bytes / GiB, f"{g.name} usable"))]
+    if pp > 1 and pp * micro_batches * chunks <= 512:
+        run = PAR.simulate(pp, micro_batches, schedule, chunks=chunks)
+        svgs.append(gantt(run.ops, devices=pp, makespan=run.makespan, chunks=chunks,
+                          title=f"{schedule}, {pp} stages, {micro_batches} micro-batches: bubble {float(bubble):.1%} of the step"))
+    worst = max(stages, key=lambda b: b.total)
+    lines = [worst.table(title=f"fullest device: {worst.label}"), "",
+             f"{'fits' if ok else 'does NOT fit'} on {g.name}: needs {fmt_bytes(need)} of {fmt_bytes(usable)} usable "
+             f"(estimate + 3 % + CUDA context)",
+             f"pipeline bubble: {float(bubble):.1%} of the step's time"
+             + (f" ({float(PAR.bubble_fraction(pp, micro_batches, schedule, chunks=chunks, of='ideal')):.1%} of the ideal time)"
+                if pp > 1 else " (no pipeline)"), "",
+             "communication per step (alpha-beta model):"]
+    if dp > 1:
+        lines.insert(1, "(gradients include DDP's bucket copy: gradient_as_bucket_view=False, its default)")
+    for k, what in (("dp", f"data parallel: all-reduce of {fmt_bytes(comm['dp']['bytes'])} of gradients over {link}"),
+                    ("tp", f"tensor parallel: {comm['tp']['calls']} all-reduces of {fmt_bytes(comm['tp']['bytes'])} over nvlink4"),
+                    ("pp", f"pipeline: {comm['pp']['calls']} sends of {fmt_bytes(comm['pp']['bytes'])} over {link}")):
+        lines.append(f"  {what}: {comm[k]['seconds'] * 1e3:.2f} ms")
+    return Result(text="\n".join(lines), svg="".join(svgs), numbers={
+        "per_device": (worst.total, fmt_bytes(worst.total)), "fits": (int(ok), "yes" if ok else "no"),
+        "bubble": (float(bubble), f"{float(bubble):.1%}")})
+
+
+PARALLEL = Calculator(
+    name="parallel", title="Data, tensor and pipeline parallelism: memory per device", compute=_parallel,
+    number_labels={"per_device": "fullest device", "fits": "fits", "bubble": "bubble"},
+    inputs=(Input(name="model", label="model", kind="choice", default="llama-3.1-8b", choices=DECODER_PRESETS),
+            Input(name="dp", label="data parallel", kind="choice", default=2, choices=(1, 2, 4, 8, 16, 32, 64)),
+            Input(name="tp", label="tensor parallel", kind="choice", default=2, choices=(1, 2, 4, 8)),
+            Input(name="pp", label="pipeline stages", kind="choice", default=4, choices=(1, 2, 4, 8, 16)),
+            Input(name="sp", label="sequence parallel", kind="choice", default="no", choices=("no", "yes")),
+            Input(name="schedule", label="schedule", kind="choice", default="1f1b", choices=PAR.SCHEDULES),
+            Input(name="micro_batches", label="micro-batches", kind="choice", default=8, choices=(1, 2, 4, 8, 16, 32, 64)),
+            Input(name="micro_batch_size", label="micro-batch size", kind="int", default=1, min=1, max=64),
+            Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),
+            Input(name="precision", label="precision", kind="choice", default="bf16-mixed", choices=memory.PRECISIONS),
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
+            Input(name="link", label="link between nodes", kind="choice", default="ib-ndr", choices=tuple(C.LINKS))))
+
+CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION, PARALLEL)}
 
 
 def get(name: str) -> Calculator:

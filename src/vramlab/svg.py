@@ -127,3 +127,92 @@ def loglog_lines(series: Sequence[tuple[str, Sequence[tuple[float, float]], str,
                    f'stroke-dasharray="3 3"/>')
     out.append("</svg>")
     return "".join(out)
+
+
+def gantt(ops: Sequence, *, devices: int, makespan: float, title: str = "", chunks: int = 1, width: int = 680,
+          row: int = 26) -> str:
+    """A pipeline schedule: one row per device, forwards (light) and backwards (dark) labelled with
+    their micro-batch (and model chunk when there are several), idle time (the bubble) hatched.
+    `ops`: objects with device, kind ("F"/"B"), micro, chunk, start, end (vramlab.parallel.Op)."""
+    left, right, top = 74, 12, 30
+    pw = width - left - right
+    height = top + devices * row + 40
+    X = lambda t: left + pw * float(t) / float(makespan)  # noqa: E731
+    palette = [("#9ecae1", "#3182bd"), ("#a1d99b", "#31a354"), ("#fdae6b", "#e6550d"), ("#bcbddc", "#756bb1")]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" role="img" {FONT} font-size="10">',
+           f'<title>{escape(title)}</title>',
+           '<defs><pattern id="vl-idle" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
+           '<rect width="6" height="6" fill="#f4f4f4"/><line x1="0" y1="0" x2="0" y2="6" stroke="#d33" '
+           'stroke-width="1.2" opacity="0.45"/></pattern></defs>',
+           f'<text x="{left}" y="16" font-size="12" font-weight="600">{escape(title)}</text>']
+    for d in range(devices):
+        y = top + d * row
+        out.append(f'<rect x="{left}" y="{y + 2}" width="{pw}" height="{row - 4}" fill="url(#vl-idle)"/>'
+                   f'<text x="{left - 6}" y="{y + row / 2 + 4:.1f}" text-anchor="end">device {d}</text>')
+    for o in ops:
+        light, dark = palette[o.chunk % len(palette)]
+        y = top + o.device * row
+        x0, x1 = X(o.start), X(o.end)
+        fill, ink = (light, "#000") if o.kind == "F" else (dark, "#fff")
+        label = f"{o.micro}" + (f"·{o.chunk}" if chunks > 1 else "")
+        out.append(f'<rect x="{x0:.1f}" y="{y + 2}" width="{max(x1 - x0 - 0.6, 0.5):.1f}" height="{row - 4}" '
+                   f'fill="{fill}"/>')
+        if x1 - x0 > 6 * len(label) + 3:
+            out.append(f'<text x="{(x0 + x1) / 2:.1f}" y="{y + row / 2 + 3.5:.1f}" text-anchor="middle" '
+                       f'fill="{ink}">{escape(label)}</text>')
+    ly = top + devices * row + 18
+    light, dark = palette[0]
+    out.append(f'<rect x="{left}" y="{ly - 9}" width="12" height="10" fill="{light}"/>'
+               f'<text x="{left + 16}" y="{ly}">forward</text>'
+               f'<rect x="{left + 80}" y="{ly - 9}" width="12" height="10" fill="{dark}"/>'
+               f'<text x="{left + 96}" y="{ly}">backward (2x a forward)</text>'
+               f'<rect x="{left + 250}" y="{ly - 9}" width="12" height="10" fill="url(#vl-idle)" stroke="#ccc"/>'
+               f'<text x="{left + 266}" y="{ly}">idle: the bubble</text>'
+               f'<text x="{left + pw}" y="{ly}" text-anchor="end">time →</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def tensor_parallel_mlp(t: int = 2, width: int = 680) -> str:
+    """Megatron's MLP on t devices: X (replicated) times A split by columns gives each device its
+    slice of the hidden layer, GeLU runs on the slice (no communication), times B split by rows gives
+    each device a partial Z; one all-reduce sums them. In the backward, the mirror all-reduce sits
+    before A (Shoeybi et al. 2019, Figure 3)."""
+    colors = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+    height = 40 + t * 64 + 36
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" role="img" {FONT} font-size="11">',
+           f'<title>Tensor-parallel MLP on {t} devices</title>',
+           f'<text x="10" y="16" font-size="12" font-weight="600">Tensor-parallel MLP on {t} devices: '
+           'Z = GeLU(X A) B</text>']
+    for d in range(t):
+        y = 40 + d * 64
+        c = colors[d % len(colors)]
+        out.append(f'<text x="10" y="{y + 30}">device {d}</text>'
+                   # X, whole on every device
+                   f'<rect x="70" y="{y + 8}" width="40" height="40" fill="#ddd" stroke="#666"/>'
+                   f'<text x="90" y="{y + 32}" text-anchor="middle">X</text><text x="122" y="{y + 32}">×</text>'
+                   # A: t columns, this device's shaded
+                   + "".join(f'<rect x="{134 + 60 * k / t:.1f}" y="{y + 8}" width="{60 / t:.1f}" height="40" '
+                             f'fill="{colors[k % len(colors)] if k == d else "#fff"}" stroke="#666" '
+                             f'opacity="{0.85 if k == d else 1}"/>' for k in range(t))
+                   + f'<text x="164" y="{y + 60}" text-anchor="middle" font-size="9">A by columns</text>'
+                   f'<text x="202" y="{y + 32}">→ GeLU →</text>'
+                   f'<rect x="262" y="{y + 8}" width="{40 / t:.1f}" height="40" fill="{c}" opacity="0.85" stroke="#666"/>'
+                   f'<text x="{262 + 20 / t + 8:.1f}" y="{y + 60}" font-size="9">Y{d}</text><text x="312" y="{y + 32}">×</text>'
+                   # B: t rows, this device's shaded
+                   + "".join(f'<rect x="326" y="{y + 8 + 40 * k / t:.1f}" width="60" height="{40 / t:.1f}" '
+                             f'fill="{colors[k % len(colors)] if k == d else "#fff"}" stroke="#666" '
+                             f'opacity="{0.85 if k == d else 1}"/>' for k in range(t))
+                   + f'<text x="356" y="{y + 60}" text-anchor="middle" font-size="9">B by rows</text>'
+                   f'<text x="396" y="{y + 32}">=</text>'
+                   f'<rect x="412" y="{y + 8}" width="40" height="40" fill="{c}" opacity="0.35" stroke="#666"/>'
+                   f'<text x="432" y="{y + 32}" text-anchor="middle">Z{d}</text>')
+    yb = 40 + t * 64
+    out.append(f'<path d="M460,48 L490,48 L490,{yb - 16} L460,{yb - 16}" fill="none" stroke="#222" stroke-width="1.5"/>'
+               f'<text x="498" y="{(48 + yb - 16) / 2 - 6:.0f}" font-weight="600">all-reduce</text>'
+               f'<text x="498" y="{(48 + yb - 16) / 2 + 9:.0f}">Z = Z0 + … + Z{t - 1}</text>'
+               f'<text x="10" y="{yb + 14}" font-size="10">Weights, their gradients and optimizer states: 1/{t} of A and B '
+               f'per device.</text><text x="10" y="{yb + 28}" font-size="10">Forward: one all-reduce after B; backward: '
+               f'one before A. Y is never gathered.</text>')
+    out.append("</svg>")
+    return "".join(out)
