@@ -21,6 +21,7 @@ A layout is `dp` data-parallel replicas x `tp` tensor-parallel ranks x `pp` pipe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -209,13 +210,21 @@ def simulate(p: int, m: int, schedule: Schedule = "1f1b", *, chunks: int = 1, fo
     p, m = _count("p", p, hi=256), _count("m", m, hi=1024)
     v = _count("chunks", chunks, hi=64)
     Layout(pp=p, micro_batches=m, schedule=schedule, chunks=v)  # validates the combination
-    tf, tb = Fraction(forward) / v, Fraction(backward) / v
-    if not (tf > 0 and tb > 0):
-        raise ValueError("forward and backward times must be positive")
+    for name, x in (("forward", forward), ("backward", backward)):
+        if isinstance(x, bool) or not isinstance(x, (int, float, Fraction)) or not 0 < x < math.inf:
+            raise ValueError(f"{name} must be a positive finite time, got {x!r}")
+    return _simulate(p, m, schedule, v, Fraction(forward), Fraction(backward))
+
+
+@functools.lru_cache(maxsize=64)
+def _simulate(p: int, m: int, schedule: str, v: int, forward: Fraction, backward: Fraction) -> PipelineRun:
+    # integer ticks while scheduling (fast in the browser too): one tick = 1/(v * denominators)
+    unit = Fraction(1, v * forward.denominator * backward.denominator)
+    tf, tb = int(forward / v / unit), int(backward / v / unit)
     stages = p * v  # virtual stage k*p + d is chunk k on device d
     orders = _orders(p, m, schedule, v)
-    done: dict[tuple[str, int, int], Fraction] = {}
-    pos, free, ops = [0] * p, [Fraction(0)] * p, []
+    done: dict[tuple[str, int, int], int] = {}
+    pos, free, ticks = [0] * p, [0] * p, []
     while any(pos[d] < len(orders[d]) for d in range(p)):
         progressed = False
         for d in range(p):
@@ -231,21 +240,20 @@ def simulate(p: int, m: int, schedule: Schedule = "1f1b", *, chunks: int = 1, fo
                 start = max([free[d], *(done[n] for n in need)])
                 end = start + (tf if kind == "F" else tb)
                 done[(kind, i, stage)] = end
-                ops.append(Op(d, kind, i, c, start, end))
+                ticks.append((d, kind, i, c, start, end))
                 free[d], pos[d], progressed = end, pos[d] + 1, True
         if not progressed:  # cannot happen for the orders above; a guard against a bad order
             raise RuntimeError(f"the {schedule} schedule deadlocked")
     in_flight = []
-    for d in range(p):
-        events = sorted([(o.end, 1) for o in ops if o.device == d and o.kind == "F"]
-                        + [(o.end, -1) for o in ops if o.device == d and o.kind == "B"], key=lambda e: (e[0], e[1]))
+    for d in range(p):  # a forward's activations are held from its end to its backward's end
+        events = sorted((end, 1 if kind == "F" else -1) for dd, kind, _, _, _, end in ticks if dd == d)
         held = peak = 0
         for _, delta in events:
             held += delta
             peak = max(peak, held)
         in_flight.append(peak)
-    return PipelineRun(p, m, schedule, v, tuple(sorted(ops, key=lambda o: (o.device, o.start))),
-                       max(o.end for o in ops), tuple(in_flight))
+    ops = tuple(Op(d, kind, i, c, start * unit, end * unit) for d, kind, i, c, start, end in sorted(ticks, key=lambda x: (x[0], x[4])))
+    return PipelineRun(p, m, schedule, v, ops, max(x[5] for x in ticks) * unit, tuple(in_flight))
 
 
 # ============================================================================ parameters per device
@@ -310,19 +318,35 @@ def rank_params(model: ModelSpec | str, layout: Layout, stage: int) -> int:
     v = layout.chunks
     chunks = stage_layers(spec.num_layers, layout.pp * v)
     mine = {i for c in range(v) for i in chunks[c * layout.pp + stage]}
-    first, last = stage == 0, stage == layout.pp - 1
-    total = 0
+    layers, first_part, last_part, tied = _shares(spec, layout.tp)
+    total = sum(layers[i] for i in mine)
+    if stage == 0:
+        total += first_part
+    elif stage == layout.pp - 1:
+        total += tied  # the last stage's copy of a tied embedding
+    if stage == layout.pp - 1:
+        total += last_part
+    return total
+
+
+@functools.lru_cache(maxsize=32)
+def _shares(spec: ModelSpec, t: int) -> tuple[tuple[int, ...], int, int, int]:
+    """One tensor-parallel rank's parameters: per block, on the first stage (embeddings), on the last
+    (final norm, untied head), and the tied embedding the last stage copies."""
+    layers = [0] * spec.num_layers
+    first = last = tied = 0
     for name, numel in spec.param_tensors():
+        n = _tp_numel(name, numel, t, spec.vocab_size)
         i = _layer_index(name)
         if i is not None:
-            keep = i in mine
+            layers[i] += n
         elif any(name.startswith(k) for k in _FIRST):
-            keep = first or (last and spec.tie_word_embeddings and name.split(".")[0] in _VOCAB)
-        else:  # final norm, LM head
-            keep = last
-        if keep:
-            total += _tp_numel(name, numel, layout.tp, spec.vocab_size)
-    return total
+            first += n
+            if spec.tie_word_embeddings and name.split(".")[0] in _VOCAB:
+                tied += n
+        else:
+            last += n
+    return tuple(layers), first, last, tied
 
 
 # ============================================================================ activations per device
