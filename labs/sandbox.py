@@ -26,13 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from answer_worker import MAX_FRAME  # the one bound on a message, both ways
+from vramlab.grading import ANSWER_PACKAGES
+
 LABS = Path(__file__).resolve().parent
 ROOT = LABS.parent
 WORKER = LABS / "answer_worker.py"
-MAX_FRAME = 4 << 20
-# the packages whose functions answer the exercises (vramlab's calculators, a real model's parameter
-# count, ...): an answer cannot import them
-BLOCKED = ("vramlab", "transformers", "peft", "deepspeed", "accelerate")
+BLOCKED = ANSWER_PACKAGES  # vramlab's calculators, a real model's parameter count, ...: not for answers
 
 
 class GradingStopped(BaseException):
@@ -167,6 +167,15 @@ def setup_imports(cells: list[str]) -> list[str]:
     return out
 
 
+def kill_group(pid: int | None) -> None:
+    """SIGKILL a session's whole process group (it and whatever it started); gone already is fine."""
+    if pid:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+
+
 def _children() -> set[int]:
     me = str(os.getpid())
     out = set()
@@ -284,10 +293,7 @@ class Worker:
             except OSError:
                 pass
         self.req_w = self.resp_r = -1
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError, OSError):
-            pass
+        kill_group(self.proc.pid)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

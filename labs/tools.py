@@ -215,10 +215,10 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
     if lab not in labs():
         raise ValueError(f"unknown lab {lab!r}; labs: {', '.join(labs())}")
     nb = assemble(submission, lab)
-    solutions = [(c.metadata["nbgrader"]["grade_id"], c.source) for c in nb.cells
-                 if c.metadata.get("nbgrader", {}).get("solution") and c.cell_type == "code"]
-    first = next(i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("solution"))
-    preamble = sb.setup_imports([c.source for c in nb.cells[:first] if c.cell_type == "code"])
+    answers = [(i, c.metadata["nbgrader"]["grade_id"], c.source) for i, c in enumerate(nb.cells)
+               if c.metadata.get("nbgrader", {}).get("solution") and c.cell_type == "code"]
+    sources = {gid: src for _, gid, src in answers}
+    preamble = sb.setup_imports([c.source for c in nb.cells[:answers[0][0]] if c.cell_type == "code"])
     prefix, how = sb.sandbox_prefix() if sandbox is not False else ([], "no sandbox (asked for none)")
     if sandbox and not prefix:
         raise RuntimeError(f"a sandbox was required: {how}")
@@ -242,8 +242,7 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
                 here.mkdir()
                 # as in the notebook: the answers above this test, in order (an answer further down that
                 # ends its process or loops cannot cost an earlier exercise its points)
-                above = [(c.metadata["nbgrader"]["grade_id"], c.source) for c in nb.cells[:i]
-                         if c.metadata.get("nbgrader", {}).get("solution") and c.cell_type == "code"]
+                above = [(gid_a, src) for j, gid_a, src in answers if j < i]
                 try:
                     worker = sb.Worker(above, scratch=str(here), timeout=timeout, preamble=preamble,
                                        memory_bytes=int(memory_gib * 2**30), prefix=prefix)
@@ -251,7 +250,7 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
                     scores[gid] = (0, points, str(e))
                     continue
                 try:
-                    ok, why, out = sb.run_test(cell.source, gid, worker, dict(solutions))
+                    ok, why, out = sb.run_test(cell.source, gid, worker, sources)
                 finally:
                     worker.close()
                 report["outputs"][gid] = out[-MAX_OUTPUT_CHARS:]
@@ -272,7 +271,6 @@ def execute(nb: nbformat.NotebookNode, *, timeout: float = 600, env: dict | None
     """Run a whole notebook in a Jupyter kernel (the instructor's, for `record`: trusted code), in a
     scratch directory, each cell at most `timeout` seconds, the kernel's process group killed at the
     end. Returns (the executed notebook, why it stopped early or None)."""
-    import signal
     import tempfile
     import threading
     import time
@@ -281,14 +279,9 @@ def execute(nb: nbformat.NotebookNode, *, timeout: float = 600, env: dict | None
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
-    nb = copy.deepcopy(nb)
+    from sandbox import kill_group  # the kernel runs in a session of its own: it and whatever it started
 
-    def kill_group(pid: int | None) -> None:  # the kernel's own session: it and whatever it started
-        if pid:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError, OSError):
-                pass
+    nb = copy.deepcopy(nb)
 
     with tempfile.TemporaryDirectory(prefix="vramlab-run-") as scratch:
         km = KernelManager(kernel_name="python3")

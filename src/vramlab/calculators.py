@@ -203,7 +203,7 @@ def _parallel(*, model: str, dp: int, tp: int, pp: int, sp: str, schedule: str, 
                         chunks=chunks)
     kw = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision)
     stages = PAR.estimate_layout(spec, layout, **kw)
-    ok, need, usable = PAR.fits(spec, layout, g, **kw)
+    ok, need, usable = PAR.device_need(stages, g)
     comm = PAR.communication(spec, layout, dp_link=link, pp_link=link, tp_link="nvlink4", **kw)
     bubble = PAR.bubble_fraction(pp, micro_batches, schedule, chunks=chunks) if pp > 1 else 0
     shown = list(enumerate(stages))

@@ -47,9 +47,13 @@ def diagnose_param_count(fn: Callable[..., int], cfg: dict[str, Any], expected: 
 # check_ring_all_reduce (the grader, or the student's kernel when they check themselves) computes the
 # expected sum itself and checks the result and the traffic: 2(n-1) messages to one neighbour, each
 # the partial sum a ring would hold at that step.
+# the packages whose functions answer the exercises: graded answers cannot import them (the ranks
+# below, and labs/sandbox.py's answer process)
+ANSWER_PACKAGES: tuple[str, ...] = ("vramlab", "transformers", "peft", "deepspeed", "accelerate")
+
 _RING_HARNESS = r"""
 import json, os, sys
-for _m in ("vramlab", "transformers", "peft", "deepspeed", "accelerate"):
+for _m in {blocked!r}:
     sys.modules[_m] = None
 import torch
 import torch.distributed as dist
@@ -174,7 +178,7 @@ def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: flo
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/ring_check.py"
         with open(path, "w") as f:
-            f.write(_RING_HARNESS.format(source=source, name=name))
+            f.write(_RING_HARNESS.format(source=source, name=name, blocked=ANSWER_PACKAGES))
         for i, (world, numel) in enumerate(cases):
             out = f"{tmp}/case{i}"
             # a free port each time (port=None, the default), and the ranks in a process group of their

@@ -20,7 +20,6 @@ A layout is `dp` data-parallel replicas x `tp` tensor-parallel ranks x `pp` pipe
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import operator
@@ -503,20 +502,22 @@ def ddp_overlap(buckets: list[int], *, n: int, backward_seconds: float, link: st
     return {"communication_s": comm, "exposed_s": exposed, "hidden_share": 1 - exposed / comm if comm else 1.0}
 
 
-def fits(model: ModelSpec | str, layout: Layout, gpu, *, micro_batch_size: int, seq_len: int, **kw) -> tuple[bool, int, int]:
-    """(fits, bytes needed on the fullest device, usable bytes of the GPU) for a layout without
-    ZeRO: the fullest stage's estimate plus the same margins `memory.fit` adds (3 %, the CUDA
-    context, one more block of the largest activation tensor)."""
+def device_need(stages: list[_mem.MemoryBreakdown], gpu) -> tuple[bool, int, int]:
+    """(fits, bytes needed on the fullest device, usable bytes of the GPU) for `estimate_layout`'s
+    stages: the fullest stage's estimate plus 3 % (the estimator's tested bound) and the CUDA context.
+    (Unlike `memory.fit`, no fragmentation block is added.)"""
     from .specs import gpu as _gpu
 
     g = _gpu(gpu) if isinstance(gpu, str) else gpu
-    stages = estimate_layout(model, layout, micro_batch_size=micro_batch_size, seq_len=seq_len, **kw)
-    worst = max(x.total for x in stages)
-    need = math.ceil(worst * 1.03) + g.context_bytes
+    need = math.ceil(max(x.total for x in stages) * 1.03) + g.context_bytes
     return need <= g.usable_bytes, need, g.usable_bytes
+
+
+def fits(model: ModelSpec | str, layout: Layout, gpu, *, micro_batch_size: int, seq_len: int, **kw) -> tuple[bool, int, int]:
+    """Does a layout without ZeRO fit on GPUs of type `gpu`? `device_need` of `estimate_layout`."""
+    return device_need(estimate_layout(model, layout, micro_batch_size=micro_batch_size, seq_len=seq_len, **kw), gpu)
 
 
 __all__ = ["Layout", "SCHEDULES", "korthikanti_layer_activations", "bubble_fraction", "simulate", "PipelineRun",
            "rank_params", "stage_layers", "layer_activation_bytes", "estimate_layout", "communication",
-           "ddp_buckets", "ddp_overlap", "fits"]
-_ = dataclasses  # (dataclasses.replace is how callers vary a Layout)
+           "ddp_buckets", "ddp_overlap", "device_need", "fits"]
