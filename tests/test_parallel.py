@@ -195,3 +195,21 @@ def test_layouts_the_model_cannot_take():
     import numpy as np
 
     assert P.Layout(tp=np.int64(2)).tp == 2  # numpy integers are whole numbers too
+
+
+@pytest.mark.parametrize("call, msg", [
+    (lambda: P.layer_activation_bytes("gpt2", micro_batch_size=-1, seq_len=128), "batch_size"),
+    (lambda: P.layer_activation_bytes("gpt2", micro_batch_size=1, seq_len=128, tp=0), "tp must be"),
+    (lambda: P.layer_activation_bytes("gpt2", micro_batch_size=1, seq_len=128, precision="fp8"), "precision"),
+    (lambda: P.layer_activation_bytes("gpt2", micro_batch_size=1, seq_len=128, sp="yes"), "sp must be"),
+    (lambda: P.korthikanti_layer_activations(s=1, b=1, h=1, a=1, t=2, sp="yes"), "sp must be"),
+    (lambda: P.ddp_overlap("abc", n=2, backward_seconds=1, link="nvlink4"), "non-empty list"),
+    (lambda: P.ddp_overlap([1.5], n=2, backward_seconds=1, link="nvlink4"), "bucket's bytes"),
+    (lambda: P.communication("gpt2", "dp=2", micro_batch_size=1, seq_len=8), "Layout"),
+    (lambda: P.rank_params("gpt2", {"tp": 2}, 0), "Layout"),
+    (lambda: P.device_need([], "h200"), "non-empty list"),
+], ids=["negative-batch", "tp-0", "unknown-precision", "sp-string", "korthikanti-sp-string", "buckets-string",
+        "bucket-fraction", "layout-string", "layout-dict", "no-stages"])
+def test_bad_arguments_are_one_line_value_errors(call, msg):
+    with pytest.raises(ValueError, match=msg):
+        call()

@@ -105,6 +105,8 @@ def korthikanti_layer_activations(*, s: int, b: int, h: int, a: int, t: int = 1,
     t = _count("t", t)
     if recompute not in RECOMPUTE:
         raise ValueError(f"unknown recompute {recompute!r}; choose from {', '.join(RECOMPUTE)}")
+    if not isinstance(sp, bool):
+        raise ValueError(f"sp must be True or False, got {sp!r}")
     if sp and t == 1:
         raise ValueError("sequence parallelism needs t > 1")
     sbh = Fraction(s * b * h)
@@ -296,6 +298,8 @@ def stage_layers(num_layers: int, pp: int) -> list[range]:
 
 
 def _check_layout_model(spec: ModelSpec, layout: Layout) -> None:
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout must be a vramlab.parallel.Layout, got {layout!r}")
     if spec.family not in DECODER_FAMILIES:
         raise ValueError(f"tensor and pipeline layouts are modelled for decoder-only LMs ({', '.join(DECODER_FAMILIES)}); "
                          f"{spec.name} is {spec.family}")
@@ -367,8 +371,16 @@ def layer_activation_bytes(spec: ModelSpec, *, micro_batch_size: int, seq_len: i
     """One block's saved tensors on one tensor-parallel rank, from `memory`'s ledger (the tensors
     PyTorch really saves for this model), split as Megatron splits them; with sequence parallelism
     the replicated part is split along the sequence too."""
+    spec = _mem._resolve(spec)
+    b, s = _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
+    tp = _count("tp", tp)
+    if not isinstance(sp, bool):
+        raise ValueError(f"sp must be True or False, got {sp!r}")
+    _mem._check_choice(precision, _mem.PRECISIONS, "precision")
+    _mem._check_choice(attention, _mem.ATTENTIONS, "attention implementation")
+    _mem._check_choice(device, ("cuda", "cpu"), "device")
     nb = _mem._dtype_bytes(precision, device)
-    b, s, a = micro_batch_size, seq_len, spec.num_heads
+    a = spec.num_heads
     tokens, scores = b * s, b * a * s * s
     total = Fraction(0)
     for x in _mem.layer_saved(spec, attention=attention, device=device, precision=precision, batch_size=b):
@@ -388,8 +400,6 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
     gradients (counted with them) unless `gradient_as_bucket_view=True` makes the gradients views into
     the buckets. The same categories as `memory.estimate_training`."""
     spec = _mem._resolve(model)
-    if not isinstance(layout, Layout):
-        raise ValueError(f"layout must be a vramlab.parallel.Layout, got {layout!r}")
     _check_layout_model(spec, layout)
     b, s = _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
     _mem._check_positions(spec, s)
@@ -485,8 +495,9 @@ def ddp_overlap(buckets: list[int], *, n: int, backward_seconds: float, link: st
     the backward has produced its share of the gradients (gradients assumed to appear at a constant
     rate), all-reduces run one at a time on the link. Returns the communication time, the time it
     exceeds the backward by (exposed), and the share hidden."""
-    if not buckets:
-        raise ValueError("no buckets")
+    if not isinstance(buckets, (list, tuple)) or not buckets:
+        raise ValueError("buckets must be a non-empty list of byte counts (see ddp_buckets)")
+    buckets = [_count("a bucket's bytes", x, lo=0, hi=1 << 50) for x in buckets]
     n = _count("n", n)
     if isinstance(backward_seconds, bool) or not isinstance(backward_seconds, (int, float)) or not 0 <= backward_seconds < math.inf:
         raise ValueError(f"backward_seconds must be a finite non-negative number, got {backward_seconds!r}")
@@ -508,6 +519,8 @@ def device_need(stages: list[_mem.MemoryBreakdown], gpu) -> tuple[bool, int, int
     (Unlike `memory.fit`, no fragmentation block is added.)"""
     from .specs import gpu as _gpu
 
+    if not isinstance(stages, (list, tuple)) or not stages or not all(isinstance(x, _mem.MemoryBreakdown) for x in stages):
+        raise ValueError("stages must be estimate_layout's non-empty list of MemoryBreakdowns")
     g = _gpu(gpu) if isinstance(gpu, str) else gpu
     need = math.ceil(max(x.total for x in stages) * 1.03) + g.context_bytes
     return need <= g.usable_bytes, need, g.usable_bytes
