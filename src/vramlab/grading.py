@@ -150,23 +150,12 @@ def _ring_problem(report: Any, rank: int, world: int, numel: int) -> str | None:
     return None
 
 
-def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: float = 60.0, port: int | None = None) -> None:
-    """Run the student's `fn(tensor, rank, world_size)` on real gloo process groups (spawned
-    processes on this machine), with the ready-made collectives unavailable, and check each rank's
-    result against the sum computed here and its traffic against a ring's. `cases` are (ranks,
-    elements); element counts that the rank count does not divide are the usual bug."""
+def _answer_source(fn: Callable) -> tuple[str, str]:
+    """The answer's source (the grader hands over the cell's) and its function name."""
     import inspect
-    import json
-    import os
-    import signal
-    import subprocess
-    import sys
-    import tempfile
     import textwrap
 
-    from .commbench import free_port
-
-    source = getattr(fn, "__vramlab_source__", None)  # the grader hands over the answer cell's source
+    source = getattr(fn, "__vramlab_source__", None)
     if not isinstance(source, str):
         try:
             source = textwrap.dedent(inspect.getsource(fn))
@@ -174,42 +163,70 @@ def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: flo
             raise AssertionError("cannot read the function's source: define it in a notebook cell or a file") from None
     name = getattr(fn, "__name__", None)
     if not isinstance(name, str) or not name.isidentifier():
-        raise AssertionError("pass the ring all-reduce function itself")
+        raise AssertionError("pass the function itself")
+    return source, name
+
+
+def _run_ranks(script: str, argv: list[str], *, cwd: str, timeout: float, on_timeout: str) -> str:
+    """Run a harness script (which spawns its ranks) in the sandbox, in a process group of its own that
+    is killed afterwards whatever happened: nothing is left holding a port for the next check.
+    Returns its stderr."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([*SANDBOX_PREFIX, sys.executable, "-I", script, *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=cwd)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(on_timeout) from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+    return err or ""
+
+
+def _rank_report(path: str, err: str) -> Any:
+    import json
+
+    try:
+        with open(path) as f:
+            return json.loads(f.read(16 << 20))
+    except (OSError, ValueError):
+        lines = err.strip().splitlines()
+        return None if not lines else {"error": lines[-1][:300]}
+
+
+def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: float = 60.0, port: int | None = None) -> None:
+    """Run the student's `fn(tensor, rank, world_size)` on real gloo process groups (spawned
+    processes on this machine), with the ready-made collectives unavailable, and check each rank's
+    result against the sum computed here and its traffic against a ring's. `cases` are (ranks,
+    elements); element counts that the rank count does not divide are the usual bug."""
+    import tempfile
+
+    from .commbench import free_port
+
+    source, name = _answer_source(fn)
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/ring_check.py"
         with open(path, "w") as f:
             f.write(_RING_HARNESS.format(source=source, name=name, blocked=ANSWER_PACKAGES))
         for i, (world, numel) in enumerate(cases):
             out = f"{tmp}/case{i}"
-            # a free port each time (port=None, the default), and the ranks in a process group of their
-            # own that is killed on a deadlock: nothing is left holding a port for the next grading
-            proc = subprocess.Popen([*SANDBOX_PREFIX, sys.executable, "-I", path, str(world), str(numel),
-                                     str(port + i if port else free_port()), out],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                    cwd=tmp)
-            try:
-                _, err = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-                raise AssertionError(
-                    f"{world} ranks, {numel} elements: no answer within {timeout:.0f} s — a deadlock? A blocking "
-                    "send waits for its matching recv: post the receive with dist.irecv (or alternate the order "
-                    "by rank parity) before waiting on the send.") from None
-            finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError, OSError):
-                    pass
+            err = _run_ranks(path, [str(world), str(numel), str(port + i if port else free_port()), out], cwd=tmp,
+                             timeout=timeout, on_timeout=(
+                                 f"{world} ranks, {numel} elements: no answer within {timeout:.0f} s — a deadlock? A "
+                                 "blocking send waits for its matching recv: post the receive with dist.irecv (or "
+                                 "alternate the order by rank parity) before waiting on the send."))
             problems = []
             for rank in range(world):
-                try:
-                    with open(f"{out}.{rank}") as f:
-                        report = json.loads(f.read(16 << 20))
-                except (OSError, ValueError):
-                    lines = (err or "").strip().splitlines()
-                    report = None if not lines else {"error": lines[-1][:300]}
-                why = _ring_problem(report, rank, world, numel)
+                why = _ring_problem(_rank_report(f"{out}.{rank}", err), rank, world, numel)
                 if why:
                     problems.append(f"rank {rank}: {why}")
             if problems:
@@ -218,3 +235,138 @@ def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: flo
                         " Hint: n-1 reduce-scatter steps (send chunk (rank - step), add what arrives), then n-1"
                         " all-gather steps (forward the completed chunk), each to rank + 1, from rank - 1.")
                 raise AssertionError(f"ring all-reduce on {world} ranks, {numel} elements: {problems[0]}.{hint}")
+
+
+# The tensor-parallel MLP: each rank gets the whole input and the whole weights (seeded here and in
+# the harness alike), must use its column slice of w1 and row slice of w2 (torch.tensor_split, the
+# rank's piece), and may call dist.all_reduce once; everything else collective raises. The rank logs
+# what it all-reduces; the caller recomputes every rank's partial product and the full layer itself.
+_TP_HARNESS = r"""
+import json, os, sys
+for _m in {blocked!r}:
+    sys.modules[_m] = None
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_LOG = []
+_real_all_reduce = dist.all_reduce
+
+
+def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    _LOG.append([list(tensor.shape), tensor.detach().flatten().tolist(), str(op)])
+    return _real_all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def _missing(name):
+    def collective(*args, **kwargs):
+        raise RuntimeError(f"dist.{{name}} is not available here: the column- then row-parallel MLP needs one all-reduce")
+    return collective
+
+
+dist.all_reduce = _all_reduce
+for _name in ("reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+              "all_to_all", "all_to_all_single", "gather", "scatter", "all_gather_object", "broadcast_object_list",
+              "gather_object", "scatter_object_list", "all_reduce_coalesced", "send", "recv", "isend", "irecv",
+              "batch_isend_irecv"):
+    setattr(dist, _name, _missing(_name))
+
+{source}
+
+
+def _inputs(b, h, f):
+    g = torch.Generator().manual_seed(1234 + b + h + f)
+    return (torch.randn(b, h, generator=g, dtype=torch.float64), torch.randn(h, f, generator=g, dtype=torch.float64),
+            torch.randn(f, h, generator=g, dtype=torch.float64))
+
+
+def _rank(rank, world, b, h, f, port, out):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    report = {{"rank": rank}}
+    try:
+        x, w1, w2 = _inputs(b, h, f)
+        y = {name}(x, w1, w2, rank, world)
+        report["result"] = y.detach().tolist() if isinstance(y, torch.Tensor) else repr(y)[:200]
+    except Exception as e:
+        report["error"] = f"{{type(e).__name__}}: {{e}}"
+    report["all_reduced"] = _LOG
+    with open(f"{{out}}.{{rank}}", "w") as fh:
+        json.dump(report, fh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    world, b, h, f, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    mp.spawn(_rank, args=(world, b, h, f, port, out), nprocs=world, join=True)
+"""
+
+
+def _tp_expected(b: int, h: int, f: int, world: int):
+    """The inputs the harness draws, the unsplit layer and each rank's partial product (float64)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234 + b + h + f)
+    x = torch.randn(b, h, generator=g, dtype=torch.float64)
+    w1 = torch.randn(h, f, generator=g, dtype=torch.float64)
+    w2 = torch.randn(f, h, generator=g, dtype=torch.float64)
+    full = torch.nn.functional.gelu(x @ w1) @ w2
+    cols, rows = torch.tensor_split(w1, world, dim=1), torch.tensor_split(w2, world, dim=0)
+    partial = [torch.nn.functional.gelu(x @ c) @ r for c, r in zip(cols, rows)]
+    return full, partial
+
+
+def _tp_problem(report: Any, rank: int, full, partial) -> str | None:
+    import torch
+
+    if not isinstance(report, dict):
+        return "no result (the rank did not finish)"
+    if report.get("error"):
+        return f"raised {str(report['error'])[:300]}"
+    sent = report.get("all_reduced")
+    if not isinstance(sent, list) or len(sent) != 1:
+        n = len(sent) if isinstance(sent, list) else 0
+        return (f"called dist.all_reduce {n} times; the column- then row-parallel MLP needs exactly one, on the "
+                "row-parallel layer's partial output")
+    shape, values, op = sent[0]
+    mine = partial[rank]
+    if shape != list(mine.shape) or "SUM" not in str(op).upper():
+        return f"all-reduced a {shape} tensor ({op}); expected the {list(mine.shape)} partial output, summed"
+    got = torch.tensor(values, dtype=torch.float64).reshape(mine.shape)
+    if not torch.allclose(got, mine, rtol=1e-9, atol=1e-9):
+        return ("all-reduced something other than this rank's partial product gelu(x @ w1[:, my columns]) @ "
+                "w2[my rows, :] (columns and rows from torch.tensor_split of the hidden dimension, this rank's piece)")
+    result = report.get("result")
+    try:
+        y = torch.tensor(result, dtype=torch.float64)
+    except (TypeError, ValueError):
+        return f"returned {str(result)[:100]}, not a tensor"
+    if y.shape != full.shape or not torch.allclose(y, full, rtol=1e-9, atol=1e-9):
+        return "returned a tensor that differs from the unsplit layer gelu(x @ w1) @ w2"
+    return None
+
+
+def check_tp_mlp(fn: Callable, *, cases=((2, 3, 8, 16),), timeout: float = 60.0) -> None:
+    """Run the student's `fn(x, w1, w2, rank, world_size)` on real gloo process groups and check, on
+    every rank, the result against the unsplit layer gelu(x @ w1) @ w2 and the one all-reduce against
+    that rank's partial product (computed here). `cases` are (ranks, batch, hidden, MLP width)."""
+    import tempfile
+
+    from .commbench import free_port
+
+    source, name = _answer_source(fn)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/tp_check.py"
+        with open(path, "w") as fh:
+            fh.write(_TP_HARNESS.format(source=source, name=name, blocked=ANSWER_PACKAGES))
+        for i, (world, b, h, f) in enumerate(cases):
+            out = f"{tmp}/case{i}"
+            err = _run_ranks(path, [str(world), str(b), str(h), str(f), str(free_port()), out], cwd=tmp,
+                             timeout=timeout, on_timeout=f"{world} ranks: no answer within {timeout:.0f} s (a rank "
+                             "waits for a collective another never calls?)")
+            full, partial = _tp_expected(b, h, f, world)
+            for rank in range(world):
+                why = _tp_problem(_rank_report(f"{out}.{rank}", err), rank, full, partial)
+                if why:
+                    raise AssertionError(f"tensor-parallel MLP on {world} ranks (hidden {h}, width {f}): rank {rank} "
+                                         f"{why}.")

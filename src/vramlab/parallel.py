@@ -353,7 +353,9 @@ def _shares(spec: ModelSpec, t: int) -> tuple[tuple[int, ...], int, int, int]:
 
 
 # ============================================================================ activations per device
-_SPLIT_NAMES = ("attn out", "o_proj input", "down input", "logsumexp")
+_SPLIT_NAMES = ("attn out", "o_proj input", "down input", "logsumexp", "q ", "k (", "v (", "scaled q", "c_attn out",
+                "qkv out")
+_SPLIT_EXACT = ("q", "k", "v")
 
 
 def _tp_split(x: _mem.Saved, h: int) -> bool:
@@ -391,14 +393,26 @@ def layer_activation_bytes(spec: ModelSpec, *, micro_batch_size: int, seq_len: i
 
 def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size: int, seq_len: int,
                     precision: str = "bf16-mixed", optimizer: str = "adamw", attention: str = "sdpa",
-                    recompute: str = "none", device: str = "cuda",
-                    gradient_as_bucket_view: bool = False) -> list[_mem.MemoryBreakdown]:
-    """Memory of one device of each pipeline stage (index = stage), without ZeRO: parameters,
-    gradients and optimizer states of the device's share; the activations of the micro-batches the
-    schedule holds in flight on it (from `simulate`); the first stage's embedding output and the last
-    stage's head and loss for one micro-batch. With dp > 1, DDP's buckets: a flat copy of the
-    gradients (counted with them) unless `gradient_as_bucket_view=True` makes the gradients views into
-    the buckets. The same categories as `memory.estimate_training`."""
+                    recompute: str = "none", device: str = "cuda", gradient_as_bucket_view: bool = False,
+                    keep_stage_output: bool = True) -> list[_mem.MemoryBreakdown]:
+    """Peak memory of one device of each pipeline stage (index = stage), without ZeRO, with the
+    gradients kept allocated between steps (as Megatron-LM's contiguous gradient buffer, DDP's
+    buckets or `zero_grad(set_to_none=False)` keep them): parameters, gradients and optimizer states
+    of the device's share, and the activations of the micro-batches the schedule holds in flight on
+    it (from `simulate`), at the larger of two moments: the end of the last forward pass in flight,
+    and the backward of the stage's last block just after it (one block's gradient transients on
+    top; on the last stage the loss's tensors of that micro-batch already freed).
+
+    - Each micro-batch in flight holds its activations on every stage; the last stage also its
+      logits and loss tensors (`memory.model_saved`), split by t (a vocabulary-parallel loss).
+    - `keep_stage_output`: a stage keeps the output it sent to the next stage (b x s x h) until that
+      micro-batch's backward, as torch.distributed.pipelining and DeepSpeed do; Megatron-LM frees
+      its storage once sent (`deallocate_output_tensor`): pass False for it.
+    - With dp > 1, DDP's buckets: a flat copy of the gradients (counted with them) unless
+      `gradient_as_bucket_view=True` makes the gradients views into the buckets.
+
+    The same categories as `memory.estimate_training` (whose single-device estimate this equals
+    for a 1 x 1 x 1 layout except that the gradients are counted as kept)."""
     spec = _mem._resolve(model)
     _check_layout_model(spec, layout)
     b, s = _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
@@ -408,30 +422,44 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
     _mem._check_choice(attention, _mem.ATTENTIONS, "attention implementation")
     _mem._check_choice(recompute, ("none", "full"), "recompute")
     _mem._check_choice(device, ("cuda", "cpu"), "device")
-    p, v = layout.pp, layout.chunks
+    for name, flag in (("gradient_as_bucket_view", gradient_as_bucket_view), ("keep_stage_output", keep_stage_output)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    p, v, t = layout.pp, layout.chunks, layout.tp
     run = simulate(p, layout.micro_batches, layout.schedule, chunks=v) if p > 1 else None
     pb = _mem.param_bytes(precision)
     nb = _mem._dtype_bytes(precision, device)
     chunks = stage_layers(spec.num_layers, p * v)
-    per_layer = layer_activation_bytes(spec, micro_batch_size=b, seq_len=s, tp=layout.tp, sp=layout.sp,
+    per_layer = layer_activation_bytes(spec, micro_batch_size=b, seq_len=s, tp=t, sp=layout.sp,
                                        precision=precision, attention=attention, device=device)
-    if recompute == "full":  # each block keeps its input (split along the sequence under SP)
-        per_layer = -(-b * s * spec.hidden_size * nb["x"] // (layout.tp if layout.sp else 1))
-    outside = _mem._ledger_bytes(_mem.model_saved(spec), tokens=b * s, scores=0, nbytes=nb)
+    seq_split = t if layout.sp else 1  # h-wide tensors are split along the sequence under SP
+    if recompute == "full":  # each block keeps its input
+        per_layer = -(-b * s * spec.hidden_size * nb["x"] // seq_split)
+    act = _mem.activation_bytes(spec, batch_size=b, seq_len=s, precision=precision, attention=attention,
+                                recompute=recompute, device=device)
+    grad_in = -(-act["block_grad_in"] // seq_split)
+    # a block's backward: its inner gradients (split by t), or under full recompute the whole block
+    # recomputed at once
+    transient = -(-(act["one_layer"] if recompute == "full" else act["block_backward"]) // t) + grad_in
+    outside = math.ceil(Fraction(act["outside"], t))
+    e = spec.word_embed_proj_dim or spec.hidden_size
+    loss_side = math.ceil(Fraction(b * s * (spec.vocab_size * 4 + e * nb["half"] + 8), t))
+    boundary = -(-b * s * spec.hidden_size * nb["x"] // seq_split) if keep_stage_output else 0
     out = []
     for stage in range(p):
         n = rank_params(spec, layout, stage)
         layers = max(len(chunks[c * p + stage]) for c in range(v))
         held = run.in_flight[stage] if run else 1  # (micro-batch, chunk) pairs in flight
-        acts = held * layers * per_layer
-        if stage == p - 1:  # logits, log-softmax and targets of the micro-batch in its backward
-            acts += math.ceil(Fraction(outside, layout.tp))
-        out.append(_mem.MemoryBreakdown(
-            parameters=n * pb, gradients=n * pb * (2 if layout.dp > 1 and not gradient_as_bucket_view else 1),
-            optimizer_states=_mem.optimizer_state_bytes(optimizer, n, precision),
-            activations=acts, label=f"{spec.name} stage {stage} of {p}, tp {layout.tp}"
-            + (" + sp" if layout.sp else "") + f", {layout.schedule} m={layout.micro_batches}",
-            phase="end of the forward passes in flight", precision=precision, device=device))
+        last = stage == p - 1
+        acts = held * (layers * per_layer + (outside if last else 0) + (0 if last and v == 1 else boundary))
+        base = dict(parameters=n * pb, gradients=n * pb * (2 if layout.dp > 1 and not gradient_as_bucket_view else 1),
+                    optimizer_states=_mem.optimizer_state_bytes(optimizer, n, precision), precision=precision,
+                    device=device, label=f"{spec.name} stage {stage} of {p}, tp {t}" + (" + sp" if layout.sp else "")
+                    + f", {layout.schedule} m={layout.micro_batches}")
+        phases = [_mem.MemoryBreakdown(**base, activations=acts, phase="end of the forward passes in flight"),
+                  _mem.MemoryBreakdown(**base, activations=acts - (loss_side if last else 0), temporaries=transient,
+                                       phase="backward of the stage's last block, micro-batches in flight")]
+        out.append(max(phases, key=lambda x: x.total))
     return out
 
 
