@@ -97,4 +97,8 @@ def test_chapter3_schedules_split_and_calculator(built):
     assert "GPipe: all forwards, then all backwards: bubble 27.3%" in page  # (p-1)/(m+p-1) = 3/11
     assert "interleaved 1F1B, 2 model chunks per GPU: bubble 15.8%" in page  # 3/19
     assert 'id="vl-parallel"' in page and "+ sequence parallel + selective" in page
+    # predicted against measured, from lab 3's stored run: labelled as a CPU run, every rank listed
+    measured = page.split('id="predicted-against-measured"')[1]
+    assert "not a GPU measurement" in measured and "Not yet" not in measured
+    assert measured.count("gpipe m=") == 8 and measured.count("1f1b m=") == 6 and measured.count("ddp x2") == 2
     assert "Traceback" not in page and "Error" not in page.split('id="vl-parallel"')[0][-20000:]

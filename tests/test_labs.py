@@ -53,7 +53,7 @@ def _exercises_only(nb):
 
 
 def test_every_lab_is_released():
-    assert LABS == ["lab01_where_memory_goes", "lab02_collectives", "lab05_mixed_precision"]
+    assert LABS == ["lab01_where_memory_goes", "lab02_collectives", "lab03_parallelism", "lab05_mixed_precision"]
     assert sorted(p.name for p in (ROOT / "labs" / "release").iterdir()) == LABS
 
 
@@ -67,6 +67,7 @@ def test_release_is_regenerated_exactly(tmp_path, lab):
     (LAB, "Llama-3.1-8B, 8192 tokens", "819_200"),          # lab 1: a hidden KV-cache check
     ("lab02_collectives", "(4, 1001)", "((2, 8), (3, 10))"),  # lab 2: the hidden 4-rank ring check
     ("lab05_mixed_precision", "7.5e-13", "min_loss_scale(1e-9)"),  # lab 5: hidden gradients
+    ("lab03_parallelism", "(3, 2, 6, 10)", "(2, 3, 8, 16)"),  # lab 3: the hidden 3-rank MLP check
 ])
 def test_released_version_leaks_nothing(lab, hidden, visible):
     nb = nbformat.read(released(lab), as_version=4)
@@ -111,7 +112,8 @@ def test_instructor_version_full_marks_and_cpu_run(tmp_path):
     assert "No GPU found" in out and "largest batch that fits" in out
 
 
-@pytest.mark.parametrize("lab, points", [(LAB, 9), ("lab02_collectives", 8), ("lab05_mixed_precision", 7)])
+@pytest.mark.parametrize("lab, points", [(LAB, 9), ("lab02_collectives", 8), ("lab03_parallelism", 9),
+                                         ("lab05_mixed_precision", 7)])
 def test_student_version_scores_zero(lab, points):
     scores = tools.grade(_exercises_only(nbformat.read(released(lab), as_version=4)), lab)
     assert tools.total(scores) == (0, points), scores
@@ -273,3 +275,105 @@ def test_lab5_wrong_scaler_loses_its_points():
     scores = tools.grade(_with_solution(base, "ex3-solution", WRONG_SCALER), "lab05_mixed_precision")
     assert scores["ex3-test"][0] == 0 and tools.total(scores) == (4, 7)
     assert "GradScaler" in scores["ex3-test"][2]
+
+
+# ----------------------------------------------------------------------------- lab 3
+
+def test_lab3_instructor_full_marks_and_cpu_run(tmp_path):
+    saved, executed = _run_instructor("lab03_parallelism", 9, tmp_path)
+    assert "not a GPU measurement" in saved["note"] and {"date", "torch", "platform"} <= set(saved["provenance"])
+    assert {"ddp", "tp", "pp"} == set(saved["runs"]) and all(r["ranks"] == 2 for r in saved["runs"].values())
+    out = "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
+    assert "torchrun --nnodes 2" in "".join(c.source for c in executed.cells) and "measured" in out
+
+
+def _lab3():
+    return json.loads((ROOT / "labs" / "results" / "lab03_parallelism.json").read_text())
+
+
+def test_lab3_stored_runs_are_what_the_model_computes():
+    """The committed run, checked with numbers that do not come from vramlab: DDP's gradients equal one
+    process's; TP's logits equal the unsplit model's and each rank holds half of every split tensor
+    (parameter bytes counted by the ranks, against the model's sum(p.numel()) that rank 0 reported)."""
+    saved = _lab3()
+    ddp, tp = saved["runs"]["ddp"], saved["runs"]["tp"]
+    assert all(r["grad_max_rel_diff"] < 1e-5 for r in ddp["per_rank"])
+    assert all(r["logits_max_rel_diff"] < 1e-5 and r["loss_abs_diff"] < 1e-5 for r in tp["per_rank"])
+    # h=256, f=1024, V=512, 4 blocks: attention 4h^2 and MLP 3hf split in two, norms (2h per block + h) whole,
+    # embedding and head V*h split by vocabulary; fp32
+    h, f, V, L = 256, 1024, 512, 4
+    full = (L * (4 * h * h + 3 * h * f + 2 * h) + h + 2 * V * h) * 4
+    half = (L * ((4 * h * h + 3 * h * f) // 2 + 2 * h) + h + V * h) * 4
+    for r in tp["per_rank"]:
+        assert r["param_bytes_full"] == full and r["param_bytes_local"] == half
+    assert all(r["param_bytes"] == full for r in ddp["per_rank"])
+    # DDP's buckets: all the gradients, the first closed at >= 1 MiB, the others at >= 1 MiB (bucket_cap_mb=1)
+    buckets = ddp["per_rank"][0]["buckets"]
+    assert sum(buckets) == full and all(b >= 2**20 for b in buckets[:-1])
+
+
+def test_lab3_stored_memory_within_5_percent_of_the_estimate():
+    """Every rank's measured peak against estimate_layout as it computes now (a change to the estimator
+    is checked against the stored measurement)."""
+    from vramlab import parallel as P
+    from vramlab import parlab
+
+    saved = _lab3()
+    spec = P._mem._resolve(parlab.lab_model())
+    for name, run in saved["runs"].items():
+        assert run["model"] == parlab.LAB_CONFIG
+        rows = [row for rank in run["per_rank"] for row in rank["rows"]] if name == "pp" else run["per_rank"]
+        assert len(rows) == (14 if name == "pp" else 2)
+        for row in rows:
+            n = run["ranks"]
+            layout = {"ddp": P.Layout(dp=n), "tp": P.Layout(tp=n)}.get(name) or P.Layout(
+                pp=n, micro_batches=row["micro_batches"], schedule=row["schedule"])
+            pred = P.estimate_layout(spec, layout, micro_batch_size=run["micro_batch_size"], seq_len=run["seq_len"],
+                                     precision="fp32", device="cpu")[0 if name != "pp" else row["rank"]]
+            measured = row["measured"]["total"]
+            assert abs(pred.total - measured) / measured < 0.05, (name, row.get("schedule"), row.get("micro_batches"),
+                                                                  row["rank"], pred.total, measured)
+
+
+def test_lab3_stored_bubble_against_the_formula():
+    """The bubble recomputed here from the stages' raw operation times: 1 - (busiest stage's work) / span,
+    median over steps; within 15 % of (p-1)/(m+p-1) up to m = 4; at m = 8 (a bubble of 1/9) the
+    measured excess is what the formula leaves out (sends, Python between operations): under 0.05 of
+    the step."""
+    import statistics
+
+    run = _lab3()["runs"]["pp"]
+    for schedule, m in {(row["schedule"], row["micro_batches"]) for rank in run["per_rank"] for row in rank["rows"]}:
+        rows = [next(r for r in rank["rows"] if (r["schedule"], r["micro_batches"]) == (schedule, m))
+                for rank in run["per_rank"]]
+        fractions = []
+        for k in range(len(rows[0]["steps"])):
+            ops = [row["steps"][k]["ops"] for row in rows]
+            assert {o[0] for stage in ops for o in stage} == {"F", "B"} and all(len(stage) == 2 * m for stage in ops)
+            span = max(o[2] for s in ops for o in s) - min(o[1] for s in ops for o in s)
+            fractions.append(1 - max(sum(o[2] - o[1] for o in s) for s in ops) / span)
+        got, formula = statistics.median(fractions), (2 - 1) / (m + 2 - 1)
+        if m <= 4:
+            assert abs(got - formula) / formula < 0.15, (schedule, m, got, formula)
+        else:
+            assert 0 <= got - formula < 0.05, (schedule, m, got, formula)
+
+
+WRONG_TP = '''def tp_mlp(x, w1, w2, rank, world_size):
+    import torch
+    import torch.distributed as dist
+    y = torch.nn.functional.gelu(x @ w1) @ w2 / world_size  # the whole layer on every rank: right sum, wrong split
+    dist.all_reduce(y)
+    return y
+'''
+WRONG_STATES = '''def device_state_bytes(*, num_layers, h, f, V, dp, tp, pp, stage):
+    return 16 * (num_layers * (4 * h * h + 3 * h * f + 2 * h) + 2 * V * h + h) // (dp * tp * pp)  # dp divides: wrong
+'''
+
+
+def test_lab3_wrong_answers_lose_their_points():
+    base = _exercises_only(tools.source_notebook("lab03_parallelism"))
+    wrong = _with_solution(_with_solution(base, "ex3-solution", WRONG_TP), "ex2-solution", WRONG_STATES)
+    scores = tools.grade(wrong, "lab03_parallelism")
+    assert scores["ex3-test"][0] == 0 and "partial product" in scores["ex3-test"][2]
+    assert scores["ex2-test"][0] == 0 and scores["ex1-test"][0] == 2

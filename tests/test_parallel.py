@@ -11,6 +11,7 @@ import pytest
 import vramlab
 import vramlab.collectives
 from vramlab import parallel as P
+from vramlab.specs import from_config
 
 # Korthikanti et al. 2022 (arXiv:2205.05198), Table 3: their models, all with s = 2048 and t = 8
 KORTHIKANTI_MODELS = {"22B": dict(a=64, h=6144), "175B": dict(a=96, h=12288), "530B": dict(a=128, h=20480),
@@ -213,3 +214,34 @@ def test_layouts_the_model_cannot_take():
 def test_bad_arguments_are_one_line_value_errors(call, msg):
     with pytest.raises(ValueError, match=msg):
         call()
+
+
+def test_tensor_parallel_splits_q_k_v_of_multi_head_attention():
+    """With as many query heads as h/d, q, k and v are h wide like the replicated tensors; they are
+    split all the same. Replicated per token in this Llama block on the CPU in fp32: two norms' input
+    and normalized output (4 x h x 4 bytes) and rsqrt (2 x 4), the q/k/v input and the MLP input
+    (2 x h x 4): everything else halves at tp=2 (cf. the 8,401,912 bytes per block lab 3 measured)."""
+    spec = from_config(dict(model_type="llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                            num_attention_heads=8, num_key_value_heads=8, vocab_size=512,
+                            max_position_embeddings=512, tie_word_embeddings=False), name="mha")
+    kw = dict(micro_batch_size=4, seq_len=128, precision="fp32", device="cpu")
+    one = P.layer_activation_bytes(spec, **kw)
+    replicated = 512 * (6 * 256 * 4 + 2 * 4)
+    assert P.layer_activation_bytes(spec, tp=2, **kw) == replicated + (one - replicated) // 2
+    assert abs(P.layer_activation_bytes(spec, tp=2, **kw) - 8_401_912) / 8_401_912 < 0.001
+
+
+def test_stage_output_kept_per_micro_batch_in_flight():
+    """keep_stage_output: a non-last stage holds one b x s x h output per micro-batch in flight (GPipe,
+    m = 8: eight), the last stage none."""
+    spec = from_config(dict(model_type="llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                            num_attention_heads=8, num_key_value_heads=8, vocab_size=512,
+                            max_position_embeddings=512, tie_word_embeddings=False), name="mha")
+    kw = dict(micro_batch_size=4, seq_len=128, precision="fp32", device="cpu")
+    layout = P.Layout(pp=2, micro_batches=8, schedule="gpipe")
+    kept = P.estimate_layout(spec, layout, **kw)
+    freed = P.estimate_layout(spec, layout, keep_stage_output=False, **kw)
+    assert kept[0].activations - freed[0].activations == 8 * 4 * 128 * 256 * 4
+    assert kept[1].activations == freed[1].activations
+    with pytest.raises(ValueError, match="keep_stage_output"):
+        P.estimate_layout(spec, layout, keep_stage_output="yes", **kw)

@@ -362,8 +362,9 @@ def _tp_split(x: _mem.Saved, h: int) -> bool:
     """Does tensor parallelism split this saved tensor by t? Everything inside the heads and the MLP
     width (q, k, v, scores, attention output before the row-parallel projection, the MLP's inner
     tensors) is split; the h-wide tensors around them (norm inputs, the column-parallel linears'
-    input, dropout masks on the residual) and norm statistics are replicated."""
-    if x.per_score or any(x.name.startswith(n) for n in _SPLIT_NAMES):
+    input, dropout masks on the residual) and norm statistics are replicated. Names first: with as
+    many query heads as h/d, q, k and v are h wide, as the replicated tensors are."""
+    if x.per_score or x.name in _SPLIT_EXACT or any(x.name.startswith(n) for n in _SPLIT_NAMES):
         return True
     return x.width not in (h, 1, 2)
 
