@@ -596,7 +596,18 @@ def _report(ranks: list[dict], args, world: int) -> None:
            "model": LAB_CONFIG, "micro_batch_size": args.micro_batch, "seq_len": args.seq,
            "command": " ".join(["python -m vramlab.parlab", *sys.argv[1:]]),
            "provenance": provenance("cuda" if args.backend == "nccl" else "cpu"), "per_rank": ranks}
-    print(json.dumps(out, indent=1)[:2000])
+    from .units import fmt_bytes
+
+    print(f"# vramlab.parlab {args.experiment}: backend {args.backend}, {world} ranks, {lab_model().name}, "
+          f"micro-batch {args.micro_batch} x {args.seq}")
+    print(f"#{'schedule':>9}{'m':>4}{'rank':>6}{'predicted':>12}{'measured':>12}{'error':>8}")
+    for r in memory_rows(out):
+        print(f" {r['schedule'] or '-':>9}{r['micro_batches']:>4}{r['rank']:>6}{fmt_bytes(r['predicted']):>12}"
+              f"{fmt_bytes(r['measured']):>12}{100 * r['error']:>+7.1f}%")
+    if args.experiment == "pp":
+        print(f"#{'schedule':>9}{'m':>4}{'bubble: formula':>17}{'measured':>10}")
+        for b in bubble_rows(out):
+            print(f" {b['schedule']:>9}{b['micro_batches']:>4}{b['formula']:>17.3f}{b['measured']:>10.3f}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
