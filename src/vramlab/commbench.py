@@ -259,19 +259,26 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--timeout must be from 0 to 3600 seconds, got {args.timeout}")
     if args.out:
         _check_out(args.out)
+    return launch(_worker, args, prog="commbench", error=CommbenchError, torchrun_port=29511)
+
+
+def launch(worker, args, *, prog: str, error: type[Exception], torchrun_port: int) -> int:
+    """Run `worker(rank, world, args, port)` in place under torchrun (RANK and WORLD_SIZE set), else in
+    `args.nproc` spawned local processes on `args.port` (or a free one). A rank's `error` or any other
+    failure is printed as one line prefixed with `prog`; returns the exit status."""
     try:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
-            _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, args.port or 29511)
+            worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, args.port or torchrun_port)
             return 0
         import torch.multiprocessing as mp
 
-        mp.spawn(_worker, args=(args.nproc, args, args.port or free_port()), nprocs=args.nproc, join=True)
-    except CommbenchError as e:
-        print(f"commbench: {e}", file=sys.stderr)
+        mp.spawn(worker, args=(args.nproc, args, args.port or free_port()), nprocs=args.nproc, join=True)
+    except error as e:
+        print(f"{prog}: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 - mp.spawn re-raises a rank's error wrapped: keep its last line
         last = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-        print(f"commbench: {last[-1] if last else type(e).__name__}", file=sys.stderr)
+        print(f"{prog}: {last[-1] if last else type(e).__name__}", file=sys.stderr)
         return 1
     return 0
 

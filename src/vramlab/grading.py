@@ -84,27 +84,36 @@ for _name in ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_int
 {source}
 
 
-def _rank(rank, world, numel, port, out):
+def _case(numel, rank, world):
+    got = torch.arange(numel, dtype=torch.float64) * (rank + 1) + rank
+    ret = {name}(got, rank, world)
+    if ret is not None and isinstance(ret, torch.Tensor):
+        got = ret
+    return got.detach().flatten().tolist()
+"""
+
+# What every harness ends with (appended unformatted): each rank runs the harness's _case(case, rank,
+# world) on a gloo group and writes its result, or the error it raised, and the traffic _LOG holds.
+# Arguments: ranks, the case as JSON, port, output prefix.
+_HARNESS_RANKS = r"""
+
+def _rank(rank, world, case, port, out):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    report = {{"rank": rank}}
+    report = {"rank": rank}
     try:
-        got = torch.arange(numel, dtype=torch.float64) * (rank + 1) + rank
-        ret = {name}(got, rank, world)
-        if ret is not None and isinstance(ret, torch.Tensor):
-            got = ret
-        report["result"] = got.detach().flatten().tolist()
+        report["result"] = _case(case, rank, world)
     except Exception as e:
-        report["error"] = f"{{type(e).__name__}}: {{e}}"
-    report["sent"] = _LOG
-    with open(f"{{out}}.{{rank}}", "w") as f:
-        json.dump(report, f)
+        report["error"] = f"{type(e).__name__}: {e}"
+    report["log"] = _LOG
+    with open(f"{out}.{rank}", "w") as fh:
+        json.dump(report, fh)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    world, numel, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    mp.spawn(_rank, args=(world, numel, port, out), nprocs=world, join=True)
+    world, case, port, out = int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    mp.spawn(_rank, args=(world, case, port, out), nprocs=world, join=True)
 """
 
 # set by the grader (labs/sandbox.py): the command prefix that runs the ranks inside its sandbox
@@ -126,7 +135,7 @@ def _ring_problem(report: Any, rank: int, world: int, numel: int) -> str | None:
     bad = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
     if bad:
         return (f"wrong result at positions {bad[:5]}: got {got[:6]}..., expected {expected[:6]}...")
-    sent = report.get("sent")
+    sent = report.get("log")
     steps = 2 * (world - 1)
     if not isinstance(sent, list) or len(sent) != steps:
         return (f"sent {len(sent) if isinstance(sent, list) else 0} messages with dist.send/isend; a ring sends "
@@ -216,7 +225,7 @@ def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: flo
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/ring_check.py"
         with open(path, "w") as f:
-            f.write(_RING_HARNESS.format(source=source, name=name, blocked=ANSWER_PACKAGES))
+            f.write(_RING_HARNESS.format(source=source, name=name, blocked=ANSWER_PACKAGES) + _HARNESS_RANKS)
         for i, (world, numel) in enumerate(cases):
             out = f"{tmp}/case{i}"
             err = _run_ranks(path, [str(world), str(numel), str(port + i if port else free_port()), out], cwd=tmp,
@@ -280,25 +289,10 @@ def _inputs(b, h, f):
             torch.randn(f, h, generator=g, dtype=torch.float64))
 
 
-def _rank(rank, world, b, h, f, port, out):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    report = {{"rank": rank}}
-    try:
-        x, w1, w2 = _inputs(b, h, f)
-        y = {name}(x, w1, w2, rank, world)
-        report["result"] = y.detach().tolist() if isinstance(y, torch.Tensor) else repr(y)[:200]
-    except Exception as e:
-        report["error"] = f"{{type(e).__name__}}: {{e}}"
-    report["all_reduced"] = _LOG
-    with open(f"{{out}}.{{rank}}", "w") as fh:
-        json.dump(report, fh)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    world, b, h, f, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-    mp.spawn(_rank, args=(world, b, h, f, port, out), nprocs=world, join=True)
+def _case(case, rank, world):
+    x, w1, w2 = _inputs(*case)
+    y = {name}(x, w1, w2, rank, world)
+    return y.detach().tolist() if isinstance(y, torch.Tensor) else repr(y)[:200]
 """
 
 
@@ -323,7 +317,7 @@ def _tp_problem(report: Any, rank: int, full, partial) -> str | None:
         return "no result (the rank did not finish)"
     if report.get("error"):
         return f"raised {str(report['error'])[:300]}"
-    sent = report.get("all_reduced")
+    sent = report.get("log")
     if not isinstance(sent, list) or len(sent) != 1:
         n = len(sent) if isinstance(sent, list) else 0
         return (f"called dist.all_reduce {n} times; the column- then row-parallel MLP needs exactly one, on the "
@@ -350,6 +344,7 @@ def check_tp_mlp(fn: Callable, *, cases=((2, 3, 8, 16),), timeout: float = 60.0)
     """Run the student's `fn(x, w1, w2, rank, world_size)` on real gloo process groups and check, on
     every rank, the result against the unsplit layer gelu(x @ w1) @ w2 and the one all-reduce against
     that rank's partial product (computed here). `cases` are (ranks, batch, hidden, MLP width)."""
+    import json
     import tempfile
 
     from .commbench import free_port
@@ -358,10 +353,10 @@ def check_tp_mlp(fn: Callable, *, cases=((2, 3, 8, 16),), timeout: float = 60.0)
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/tp_check.py"
         with open(path, "w") as fh:
-            fh.write(_TP_HARNESS.format(source=source, name=name, blocked=ANSWER_PACKAGES))
+            fh.write(_TP_HARNESS.format(source=source, name=name, blocked=ANSWER_PACKAGES) + _HARNESS_RANKS)
         for i, (world, b, h, f) in enumerate(cases):
             out = f"{tmp}/case{i}"
-            err = _run_ranks(path, [str(world), str(b), str(h), str(f), str(free_port()), out], cwd=tmp,
+            err = _run_ranks(path, [str(world), json.dumps([b, h, f]), str(free_port()), out], cwd=tmp,
                              timeout=timeout, on_timeout=f"{world} ranks: no answer within {timeout:.0f} s (a rank "
                              "waits for a collective another never calls?)")
             full, partial = _tp_expected(b, h, f, world)

@@ -121,14 +121,25 @@ class _Tracked:
         return self._snap("peak")
 
 
-def _categories(snap: dict[str, int], *, opt_states: int, extra_grad: int = 0) -> dict[str, int]:
-    """MemTracker's categories -> the estimate's (see measure._to_breakdown)."""
-    opt = snap.get("Optstate", 0)
-    states = min(opt, opt_states)
-    return {"parameters": snap.get("Parameter", 0), "gradients": snap.get("Gradient", 0) + extra_grad,
-            "optimizer_states": states, "activations": snap.get("Activation", 0),
-            "temporaries": snap.get("Temp", 0) + opt - states, "inputs": snap.get("Other", 0),
-            "other": snap.get("Buffer", 0)}
+def _categories(snap: dict[str, int], *, opt, extra_grad: int = 0) -> dict[str, int]:
+    """MemTracker's categories -> the estimate's (`measure._to_breakdown`), as a dict with the total;
+    `extra_grad`: gradient bytes the tracker cannot see."""
+    from .measure import _state_bytes, _to_breakdown
+
+    bd = _to_breakdown(snap, opt_state_bytes=_state_bytes(opt), label="measured")
+    return _with_total({"parameters": bd.parameters, "gradients": bd.gradients + extra_grad,
+                        "optimizer_states": bd.optimizer_states, "activations": bd.activations,
+                        "temporaries": bd.temporaries, "inputs": bd.inputs, "other": bd.other})
+
+
+def _measure_step(step, model, opt, inputs, *, extra_grad: int = 0) -> tuple[dict[str, int], dict[str, int]]:
+    """One step under MemTracker: (the peak, the end of the forward pass) by category. `step(tr)` calls
+    `tr.mark("forward end")` once its loss exists."""
+    tr = _Tracked(model, opt, inputs)
+    with tr.tracker:
+        step(tr)
+    return (_categories(tr.peak(), opt=opt, extra_grad=extra_grad),
+            _categories(tr.points["forward end"], opt=opt, extra_grad=extra_grad))
 
 
 def _predicted(b) -> dict[str, int]:
@@ -178,11 +189,7 @@ def _lm_loss(logits, labels):
 # ----------------------------------------------------------------------------- DDP
 
 def _run_ddp(rank: int, world: int, args, dev) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from .measure import _state_bytes
 
     spec, b, s = lab_model(), args.micro_batch, args.seq
     batch = _batch(spec, b * world, s, dev)
@@ -218,11 +225,7 @@ def _run_ddp(rank: int, world: int, args, dev) -> dict[str, Any]:
     order = [int(i) for i in str(ddp._get_ddp_logging_data().get("prev_iteration_grad_ready_order_indices", "")).split(",")
              if i.strip()]
     buckets = [g.buffer().numel() * g.buffer().element_size() for g in ddp.reducer._get_zeros_like_grad_buckets()]
-    tr = _Tracked(model, opt, mine)
-    with tr.tracker:
-        step(tr)
-    measured = _categories(tr.points["forward end"], opt_states=_state_bytes(opt), extra_grad=sum(buckets))
-    peak = _categories(tr.peak(), opt_states=_state_bytes(opt), extra_grad=sum(buckets))
+    peak, forward_end = _measure_step(step, model, opt, mine, extra_grad=sum(buckets))
     pred = P.estimate_layout(spec, P.Layout(dp=world), micro_batch_size=b, seq_len=s, precision="fp32",
                              device=dev.type)[0]
     return {"rank": rank, "grad_max_rel_diff": worst, "buckets": buckets,
@@ -232,7 +235,7 @@ def _run_ddp(rank: int, world: int, args, dev) -> dict[str, Any]:
             "buckets_predicted_ready_order": P.ddp_buckets([params[i].numel() * params[i].element_size()
                                                             for i in reversed(order)], bucket_cap_mb=args.bucket_cap_mb)
             if sorted(order) == list(range(len(params))) else None,
-            "measured": _with_total(peak), "measured_forward_end": _with_total(measured), "predicted": _predicted(pred),
+            "measured": peak, "measured_forward_end": forward_end, "predicted": _predicted(pred),
             "param_bytes": sum(p.numel() * p.element_size() for p in params)}
 
 
@@ -257,11 +260,9 @@ def tp_plan(spec: ModelSpec) -> dict[str, Any]:
 
 def _run_tp(rank: int, world: int, args, dev) -> dict[str, Any]:
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-    from .measure import _state_bytes
 
     spec, b, s = lab_model(), args.micro_batch, args.seq
     batch = _batch(spec, b, s, dev)  # the same rows on every rank: TP splits the model, not the data
@@ -301,16 +302,12 @@ def _run_tp(rank: int, world: int, args, dev) -> dict[str, Any]:
         _zero(opt)
 
     step()
-    tr = _Tracked(model, opt, batch)
-    with tr.tracker:
-        step(tr)
-    measured = _categories(tr.points["forward end"], opt_states=_state_bytes(opt))
-    peak = _categories(tr.peak(), opt_states=_state_bytes(opt))
+    peak, forward_end = _measure_step(step, model, opt, batch)
     pred = P.estimate_layout(spec, P.Layout(tp=world), micro_batch_size=b, seq_len=s, precision="fp32",
                              device=dev.type)[0]
     return {"rank": rank, "logits_max_rel_diff": rel, "loss_abs_diff": loss_diff, "param_bytes_local": local,
             "param_bytes_full": full, "param_bytes_predicted": P.rank_params(spec, P.Layout(tp=world), 0) * 4,
-            "measured": _with_total(peak), "measured_forward_end": _with_total(measured), "predicted": _predicted(pred)}
+            "measured": peak, "measured_forward_end": forward_end, "predicted": _predicted(pred)}
 
 
 # ----------------------------------------------------------------------------- PP
@@ -344,11 +341,9 @@ def _stage_module(model, layers: range, first: bool, last: bool):
 
 
 def _run_pp(rank: int, world: int, args, dev) -> dict[str, Any]:
-    import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from .measure import _state_bytes
 
     spec, b, s = lab_model(), args.micro_batch, args.seq
     layers = P.stage_layers(spec.num_layers, world)[rank]
@@ -557,12 +552,10 @@ def bubble_rows(result: dict) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------- processes
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-
-
 def _worker(rank: int, world: int, args, port: int) -> None:
     import torch.distributed as dist
+
+    from .commbench import _first_line
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
@@ -653,26 +646,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--micro-batch must be from 1 to 4096 and --seq from 2 to {LAB_CONFIG['max_position_embeddings']}")
     if not 1 <= args.repeats <= 100:
         p.error("--repeats must be from 1 to 100")
-    from .commbench import _check_out, free_port
+    from .commbench import _check_out, launch
 
     if args.out:
         _check_out(args.out)
-    try:
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            _worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, args.port or 29512)
-            return 0
-        import torch.multiprocessing as mp
-
-        mp.spawn(_worker, args=(args.nproc, args, args.port or free_port()), nprocs=args.nproc, join=True)
-    except ParlabError as e:
-        print(f"parlab: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # noqa: BLE001
-        last = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-        print(f"parlab: {last[-1] if last else type(e).__name__}", file=sys.stderr)
-        return 1
-    return 0
-
+    return launch(_worker, args, prog="parlab", error=ParlabError, torchrun_port=29512)
 
 if __name__ == "__main__":
     sys.exit(main())
