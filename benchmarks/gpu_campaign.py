@@ -211,16 +211,16 @@ def main(argv: list[str] | None = None) -> int:
         report = json.loads(out.read_text())
     if "accuracy" in steps:
         accuracy(gpu_spec, args.dry_run)
-    if "inference" in steps:
-        report["inference"] = inference(gpu_spec, args.dry_run)
-    if "maxbatch" in steps:
-        report["maxbatch"] = maxbatch(gpu_spec, args.dry_run)
-    if not args.dry_run and ({"inference", "maxbatch"} & set(steps)):
-        from vramlab.measure import provenance
+    for step, run in (("inference", inference), ("maxbatch", maxbatch)):
+        if step not in steps:
+            continue
+        report[step] = run(gpu_spec, args.dry_run)
+        if not args.dry_run:  # after each step: a step cut short by a time limit keeps the ones before it
+            from vramlab.measure import provenance
 
-        report.update(provenance=provenance("cuda"), command="python benchmarks/gpu_campaign.py --only " + args.only)
-        out.write_text(json.dumps(report, indent=1) + "\n")
-        say(f"wrote {out.relative_to(ROOT)}")
+            report.update(provenance=provenance("cuda"), command="python benchmarks/gpu_campaign.py --only " + args.only)
+            out.write_text(json.dumps(report, indent=1) + "\n")
+            say(f"wrote {out.relative_to(ROOT)} ({step})")
     if "labs" in steps:
         labs(args.dry_run)
     say("done" + (" (dry run: nothing measured)" if args.dry_run else ""))

@@ -499,21 +499,62 @@ def measured_bubble(ranks: list[dict], schedule: str, micro_batches: int) -> dic
     """The bubble of a pipeline run from the stages' recorded operations. In each timed step the span
     T runs from the first operation's start to the last one's end over all stages; the bubble is
     1 - W / T, W the busiest stage's own forward and backward time in that step (the formula's equal
-    stages, each taking what the slowest one takes). Reported: the median over steps, and each stage's
-    mean forward and backward time."""
+    stages, each taking what the slowest one takes). Reported: the median over steps, the median of
+    `replayed_bubble` (the same step with free communication), and each stage's mean forward and
+    backward time."""
     rows = [next((r for r in rank["rows"] if r["schedule"] == schedule and r["micro_batches"] == micro_batches), None)
             for rank in ranks]
     if any(r is None for r in rows):
         raise ValueError(f"no {schedule} run with {micro_batches} micro-batches in these results")
-    fractions = []
+    fractions, replayed = [], []
     for k in range(len(rows[0]["steps"])):
         ops = [row["steps"][k]["ops"] for row in rows]
         span = max(o[2] for stage in ops for o in stage) - min(o[1] for stage in ops for o in stage)
         fractions.append(1 - max(sum(o[2] - o[1] for o in stage) for stage in ops) / span)
+        replayed.append(replayed_bubble(ops))
     per_stage = [{kind: statistics.fmean(o[2] - o[1] for step in row["steps"] for o in step["ops"] if o[0] == kind)
                   for kind in "FB"} for row in rows]
-    return {"bubble": statistics.median(fractions), "per_step": fractions, "forward_s": [x["F"] for x in per_stage],
+    return {"bubble": statistics.median(fractions), "per_step": fractions,
+            "replayed": statistics.median(replayed), "forward_s": [x["F"] for x in per_stage],
             "backward_s": [x["B"] for x in per_stage]}
+
+
+def replayed_bubble(stage_ops: list[list]) -> float:
+    """The bubble of one measured step replayed with nothing but its computation: each stage runs its
+    recorded operations in their recorded order, each taking exactly its measured time, each as soon
+    as its input exists (the dependencies of `parallel.simulate`: a forward needs the previous stage's
+    forward of that micro-batch, a backward the next stage's backward or, on the last stage, its own
+    forward); sends and the time between operations cost nothing. Measured minus replayed is what
+    communication and scheduling overhead add; replayed minus the formula is what unequal and varying
+    operation times add."""
+    p = len(stage_ops)
+    seqs = []
+    for ops in stage_ops:
+        count = {"F": 0, "B": 0}
+        seq = []
+        for kind, start, end in ops:
+            seq.append((kind, count[kind], end - start))
+            count[kind] += 1
+        seqs.append(seq)
+    done: dict[tuple[str, int, int], float] = {}
+    pos, free = [0] * p, [0.0] * p
+    while any(pos[d] < len(seqs[d]) for d in range(p)):
+        progressed = False
+        for d in range(p):
+            if pos[d] == len(seqs[d]):
+                continue
+            kind, i, took = seqs[d][pos[d]]
+            if kind == "F":
+                need = [("F", i, d - 1)] if d > 0 else []
+            else:
+                need = [("B", i, d + 1)] if d < p - 1 else [("F", i, d)]
+            if all(n in done for n in need):
+                free[d] = done[(kind, i, d)] = max([free[d], *(done[n] for n in need)]) + took
+                pos[d] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("these operations cannot be replayed: a stage waits for an operation no stage runs")
+    return 1 - max(sum(op[2] for op in seq) for seq in seqs) / max(free)
 
 
 def error(predicted: float, measured: float) -> float:
@@ -546,7 +587,8 @@ def bubble_rows(result: dict) -> list[dict[str, Any]]:
         got = measured_bubble(result["per_rank"], schedule, m)
         formula = float(P.bubble_fraction(p, m, schedule, of="total"))
         out.append({"schedule": schedule, "micro_batches": m, "formula": formula, "measured": got["bubble"],
-                    "error": error(formula, got["bubble"]), "forward_s": got["forward_s"], "backward_s": got["backward_s"]})
+                    "replayed": got["replayed"], "error": error(formula, got["bubble"]), "forward_s": got["forward_s"],
+                    "backward_s": got["backward_s"]})
     return out
 
 
@@ -598,9 +640,9 @@ def _report(ranks: list[dict], args, world: int) -> None:
         print(f" {r['schedule'] or '-':>9}{r['micro_batches']:>4}{r['rank']:>6}{fmt_bytes(r['predicted']):>12}"
               f"{fmt_bytes(r['measured']):>12}{100 * r['error']:>+7.1f}%")
     if args.experiment == "pp":
-        print(f"#{'schedule':>9}{'m':>4}{'bubble: formula':>17}{'measured':>10}")
+        print(f"#{'schedule':>9}{'m':>4}{'bubble: formula':>17}{'replayed':>10}{'measured':>10}")
         for b in bubble_rows(out):
-            print(f" {b['schedule']:>9}{b['micro_batches']:>4}{b['formula']:>17.3f}{b['measured']:>10.3f}")
+            print(f" {b['schedule']:>9}{b['micro_batches']:>4}{b['formula']:>17.3f}{b['replayed']:>10.3f}{b['measured']:>10.3f}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
