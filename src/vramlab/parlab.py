@@ -454,8 +454,11 @@ class _LiveBytes:
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
-            st = t.untyped_storage()
-            key = st.data_ptr()
+            try:
+                st = t.untyped_storage()
+                key = st.data_ptr()
+            except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor): its local tensor is counted
+                continue
             if key in self.seen or st.nbytes() == 0:
                 continue
             self.seen.add(key)

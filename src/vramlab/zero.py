@@ -1,0 +1,227 @@
+"""ZeRO (Rajbhandari et al. 2019, arXiv:1910.02054) and FSDP: model states partitioned across the
+data-parallel ranks. Pure Python (no torch): runs in the browser too.
+
+Stage 0 is plain data parallelism: every rank holds all model states. Stage 1 partitions the
+optimizer states (each rank updates its 1/N of the parameters, then they are all-gathered); stage 2
+also the gradients (reduce-scattered during the backward, each rank keeping only its shard); stage 3
+the parameters too (each layer all-gathered just before its forward and again before its backward,
+freed after). PyTorch's FSDP is ZeRO-3 (FSDP2: `fully_shard`); its SHARD_GRAD_OP is ZeRO-2.
+
+What is here:
+- `paper_per_rank`: the paper's per-rank formulas with K bytes of optimizer state per parameter
+  (Figure 1: Psi = 7.5 B, K = 12, N = 64 -> 120, 31.4, 16.6, 1.9 GB);
+- `deepspeed_estimate`: DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs` and
+  `estimate_zero3_model_states_mem_needs`), reproduced formula for formula, with the version that its
+  documentation still prints for ZeRO-2 (4 Psi + 16 Psi / N) beside the one its code computes since
+  PR #5099 (2 Psi + 18 Psi / N);
+- `model_states`: one `MemoryBreakdown` per rank in `memory`'s categories for a real model and
+  recipe, with what the Psi/N formulas leave out: stage 3's gathered layers in flight (the one in use
+  and the one prefetched, at least the largest layer), and the flat communication buckets;
+- `communication`: bytes each rank sends per step (stages 0-2: 2 Psi, as one all-reduce or a
+  reduce-scatter plus an all-gather; stage 3: 3 Psi) and their time on a link (`collectives`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from . import collectives as _coll
+from . import memory as _mem
+from .parallel import _count
+from .specs import ModelSpec
+
+Stage = Literal[0, 1, 2, 3]
+STAGES: tuple[int, ...] = (0, 1, 2, 3)
+
+# Bytes per parameter of each recipe: (16-bit or fp32 parameters as the model holds them, gradients,
+# optimizer states incl. fp32 master weights = the paper's K). DeepSpeed's bf16/fp16 optimizers keep
+# fp32 master weights and Adam's m and v (K = 12) beside 16-bit parameters and gradients.
+RECIPES: dict[str, tuple[int, int, int]] = {
+    "mixed-adam": (2, 2, 12),        # the paper's mixed-precision Adam: 2 + 2 + 12 = 16 B/param
+    "fp32-adam": (4, 4, 8),          # fp32 model, Adam's m and v
+    "bf16-fp32-grads": (2, 4, 12),   # DeepSpeed's bf16 optimizer accumulating gradients in fp32 (Ultra-Scale Playbook: 20 B)
+}
+
+
+def _stage(stage) -> int:
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    return int(stage)
+
+
+def _psi(n_params) -> int:
+    return _count("n_params", n_params, lo=0, hi=10**15)
+
+
+def paper_per_rank(n_params: int, n_ranks: int, stage: Stage, *, k: int = 12, param_bytes: int = 2,
+                   grad_bytes: int = 2) -> _mem.MemoryBreakdown:
+    """Model states per rank by the ZeRO paper (Section 5, Figure 1): 2 Psi + 2 Psi + K Psi, the
+    optimizer states divided by N from stage 1, the gradients from stage 2, the parameters at stage 3.
+    Exact integers: each partition rounded up (a rank holds ceil(x / N) of a flat buffer)."""
+    psi, n, s = _psi(n_params), _count("n_ranks", n_ranks), _stage(stage)
+    for name, v in (("k", k), ("param_bytes", param_bytes), ("grad_bytes", grad_bytes)):
+        _count(name, v, lo=0, hi=64)
+
+    def share(total: int, split: bool) -> int:
+        return -(-total // n) if split else total
+
+    return _mem.MemoryBreakdown(parameters=share(param_bytes * psi, s >= 3), gradients=share(grad_bytes * psi, s >= 2),
+                                optimizer_states=share(k * psi, s >= 1),
+                                label=f"ZeRO-{s} model states per rank, N = {n} (paper)")
+
+
+def paper_figure1() -> list[tuple[int, float]]:
+    """The paper's Figure 1: Psi = 7.5 B parameters, K = 12, N_d = 64: GB per device, stages 0-3."""
+    return [(s, paper_per_rank(7_500_000_000, 64, s).total / 1e9) for s in STAGES]
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's estimators
+def largest_layer_params(model: ModelSpec | str) -> int:
+    """The parameters of the largest module counted without its children (what DeepSpeed's
+    `estimate_zero3_model_states_mem_needs_all_live` calls the largest layer: usually the embedding)."""
+    spec = _mem._resolve(model)
+    by_module: dict[str, int] = {}
+    for name, numel in spec.param_tensors():
+        module = name.rsplit(".", 1)[0]
+        by_module[module] = by_module.get(module, 0) + numel
+    return max(by_module.values())
+
+
+def deepspeed_estimate(n_params: int, stage: Literal[2, 3], *, gpus_per_node: int = 1, nodes: int = 1,
+                       offload_optimizer: bool = False, offload_params: bool = False, largest_layer: int = 0,
+                       zero_init: bool = True, buffer_factor: float = 1.5,
+                       formula: Literal["code", "docs"] = "code") -> dict[str, int]:
+    """{"gpu": bytes per GPU, "cpu": bytes per node} as DeepSpeed 0.19's estimators compute them
+    (model states only: no activations, no buffers, which is why users measure 15-30x more; DeepSpeed
+    issues #4527, #4093).
+
+    ZeRO-2 (`stage_1_and_2.estimate_zero2_model_states_mem_needs`), formula="code" (since PR #5099):
+    GPU 2 Psi + 18 Psi / N (16-bit parameters whole; 16-bit and fp32 gradients, fp32 master weights,
+    Adam's two fp32 moments partitioned); with the optimizer offloaded 2 Psi on the GPU.
+    formula="docs": the older 4 Psi + 16 Psi / N that DeepSpeed's documentation still prints.
+    ZeRO-3 (`stage3.estimate_zero3_model_states_mem_needs`): 4 x largest layer + 18 Psi / N; offloading
+    the optimizer leaves 2 Psi / N on the GPU, offloading the parameters too leaves the largest layer."""
+    psi = _psi(n_params)
+    g, nodes = _count("gpus_per_node", gpus_per_node), _count("nodes", nodes)
+    total = g * nodes
+    if stage not in (2, 3) or isinstance(stage, bool):
+        raise ValueError(f"DeepSpeed's estimators cover ZeRO-2 and ZeRO-3, got stage {stage!r}")
+    if formula not in ("code", "docs"):
+        raise ValueError(f"formula must be 'code' or 'docs', got {formula!r}")
+    if isinstance(buffer_factor, bool) or not isinstance(buffer_factor, (int, float)) or not 0 < buffer_factor < 100:
+        raise ValueError(f"buffer_factor must be a positive number, got {buffer_factor!r}")
+    for name, flag in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params),
+                       ("zero_init", zero_init)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    if stage == 2:
+        if offload_params:
+            raise ValueError("ZeRO-2 cannot offload parameters (ZeRO-3 can)")
+        if formula == "docs":
+            gpu = 4 * psi + int(16 * psi / total) if not offload_optimizer else 4 * psi
+        else:
+            gpu = 2 * psi + int(18 * psi / total) if not offload_optimizer else 2 * psi
+        cpu = psi * max(4 * total, 16) * buffer_factor if offload_optimizer else psi * 4 * g * buffer_factor
+        return {"gpu": int(gpu), "cpu": int(cpu)}
+    layer = 4 * _count("largest_layer", largest_layer, lo=0, hi=10**15)
+    if offload_params and not offload_optimizer:
+        raise ValueError("DeepSpeed offloads parameters only together with the optimizer")
+    share = 1 / nodes
+    if offload_optimizer and offload_params:
+        gpu = layer
+        cpu = psi * (18 * share if zero_init else max(4 * g, 18 * share)) * buffer_factor
+    elif offload_optimizer:
+        gpu = layer + int(2 * psi / total)
+        cpu = psi * (16 * share if zero_init else max(4 * g, 16 * share)) * buffer_factor
+    else:
+        gpu = layer + int(18 * psi / total)
+        cpu = (largest_layer if zero_init else psi) * 4 * g * buffer_factor
+    return {"gpu": int(gpu), "cpu": int(cpu)}
+
+
+# ----------------------------------------------------------------------------- a real model, per rank
+IMPLEMENTATIONS: tuple[str, ...] = ("paper", "deepspeed", "fsdp2")
+REDUCE_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default, in elements
+PERSISTENCE = 100_000  # DeepSpeed's stage3_param_persistence_threshold default, in elements
+
+
+def persistent_params(model: ModelSpec | str, threshold: int = PERSISTENCE) -> int:
+    """Parameters that ZeRO-3 keeps whole on every rank (tensors below the persistence threshold),
+    as well as their partition."""
+    spec = _mem._resolve(model)
+    _count("threshold", threshold, lo=0, hi=10**15)
+    return sum(n for _, n in spec.param_tensors() if n < threshold)
+
+
+def model_states(model: ModelSpec | str, n_ranks: int, stage: Stage, *, recipe: str = "mixed-adam",
+                 implementation: str = "deepspeed", reduce_bucket: int = REDUCE_BUCKET,
+                 persistence_threshold: int = PERSISTENCE) -> _mem.MemoryBreakdown:
+    """One rank's model states, in `memory`'s categories.
+
+    implementation="paper": the ZeRO paper's formulas for `recipe` (`paper_per_rank`): the peak of a
+    step, with every gradient counted.
+
+    implementation="deepspeed" or "fsdp2": what stays allocated *between* steps with each library's
+    defaults, as lab 4 measured it (the gradients are freed after the step in both; the step's own
+    peak adds gradients, buckets and activations on top):
+    - DeepSpeed ZeRO-0: the model and the optimizer's states as the recipe has them.
+    - ZeRO-1/2: the model whole (a flat buffer), and from stage 1 on a fp32 master partition beside
+      Adam's fp32 moments, *even for an fp32 model*: 12 bytes per parameter over N.
+    - ZeRO-3: the parameters' partition plus every tensor smaller than the persistence threshold
+      whole; the gradients' partition (a flat buffer that stays); 12 bytes per parameter over N of
+      optimizer states; and the reduce bucket (`reduce_bucket_size`, 5e8 elements by default, in the
+      gradients' dtype: 2 GB in fp32, whatever the model's size), counted under `other`.
+    - FSDP2 (`fully_shard`, the optimizer built on the sharded parameters): fp32 parameters (its
+      `MixedPrecisionPolicy` casts a gathered copy for compute) and Adam's fp32 moments, sharded over
+      N; nothing else between steps."""
+    spec = _mem._resolve(model)
+    n, s = _count("n_ranks", n_ranks), _stage(stage)
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
+    _count("reduce_bucket", reduce_bucket, lo=0, hi=10**12)
+    pb, gb, k = RECIPES[recipe]
+    psi = spec.params
+    label = f"{spec.name}: ZeRO-{s} per rank, N = {n}, {recipe} ({implementation})"
+    if implementation == "paper":
+        base = paper_per_rank(psi, n, s, k=k, param_bytes=pb, grad_bytes=gb)
+        return _mem.MemoryBreakdown(**base.to_dict(), label=label)
+    share = -(-psi // n)
+    if implementation == "fsdp2":
+        if s != 3:
+            raise ValueError("FSDP2's fully_shard is ZeRO-3 (stage 3); ZeRO-2 is reshard_after_forward=False, not modelled")
+        # the sharded parameters stay fp32 (MixedPrecisionPolicy casts a gathered copy for compute)
+        return _mem.MemoryBreakdown(parameters=share * 4, optimizer_states=share * 8,
+                                    label=label.replace(f"ZeRO-{s}", "FSDP2"))
+    if s == 0:
+        return _mem.MemoryBreakdown(parameters=psi * pb, optimizer_states=psi * k, label=label)
+    states = share * (4 + 8)  # fp32 master partition + Adam's two fp32 moments
+    if s in (1, 2):
+        return _mem.MemoryBreakdown(parameters=psi * pb, optimizer_states=states, label=label)
+    grad_dtype = 4 if pb == 4 else gb
+    return _mem.MemoryBreakdown(parameters=(share + persistent_params(spec, persistence_threshold)) * pb,
+                                gradients=share * grad_dtype, optimizer_states=states,
+                                other=reduce_bucket * grad_dtype, label=label)
+
+
+# ----------------------------------------------------------------------------- communication
+def communication(n_params: int, n_ranks: int, stage: Stage, *, bytes_per_value: int = 2,
+                  link: str | _coll.Link = "nvlink4") -> dict[str, float]:
+    """Bytes each rank sends per step and their time on `link` (ring collectives, `collectives`).
+    Stages 0-2 move 2 Psi values per rank-equivalent: an all-reduce of the gradients (stage 0) or a
+    reduce-scatter of the gradients plus an all-gather of the updated parameters (stages 1-2); each is
+    (N-1)/N x S per rank. Stage 3 all-gathers the parameters twice (forward and backward) and
+    reduce-scatters the gradients: 3 Psi, 1.5x the traffic of data parallelism."""
+    psi, n, s = _psi(n_params), _count("n_ranks", n_ranks), _stage(stage)
+    _count("bytes_per_value", bytes_per_value, hi=8)
+    size = psi * bytes_per_value
+    ops = ([("all_reduce", "gradients")] if s == 0 else
+           [("reduce_scatter", "gradients"), ("all_gather", "parameters")] if s in (1, 2) else
+           [("all_gather", "parameters, forward"), ("all_gather", "parameters, backward"),
+            ("reduce_scatter", "gradients")])
+    rows = [{"op": op, "what": what, "bytes_sent": _coll.bytes_sent_per_rank(op, n, size),
+             "seconds": _coll.collective_time(op, n, size, link)} for op, what in ops]
+    return {"bytes_sent_per_rank": sum(r["bytes_sent"] for r in rows), "seconds": sum(r["seconds"] for r in rows),
+            "volume_in_psi": 2.0 if s < 3 else 3.0, "collectives": rows}
