@@ -102,3 +102,19 @@ def test_chapter3_schedules_split_and_calculator(built):
     assert "not a GPU measurement" in measured and "Not yet" not in measured
     assert measured.count("gpipe m=") == 8 and measured.count("1f1b m=") == 6 and measured.count("ddp x2") == 2
     assert "Traceback" not in page and "Error" not in page.split('id="vl-parallel"')[0][-20000:]
+
+
+def test_chapter4_zero_stages_and_measurement(built):
+    """Chapter 4: the stages drawn at build, the paper's Figure 1, DeepSpeed's two ZeRO-2 formulas with
+    the docs' t5-3b number, and the measured run labelled as a CPU run with every setup listed."""
+    html, _ = built
+    page = (html / "book" / "04_zero.html").read_text()
+    assert len(re.findall(r'<img[^>]+src="[^"]*_images/[^"]+\.png"', page)) >= 1
+    for gb in ("120.0 GB", "31.4 GB", "16.6 GB", "1.9 GB"):
+        assert gb in page
+    assert "the docs' formula 15.93 GB" in page
+    measured = page.split('id="what-deepspeed-and-fsdp2-really-keep"')[1]
+    assert "not a GPU measurement" in measured
+    for name in ("ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2"):
+        assert name in measured
+    assert "Traceback" not in page and "loss_type" not in page and "Warning" not in page
