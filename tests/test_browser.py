@@ -38,6 +38,8 @@ CASES = [
     ("parallel", "book/03_parallelism.html", [{"model": "llama-3.1-70b", "tp": 8, "schedule": "interleaved"},
                                                {"pp": 8, "micro_batches": 16, "sp": "yes"},
                                                {"micro_batches": 32}]),
+    ("zero", "book/04_zero.html", [{"model": "gpt2", "setup": "fsdp2", "ranks": 2, "seq_len": 1024}, {"ranks": 64},
+                                   {"setup": "1"}]),
 ]
 
 

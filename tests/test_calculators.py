@@ -44,7 +44,27 @@ def test_collectives_and_precision_numbers_are_the_librarys():
     assert p.numbers["fp16"][0] == precision.round_to(3e-8, precision.FORMATS["fp16"])
 
 
+def test_zero_numbers_are_the_librarys():
+    from vramlab import zero
+
+    r = C.get("zero").run(model="llama-3.1-8b", setup="2", ranks=16, recipe="mixed-adam", micro_batch_size=2,
+                          seq_len=4096, gpu="h100-80gb", link="ib-ndr")
+    est = zero.estimate_rank("llama-3.1-8b", 16, 2, micro_batch_size=2, seq_len=4096)
+    assert r.numbers["per_rank"][0] == est.total
+    assert r.numbers["comm_ms"][0] == pytest.approx(1e3 * zero.communication(est_params := 8_030_261_248, 16, 2,
+                                                                                 link="ib-ndr")["seconds"])
+    assert vramlab_preset_params("llama-3.1-8b") == est_params  # the preset's own count, as published
+
+
+def vramlab_preset_params(name):
+    from vramlab import preset
+
+    return preset(name).params
+
+
 @pytest.mark.parametrize("name, values, needle", [
+    ("zero", {"setup": "4"}, "'4' is not one of"),
+    ("zero", {"model": "gpt2", "seq_len": 4096}, "gpt2 reads at most 1,024 positions"),
     ("training", {"batch_size": 0}, "batch size: 0 is outside 1..128"),
     ("training", {"batch_size": 2.5}, "whole number"),
     ("training", {"model": "gpt5"}, "'gpt5' is not one of"),

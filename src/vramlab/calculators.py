@@ -20,6 +20,7 @@ from . import collectives as C
 from . import memory, specs
 from . import parallel as PAR
 from . import precision as P
+from . import zero as Z
 from .svg import gantt, loglog_lines, stacked_bars
 from .units import GiB, fmt_bytes
 
@@ -251,7 +252,51 @@ PARALLEL = Calculator(
             Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
             Input(name="link", label="link between nodes", kind="choice", default="ib-ndr", choices=tuple(C.LINKS))))
 
-CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION, PARALLEL)}
+# ----------------------------------------------------------------------------- chapter 4
+
+def _zero(*, model: str, setup: str, ranks: int, recipe: str, micro_batch_size: int, seq_len: int, gpu: str,
+          link: str) -> Result:
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    impl, stage = ("fsdp2", 3) if setup == "fsdp2" else ("deepspeed", int(setup))
+    kw = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, recipe=recipe)
+    rows = [(f"ZeRO-{s}", Z.estimate_rank(spec, ranks, s, **kw)) for s in Z.STAGES]
+    rows.append(("FSDP2", Z.estimate_rank(spec, ranks, 3, implementation="fsdp2", **kw)))
+    mine = Z.estimate_rank(spec, ranks, stage, implementation=impl, **kw)
+    ok, need, usable = PAR.device_need([mine], g)
+    comm = Z.communication(spec.params, ranks, stage, bytes_per_value=RECIPE_GRAD_BYTES[recipe], link=link)
+    bars = [(label, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
+            for label, b in rows]
+    svg = stacked_bars(bars, title=f"{spec.name} on {ranks} ranks, {recipe}: one rank's peak",
+                       line=(g.usable_bytes / GiB, f"{g.name} usable"))
+    paper = Z.paper_per_rank(spec.params, ranks, stage, k=Z.RECIPES[recipe][2], param_bytes=Z.RECIPES[recipe][0],
+                             grad_bytes=Z.RECIPES[recipe][1])
+    lines = [mine.table(title=mine.label), "",
+             f"{'fits' if ok else 'does NOT fit'} on {g.name}: needs {fmt_bytes(need)} of {fmt_bytes(usable)} usable",
+             f"the paper's model states alone: {fmt_bytes(paper.total)} per rank",
+             f"communication per step: {fmt_bytes(comm['bytes_sent_per_rank'])} sent per rank "
+             f"({comm['volume_in_psi']:.0f} Psi), {comm['seconds'] * 1e3:.1f} ms over {link}",
+             "(the step's peak composes measured model states with chapter 1's activations; not yet measured as a whole)"]
+    return Result(text="\n".join(lines), svg=svg, numbers={
+        "per_rank": (mine.total, fmt_bytes(mine.total)), "fits": (int(ok), "yes" if ok else "no"),
+        "comm_ms": (comm["seconds"] * 1e3, f"{comm['seconds'] * 1e3:.1f} ms")})
+
+
+RECIPE_GRAD_BYTES = {name: grad for name, (_, grad, _) in Z.RECIPES.items()}
+
+ZERO = Calculator(
+    name="zero", title="ZeRO and FSDP: one rank's memory", compute=_zero,
+    number_labels={"per_rank": "one rank's peak", "fits": "fits", "comm_ms": "communication per step"},
+    inputs=(Input(name="model", label="model", kind="choice", default="llama-3.1-8b", choices=specs.preset_names()),
+            Input(name="setup", label="ZeRO stage", kind="choice", default="3", choices=("0", "1", "2", "3", "fsdp2")),
+            Input(name="ranks", label="data-parallel ranks", kind="choice", default=8,
+                  choices=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),
+            Input(name="recipe", label="recipe", kind="choice", default="mixed-adam", choices=tuple(Z.RECIPES)),
+            Input(name="micro_batch_size", label="micro-batch size", kind="int", default=1, min=1, max=64),
+            Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
+            Input(name="link", label="link", kind="choice", default="nvlink4", choices=tuple(C.LINKS))))
+
+CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION, PARALLEL, ZERO)}
 
 
 def get(name: str) -> Calculator:

@@ -206,6 +206,46 @@ def model_states(model: ModelSpec | str, n_ranks: int, stage: Stage, *, recipe: 
                                 other=reduce_bucket * grad_dtype, label=label)
 
 
+# ----------------------------------------------------------------------------- one rank's step
+_ACT_PRECISION = {"mixed-adam": "bf16-fp32-states", "fp32-adam": "fp32", "bf16-fp32-grads": "bf16-fp32-states"}
+
+
+def estimate_rank(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_batch_size: int, seq_len: int,
+                  recipe: str = "mixed-adam", implementation: str = "deepspeed", attention: str = "sdpa",
+                  reduce_bucket: int = REDUCE_BUCKET) -> _mem.MemoryBreakdown:
+    """One rank's peak in a training step, by category: the paper's model states at the peak (every
+    gradient counted, `paper_per_rank`); the activations of the rank's micro-batch (`memory`'s ledger,
+    a 16-bit model for the 16-bit recipes, as DeepSpeed runs it); under stage 3 the gathered layers in
+    flight (the one in use and one prefetched, each at least the largest module, in the parameters'
+    dtype); with DeepSpeed from stage 1, the reduce bucket (`reduce_bucket` elements in the gradients'
+    dtype) under `other`. The model states between steps are measured (lab 4, `model_states`); this
+    peak composes them with chapter 1's activations and is not yet checked against a measured step."""
+    spec = _mem._resolve(model)
+    n, s = _count("n_ranks", n_ranks), _stage(stage)
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    if implementation not in ("deepspeed", "fsdp2"):
+        raise ValueError(f"implementation must be deepspeed or fsdp2, got {implementation!r}")
+    if implementation == "fsdp2" and s != 3:
+        raise ValueError("FSDP2's fully_shard is ZeRO-3 (stage 3)")
+    _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
+    _mem._check_positions(spec, seq_len)
+    pb, gb, k = RECIPES[recipe]
+    base = paper_per_rank(spec.params, n, s, k=k, param_bytes=pb, grad_bytes=gb)
+    act = _mem.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len,
+                                precision=_ACT_PRECISION[recipe], attention=attention)
+    gathered = 0
+    if s == 3 and n > 1:
+        block = spec.param_groups()["layers"] // max(spec.num_layers, 1)
+        gathered = 2 * max(block, largest_layer_params(spec)) * pb
+    bucket = _count("reduce_bucket", reduce_bucket, lo=0, hi=10**12) * gb if implementation == "deepspeed" and s >= 1 else 0
+    name = "FSDP2" if implementation == "fsdp2" else f"DeepSpeed ZeRO-{s}"
+    return _mem.MemoryBreakdown(parameters=base.parameters, gradients=base.gradients,
+                                optimizer_states=base.optimizer_states,
+                                activations=act["layers"] + act["outside"], temporaries=gathered, other=bucket,
+                                label=f"{spec.name}: {name}, {n} ranks, {recipe}, micro-batch {micro_batch_size} x {seq_len}")
+
+
 # ----------------------------------------------------------------------------- communication
 def communication(n_params: int, n_ranks: int, stage: Stage, *, bytes_per_value: int = 2,
                   link: str | _coll.Link = "nvlink4") -> dict[str, float]:
