@@ -53,7 +53,8 @@ def _exercises_only(nb):
 
 
 def test_every_lab_is_released():
-    assert LABS == ["lab01_where_memory_goes", "lab02_collectives", "lab03_parallelism", "lab05_mixed_precision"]
+    assert LABS == ["lab01_where_memory_goes", "lab02_collectives", "lab03_parallelism", "lab04_zero",
+                    "lab05_mixed_precision"]
     assert sorted(p.name for p in (ROOT / "labs" / "release").iterdir()) == LABS
 
 
@@ -68,6 +69,7 @@ def test_release_is_regenerated_exactly(tmp_path, lab):
     ("lab02_collectives", "(4, 1001)", "((2, 8), (3, 10))"),  # lab 2: the hidden 4-rank ring check
     ("lab05_mixed_precision", "7.5e-13", "min_loss_scale(1e-9)"),  # lab 5: hidden gradients
     ("lab03_parallelism", "(3, 2, 6, 10)", "(2, 3, 8, 16)"),  # lab 3: the hidden 3-rank MLP check
+    ("lab04_zero", "(4, 48, 2)", "(2, 64, 3)"),  # lab 4: the hidden 4-rank ZeRO-1 check
 ])
 def test_released_version_leaks_nothing(lab, hidden, visible):
     nb = nbformat.read(released(lab), as_version=4)
@@ -113,7 +115,7 @@ def test_instructor_version_full_marks_and_cpu_run(tmp_path):
 
 
 @pytest.mark.parametrize("lab, points", [(LAB, 9), ("lab02_collectives", 8), ("lab03_parallelism", 9),
-                                         ("lab05_mixed_precision", 7)])
+                                         ("lab04_zero", 8), ("lab05_mixed_precision", 7)])
 def test_student_version_scores_zero(lab, points):
     scores = tools.grade(_exercises_only(nbformat.read(released(lab), as_version=4)), lab)
     assert tools.total(scores) == (0, points), scores
@@ -431,3 +433,67 @@ def test_lab3_wrong_answers_lose_their_points():
     scores = tools.grade(wrong, "lab03_parallelism")
     assert scores["ex3-test"][0] == 0 and "partial product" in scores["ex3-test"][2]
     assert scores["ex2-test"][0] == 0 and scores["ex1-test"][0] == 2
+
+
+def test_lab4_instructor_full_marks_and_cpu_run(tmp_path):
+    """Lab 4 in CPU mode: full marks, and its own run of every setup trains what one process trains."""
+    saved, executed = _run_instructor("lab04_zero", 8, tmp_path)
+    assert "not a GPU measurement" in saved["note"] and {"date", "torch", "platform"} <= set(saved["provenance"])
+    assert set(saved["run"]["setups"]) == {"0", "1", "2", "3", "fsdp2"}
+    assert all(s["max_abs_diff_vs_one_process"] < 3e-5 for s in saved["run"]["setups"].values())
+    out = "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
+    assert "ZeRO-3" in out and "FSDP2" in out and "max |diff|" in out
+
+
+WRONG_ZERO1 = '''def zero1_adamw_step(params, grads, state, rank, world_size, lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
+                     weight_decay=0.01):
+    import torch
+    import torch.distributed as dist
+    g = grads.clone()
+    dist.all_reduce(g)
+    g /= world_size
+    if not state:
+        state.update(step=0, m=torch.zeros_like(params), v=torch.zeros_like(params))  # every shard's states: not ZeRO
+    state["step"] += 1
+    t, m, v = state["step"], state["m"], state["v"]
+    params.mul_(1 - lr * weight_decay)
+    m.mul_(betas[0]).add_(g, alpha=1 - betas[0])
+    v.mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
+    params.addcdiv_(m / (1 - betas[0] ** t), (v / (1 - betas[1] ** t)).sqrt().add_(eps), value=-lr)
+    dist.all_gather_into_tensor(torch.empty(params.numel() * world_size, dtype=params.dtype), params)
+'''
+
+WRONG_ZERO_BYTES = '''def zero_bytes_per_rank(n_params, n_ranks, stage, k=12):
+    return (2 + 2 + k) * n_params // n_ranks if stage == 3 else 16 * n_params  # forgets stages 1 and 2
+'''
+
+WRONG_SENT = '''def zero_bytes_sent(n_params, n_ranks, stage, bytes_per_value=2):
+    return (3 if stage == 3 else 2) * n_params * bytes_per_value  # forgets (N-1)/N
+'''
+
+
+def test_lab4_wrong_answers_lose_their_points():
+    base = _exercises_only(tools.source_notebook("lab04_zero"))
+    wrong = _with_solution(_with_solution(_with_solution(base, "ex3-solution", WRONG_ZERO1), "ex1-solution",
+                                          WRONG_ZERO_BYTES), "ex2-solution", WRONG_SENT)
+    scores = tools.grade(wrong, "lab04_zero")
+    assert scores["ex3-test"][0] == 0 and "optimizer-state values" in scores["ex3-test"][2]
+    assert scores["ex1-test"][0] == 0 and "Figure 1" in scores["ex1-test"][2]
+    assert scores["ex2-test"][0] == 0
+
+
+def test_lab4_stored_run():
+    """The committed run: every setup's resident bytes within 0.5 % of zero.model_states by category."""
+    from vramlab import zero as Z
+    from vramlab.zerolab import lab_model
+
+    saved = json.loads((ROOT / "labs" / "results" / "lab04_zero.json").read_text())
+    run = saved["run"]
+    assert "not a GPU measurement" in saved["note"] and run["params"] == lab_model().params
+    for setup, s in run["setups"].items():
+        impl, stage = ("fsdp2", 3) if setup == "fsdp2" else ("deepspeed", int(setup))
+        pred = Z.model_states(lab_model(), run["ranks"], stage, recipe="fp32-adam", implementation=impl)
+        for rank in s["per_rank"]:
+            for cat in ("parameters", "gradients", "optimizer_states", "other"):
+                want = getattr(pred, cat)
+                assert abs(rank["resident"][cat] - want) <= 0.005 * max(want, 1) + 4096, (setup, cat)

@@ -365,3 +365,140 @@ def check_tp_mlp(fn: Callable, *, cases=((2, 3, 8, 16),), timeout: float = 60.0)
                 if why:
                     raise AssertionError(f"tensor-parallel MLP on {world} ranks (hidden {h}, width {f}): rank {rank} "
                                          f"{why}.")
+
+
+# ZeRO-1: every rank holds the whole flat parameter vector and computes its own gradients (drawn here
+# and in the grader alike, different on every rank and step); the student's step must average the
+# gradients, update only this rank's shard with AdamW (its states the shard's size), and all-gather
+# the updated shards into the parameters. Point-to-point and object collectives raise; the rank logs
+# every collective it calls. The caller runs torch.optim.AdamW on one process with the averaged
+# gradients and compares every rank's parameters after each step.
+_ZERO1_HARNESS = r"""
+import json, os, sys
+for _m in {blocked!r}:
+    sys.modules[_m] = None
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_LOG = []
+
+
+def _logged(name, fn):
+    def collective(*args, **kwargs):
+        _LOG.append(name)
+        return fn(*args, **kwargs)
+    return collective
+
+
+def _missing(name):
+    def collective(*args, **kwargs):
+        raise RuntimeError(f"dist.{{name}} is not available here: use reduce_scatter_tensor (or all_reduce) for the "
+                           "gradients and all_gather_into_tensor for the parameters")
+    return collective
+
+
+for _name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "reduce_scatter", "all_gather"):
+    setattr(dist, _name, _logged(_name, getattr(dist, _name)))
+for _name in ("send", "recv", "isend", "irecv", "batch_isend_irecv", "broadcast", "all_gather_object",
+              "broadcast_object_list", "gather_object", "scatter_object_list", "gather", "scatter", "all_to_all",
+              "all_to_all_single", "reduce"):
+    setattr(dist, _name, _missing(_name))
+
+{source}
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    return []
+
+
+def _case(case, rank, world):
+    numel, steps = case
+    params = torch.randn(numel, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    state, history = {{}}, []
+    for k in range(steps):
+        grads = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * rank + k), dtype=torch.float64)
+        {name}(params, grads, state, rank, world)
+        history.append(params.tolist())
+    return {{"history": history, "state_numel": sum(t.numel() for t in _tensors(state))}}
+"""
+
+ZERO1_HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def _zero1_expected(numel: int, steps: int, world: int) -> list:
+    """torch.optim.AdamW on one process, fed the ranks' averaged gradients: the parameters after each step."""
+    import torch
+
+    params = torch.randn(numel, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    p = torch.nn.Parameter(params.clone())
+    opt = torch.optim.AdamW([p], **ZERO1_HYPER, foreach=False)
+    out = []
+    for k in range(steps):
+        grads = [torch.randn(numel, generator=torch.Generator().manual_seed(1000 * r + k), dtype=torch.float64)
+                 for r in range(world)]
+        p.grad = torch.stack(grads).mean(0)
+        opt.step()
+        out.append(p.detach().clone())
+    return out
+
+
+def _zero1_problem(report: Any, numel: int, world: int, expected: list) -> str | None:
+    import torch
+
+    if not isinstance(report, dict):
+        return "no result (the rank did not finish)"
+    if report.get("error"):
+        return f"raised {str(report['error'])[:300]}"
+    result = report.get("result")
+    if not isinstance(result, dict) or not isinstance(result.get("history"), list):
+        return "returned nothing usable"
+    calls = report.get("log") or []
+    if "all_gather_into_tensor" not in calls and "all_gather" not in calls:
+        return "never all-gathered: each rank must update only its shard and gather the others' updated shards"
+    shard = -(-numel // world)
+    if result.get("state_numel", 0) > 2 * shard + 16:
+        return (f"keeps {result['state_numel']} optimizer-state values; ZeRO-1 keeps only its shard's m and v "
+                f"(2 x {shard})")
+    for k, (got, want) in enumerate(zip(result["history"], expected)):
+        got = torch.tensor(got, dtype=torch.float64)
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-10, atol=1e-12):
+            return (f"after step {k + 1} the parameters differ from one process's AdamW on the averaged gradients "
+                    f"(lr={ZERO1_HYPER['lr']}, betas={ZERO1_HYPER['betas']}, eps={ZERO1_HYPER['eps']}, "
+                    f"weight_decay={ZERO1_HYPER['weight_decay']}; bias-corrected, decoupled weight decay)")
+    if len(result["history"]) != len(expected):
+        return "did not run every step"
+    return None
+
+
+def check_zero1(fn: Callable, *, cases=((2, 64, 3),), timeout: float = 60.0) -> None:
+    """Run the student's `fn(params, grads, state, rank, world_size)` (one ZeRO-1 step, in place on
+    `params`) for several steps on real gloo process groups and check every rank's parameters after each
+    step against torch.optim.AdamW on one process with the averaged gradients, and that the optimizer
+    state it keeps is its shard's. `cases` are (ranks, elements, steps)."""
+    import json
+    import tempfile
+
+    from .commbench import free_port
+
+    source, name = _answer_source(fn)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/zero1_check.py"
+        with open(path, "w") as fh:
+            fh.write(_ZERO1_HARNESS.format(source=source, name=name, blocked=ANSWER_PACKAGES) + _HARNESS_RANKS)
+        for i, (world, numel, steps) in enumerate(cases):
+            out = f"{tmp}/case{i}"
+            err = _run_ranks(path, [str(world), json.dumps([numel, steps]), str(free_port()), out], cwd=tmp,
+                             timeout=timeout, on_timeout=f"{world} ranks: no answer within {timeout:.0f} s (a rank "
+                             "waits for a collective another never calls?)")
+            expected = _zero1_expected(numel, steps, world)
+            for rank in range(world):
+                why = _zero1_problem(_rank_report(f"{out}.{rank}", err), numel, world, expected)
+                if why:
+                    raise AssertionError(f"ZeRO-1 step on {world} ranks, {numel} parameters: rank {rank} {why}.")
