@@ -109,18 +109,23 @@ def test_stored_zero_run_trains_what_one_process_trains():
     assert all(s["max_abs_diff_vs_one_process"] < 0.01 * 3 * 1e-3 for s in run["setups"].values())
 
 
+@pytest.mark.parametrize("precision, recipe", [("fp32", "fp32-adam"), ("bf16", "mixed-adam")])
 @pytest.mark.parametrize("setup", ["0", "1", "2", "3", "fsdp2"])
-def test_resident_model_states_against_the_stored_measurement(setup):
+def test_resident_model_states_against_the_stored_measurement(setup, precision, recipe):
     """What each rank held between steps (every live storage, sorted by owner) against model_states:
     each category within 0.5 % (flat buffers are padded for alignment). The fp32 master copy from
-    stage 1 on, ZeRO-3's persistent small tensors and its 2 GB reduce bucket are all in the measurement."""
+    stage 1 on, ZeRO-3's persistent small tensors and its reduce bucket (2 GB in fp32, 1 GB in bf16) are
+    all in the measurement; in bf16, DeepSpeed holds 16-bit parameters (and ZeRO-3 16-bit gradient
+    partitions), FSDP2 fp32 shards (its MixedPrecisionPolicy casts gathered copies)."""
     from vramlab.zerolab import lab_model
 
-    run = _stored_zero()
+    run = _stored_zero() if precision == "fp32" else json.loads(
+        (ROOT / "benchmarks" / "results" / "zero" / "zerolab_gloo_2ranks_bf16.json").read_text())
+    assert ("--precision bf16" in run["command"]) == (precision == "bf16")
     spec = lab_model()
     assert spec.params == run["params"]
     impl, stage = ("fsdp2", 3) if setup == "fsdp2" else ("deepspeed", int(setup))
-    pred = Z.model_states(spec, run["ranks"], stage, recipe="fp32-adam", implementation=impl)
+    pred = Z.model_states(spec, run["ranks"], stage, recipe=recipe, implementation=impl)
     for rank in run["setups"][setup]["per_rank"]:
         got = rank["resident"]
         for cat in ("parameters", "gradients", "optimizer_states", "other"):

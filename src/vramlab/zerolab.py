@@ -2,10 +2,11 @@
 
     python -m vramlab.zerolab --nproc 2                           # gloo, CPU processes, every setup
     python -m vramlab.zerolab --setups 2,3,fsdp2 --nproc 4
+    python -m vramlab.zerolab --precision bf16                    # DeepSpeed bf16, FSDP2 MixedPrecisionPolicy
     python -m vramlab.zerolab --backend nccl --nproc 8            # one process per GPU
     torchrun --nproc-per-node 8 -m vramlab.zerolab --backend nccl --setups 3
 
-Each setup trains the same small GPT-2 (built from a config, random init, fp32) for a few steps on
+Each setup trains the same small GPT-2 (built from a config, random init, fp32 weights) for a few steps on
 fixed data, one process group per setup, and reports per rank:
 - resident memory after a step, by category: every live storage is found (a scan of the objects
   Python holds) and sorted into parameters (the module's, flat or partitioned), gradients,
@@ -194,7 +195,7 @@ class _CommCounter:
                 "sent_per_rank_total": sum(sent.values())}
 
 
-def _engine(setup: str, model, world: int, micro_batch: int):
+def _engine(setup: str, model, world: int, micro_batch: int, precision: str = "fp32"):
     import torch
 
     if setup == "fsdp2":
@@ -203,9 +204,14 @@ def _engine(setup: str, model, world: int, micro_batch: int):
 
         dev = "cuda" if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(dev, (world,))
+        kw = {}
+        if precision == "bf16":  # bf16 compute on gathered copies; fp32 sharded parameters and reductions
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.transformer.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **kw)
+        fully_shard(model, mesh=mesh, **kw)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
 
         def step(ids):
@@ -223,7 +229,8 @@ def _engine(setup: str, model, world: int, micro_batch: int):
     deepspeed.utils.logger.setLevel(logging.ERROR)
     config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": int(setup)}, "steps_per_print": 10**9,
-              "gradient_clipping": 0.0}  # DeepSpeed 0.19 clips at norm 1.0 unless told not to
+              "gradient_clipping": 0.0,  # DeepSpeed 0.19 clips at norm 1.0 unless told not to
+              "bf16": {"enabled": precision == "bf16"}}
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     engine, zopt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
 
@@ -261,11 +268,12 @@ def _reference(world: int, micro_batch: int, seq: int, steps: int) -> dict[str, 
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, steps: int) -> dict[str, Any]:
+def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, steps: int,
+              precision: str = "fp32") -> dict[str, Any]:
     """Train `steps` steps, measure the last one; return this rank's report."""
     from .parlab import _LiveBytes
 
-    model, opt, step = _engine(setup, _build(), world, micro_batch)
+    model, opt, step = _engine(setup, _build(), world, micro_batch, precision)
     ids = _batch(rank, micro_batch, seq)
     for _ in range(steps - 1):
         step(ids)
@@ -295,7 +303,8 @@ def _worker(rank: int, world: int, args, port: int) -> None:
                                 timeout=datetime.timedelta(seconds=args.timeout))
         reports = []
         for setup in args.setups:
-            r = run_setup(setup, rank, world, micro_batch=args.micro_batch, seq=args.seq, steps=args.steps)
+            r = run_setup(setup, rank, world, micro_batch=args.micro_batch, seq=args.seq, steps=args.steps,
+                          precision=args.precision)
             reports.append(r)
             dist.barrier()
             gc.collect()
@@ -351,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: DeepSpeed's bf16 optimizer, FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 reductions)")
     p.add_argument("--out", default="")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--timeout", type=int, default=300)
