@@ -204,6 +204,7 @@ def _engine(setup: str, model, world: int, micro_batch: int, precision: str = "f
 
         dev = "cuda" if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(dev, (world,))
+        model.to(dev)
         kw = {}
         if precision == "bf16":  # bf16 compute on gathered copies; fp32 sharded parameters and reductions
             from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -249,8 +250,8 @@ def _full_params(setup: str, model) -> dict[str, Any]:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            return {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone().to(torch.float32)
+            return {n: p.detach().to("cpu", torch.float32) for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to("cpu", torch.float32)
             for n, p in model.named_parameters()}
 
 
@@ -273,18 +274,29 @@ def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, 
     """Train `steps` steps, measure the last one; return this rank's report."""
     from .parlab import _LiveBytes
 
+    import torch
+
     model, opt, step = _engine(setup, _build(), world, micro_batch, precision)
-    ids = _batch(rank, micro_batch, seq)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else None
+    ids = _batch(rank, micro_batch, seq).to(dev or "cpu")
     for _ in range(steps - 1):
         step(ids)
     before = _resident(model, opt)
+    if dev is not None:  # on a GPU the allocator is the truth: its peak over the measured step
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     with _CommCounter(world) as comm, _LiveBytes({"storages": before.pop("storages")}) as live:
         step(ids)
+    cuda = None
+    if dev is not None:
+        torch.cuda.synchronize()
+        cuda = {"gpu": torch.cuda.get_device_name(), "allocated_after_step": torch.cuda.memory_allocated(),
+                "peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
     after = _resident(model, opt)
     after.pop("storages")
     full = _full_params(setup, model)
     return {"setup": setup, "rank": rank, "resident": after, "step_peak": before["total"] + live.peak,
-            "step_transient_peak": live.peak, "comm": comm.report(), "params_after": full}
+            "step_transient_peak": live.peak, "cuda": cuda, "comm": comm.report(), "params_after": full}
 
 
 def _worker(rank: int, world: int, args, port: int) -> None:
