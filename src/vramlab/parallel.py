@@ -25,7 +25,7 @@ import math
 import operator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal
+from typing import Any, Literal
 
 from . import collectives as _coll
 from . import memory as _mem
@@ -217,14 +217,17 @@ def simulate(p: int, m: int, schedule: Schedule = "1f1b", *, chunks: int = 1, fo
     return _simulate(p, m, schedule, v, Fraction(forward), Fraction(backward))
 
 
-@functools.lru_cache(maxsize=64)
-def _simulate(p: int, m: int, schedule: str, v: int, forward: Fraction, backward: Fraction) -> PipelineRun:
-    # integer ticks while scheduling (fast in the browser too): one tick = 1/(v * denominators)
-    unit = Fraction(1, v * forward.denominator * backward.denominator)
-    tf, tb = int(forward / v / unit), int(backward / v / unit)
-    stages = p * v  # virtual stage k*p + d is chunk k on device d
-    orders = _orders(p, m, schedule, v)
-    done: dict[tuple[str, int, int], int] = {}
+def replay_orders(orders: list[list[tuple[str, int, int]]], took: list[list], *, what: str = "these operations"
+                  ) -> list[tuple[int, str, int, int, Any, Any]]:
+    """Run each device's operations in its given order, each as soon as its input exists: a forward
+    of micro-batch i needs the previous virtual stage's forward of i; a backward needs the next
+    virtual stage's backward of i or, on the last one, its own forward. orders[d] holds (kind "F" or
+    "B", micro-batch, chunk) with virtual stage chunk * p + d; took[d][k] is how long device d's k-th
+    operation takes. Returns (device, kind, micro-batch, chunk, start, end) in the order they were
+    placed; a ValueError when a device waits for an operation no device runs."""
+    p = len(orders)
+    stages = p * (1 + max((c for order in orders for _, _, c in order), default=0))
+    done: dict[tuple[str, int, int], Any] = {}
     pos, free, ticks = [0] * p, [0] * p, []
     while any(pos[d] < len(orders[d]) for d in range(p)):
         progressed = False
@@ -239,12 +242,23 @@ def _simulate(p: int, m: int, schedule: str, v: int, forward: Fraction, backward
                 need = [("B", i, stage + 1)] if stage < stages - 1 else [("F", i, stage)]
             if all(n in done for n in need):
                 start = max([free[d], *(done[n] for n in need)])
-                end = start + (tf if kind == "F" else tb)
+                end = start + took[d][pos[d]]
                 done[(kind, i, stage)] = end
                 ticks.append((d, kind, i, c, start, end))
                 free[d], pos[d], progressed = end, pos[d] + 1, True
-        if not progressed:  # cannot happen for the orders above; a guard against a bad order
-            raise RuntimeError(f"the {schedule} schedule deadlocked")
+        if not progressed:
+            raise ValueError(f"{what} cannot be replayed: a stage waits for an operation no stage runs")
+    return ticks
+
+
+@functools.lru_cache(maxsize=64)
+def _simulate(p: int, m: int, schedule: str, v: int, forward: Fraction, backward: Fraction) -> PipelineRun:
+    # integer ticks while scheduling (fast in the browser too): one tick = 1/(v * denominators)
+    unit = Fraction(1, v * forward.denominator * backward.denominator)
+    tf, tb = int(forward / v / unit), int(backward / v / unit)
+    orders = _orders(p, m, schedule, v)
+    ticks = replay_orders(orders, [[tf if kind == "F" else tb for kind, _, _ in order] for order in orders],
+                          what=f"the {schedule} schedule")
     in_flight = []
     for d in range(p):  # a forward's activations are held from its end to its backward's end
         events = sorted((end, 1 if kind == "F" else -1) for dd, kind, _, _, _, end in ticks if dd == d)

@@ -186,6 +186,23 @@ def _lm_loss(logits, labels):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
 
 
+def _train_step(model, batch, opt, loss_context=None):
+    """One steady-state training step, `step(tr=None)`: forward and loss (inside `loss_context()`, e.g.
+    tensor parallelism's `loss_parallel`, with the backward), the forward's end marked on a tracker
+    when one is given, optimizer step, gradients zeroed but kept."""
+    import contextlib
+
+    def step(tr=None):
+        with (loss_context or contextlib.nullcontext)():
+            loss = _lm_loss(model(batch).logits, batch)
+            if tr:
+                tr.mark("forward end")
+            loss.backward()
+        opt.step()
+        _zero(opt)
+    return step
+
+
 # ----------------------------------------------------------------------------- DDP
 
 def _run_ddp(rank: int, world: int, args, dev) -> dict[str, Any]:
@@ -211,14 +228,7 @@ def _run_ddp(rank: int, world: int, args, dev) -> dict[str, Any]:
     opt = _optimizer(params)
     _steady(opt, params)
 
-    def step(tr=None):
-        loss = _lm_loss(ddp(mine).logits, mine)
-        if tr:
-            tr.mark("forward end")
-        loss.backward()
-        opt.step()
-        _zero(opt)
-
+    step = _train_step(ddp, mine, opt)
     step()  # DDP records the order in which gradients became ready,
     step()  # and rebuilds its buckets in that order at the start of the second forward
     # the reducer's buckets as they are now (zero tensors shaped like them: their bytes, in reduction order)
@@ -292,15 +302,7 @@ def _run_tp(rank: int, world: int, args, dev) -> dict[str, Any]:
     opt = _optimizer(params)
     _steady(opt, params)
 
-    def step(tr=None):
-        with loss_parallel():
-            loss = _lm_loss(model(batch).logits, batch)
-            if tr:
-                tr.mark("forward end")
-            loss.backward()
-        opt.step()
-        _zero(opt)
-
+    step = _train_step(model, batch, opt, loss_parallel)
     step()
     peak, forward_end = _measure_step(step, model, opt, batch)
     pred = P.estimate_layout(spec, P.Layout(tp=world), micro_batch_size=b, seq_len=s, precision="fp32",
@@ -530,34 +532,17 @@ def replayed_bubble(stage_ops: list[list]) -> float:
     forward); sends and the time between operations cost nothing. Measured minus replayed is what
     communication and scheduling overhead add; replayed minus the formula is what unequal and varying
     operation times add."""
-    p = len(stage_ops)
-    seqs = []
+    orders, took = [], []
     for ops in stage_ops:
         count = {"F": 0, "B": 0}
-        seq = []
-        for kind, start, end in ops:
-            seq.append((kind, count[kind], end - start))
+        order = []
+        for kind, _, _ in ops:
+            order.append((kind, count[kind], 0))
             count[kind] += 1
-        seqs.append(seq)
-    done: dict[tuple[str, int, int], float] = {}
-    pos, free = [0] * p, [0.0] * p
-    while any(pos[d] < len(seqs[d]) for d in range(p)):
-        progressed = False
-        for d in range(p):
-            if pos[d] == len(seqs[d]):
-                continue
-            kind, i, took = seqs[d][pos[d]]
-            if kind == "F":
-                need = [("F", i, d - 1)] if d > 0 else []
-            else:
-                need = [("B", i, d + 1)] if d < p - 1 else [("F", i, d)]
-            if all(n in done for n in need):
-                free[d] = done[(kind, i, d)] = max([free[d], *(done[n] for n in need)]) + took
-                pos[d] += 1
-                progressed = True
-        if not progressed:
-            raise ValueError("these operations cannot be replayed: a stage waits for an operation no stage runs")
-    return 1 - max(sum(op[2] for op in seq) for seq in seqs) / max(free)
+        orders.append(order)
+        took.append([end - start for _, start, end in ops])
+    ticks = P.replay_orders(orders, took)
+    return 1 - max(sum(t) for t in took) / max(end for *_, end in ticks)
 
 
 def error(predicted: float, measured: float) -> float:

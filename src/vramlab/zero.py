@@ -23,7 +23,6 @@ What is here:
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from . import collectives as _coll

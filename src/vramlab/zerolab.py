@@ -300,7 +300,6 @@ def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, 
 
 
 def _worker(rank: int, world: int, args, port: int) -> None:
-    import torch
     import torch.distributed as dist
 
     from .commbench import _first_line
@@ -335,7 +334,7 @@ def _worker(rank: int, world: int, args, port: int) -> None:
             note = (f"NCCL on {world} GPUs; memory by a scan of live storages" if args.backend == "nccl" else
                     f"gloo on {world} CPU processes; memory by a scan of live storages on the CPU, not a GPU measurement")
             out = {"experiment": "zero", "note": note, "backend": args.backend, "ranks": world, "model": LAB_CONFIG,
-                   "params": sum(p.numel() for p in _build().parameters()), "micro_batch_size": args.micro_batch,
+                   "params": lab_model().params, "micro_batch_size": args.micro_batch,
                    "seq_len": args.seq, "steps": args.steps,
                    "provenance": provenance("cuda" if args.backend == "nccl" else "cpu"),
                    "setups": {s: {"max_abs_diff_vs_one_process": d, "per_rank": [g[i] for g in gathered]}
@@ -359,7 +358,6 @@ def _worker(rank: int, world: int, args, port: int) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        torch.set_num_threads(1)
 
 
 def main(argv: list[str] | None = None) -> int:
