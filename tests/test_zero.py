@@ -213,3 +213,20 @@ def test_h100_run_the_scan_misses_only_the_cublas_workspaces():
         assert abs(gap - workspaces) <= 0.10 * workspaces, (setup, gap, workspaces)
         assert s["max_abs_diff_vs_one_process"] < 1e-3  # TF32-free fp32 on the GPU against the CPU
     assert run["setups"]["3"]["per_rank"][0]["resident"]["other_largest"][0]["bytes"] == 500_000_000 * 4  # the bucket, on the GPU too
+
+
+@pytest.mark.parametrize("module", ["vramlab.zerolab", "vramlab.parlab", "vramlab.commbench"])
+def test_nccl_without_gpus_is_one_line(module):
+    """The three multi-process tools share one launcher: --backend nccl on a machine without GPUs is
+    refused before any rank starts (it was a ZeroDivisionError from inside a rank)."""
+    import subprocess
+    import sys
+
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    argv = ["ddp"] if module.endswith("parlab") else []
+    r = subprocess.run([sys.executable, "-m", module, *argv, "--backend", "nccl"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "needs CUDA GPUs and this machine has none" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1

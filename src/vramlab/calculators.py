@@ -263,13 +263,13 @@ def _zero(*, model: str, setup: str, ranks: int, recipe: str, micro_batch_size: 
     rows.append(("FSDP2", Z.estimate_rank(spec, ranks, 3, implementation="fsdp2", **kw)))
     mine = Z.estimate_rank(spec, ranks, stage, implementation=impl, **kw)
     ok, need, usable = PAR.device_need([mine], g)
-    comm = Z.communication(spec.params, ranks, stage, bytes_per_value=RECIPE_GRAD_BYTES[recipe], link=link)
+    pb, gb, k = Z.RECIPES[recipe]
+    comm = Z.communication(spec.params, ranks, stage, bytes_per_value=gb, link=link)
     bars = [(label, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
             for label, b in rows]
     svg = stacked_bars(bars, title=f"{spec.name} on {ranks} ranks, {recipe}: one rank's peak",
                        line=(g.usable_bytes / GiB, f"{g.name} usable"))
-    paper = Z.paper_per_rank(spec.params, ranks, stage, k=Z.RECIPES[recipe][2], param_bytes=Z.RECIPES[recipe][0],
-                             grad_bytes=Z.RECIPES[recipe][1])
+    paper = Z.paper_per_rank(spec.params, ranks, stage, k=k, param_bytes=pb, grad_bytes=gb)
     lines = [mine.table(title=mine.label), "",
              f"{'fits' if ok else 'does NOT fit'} on {g.name}: needs {fmt_bytes(need)} of {fmt_bytes(usable)} usable",
              f"the paper's model states alone: {fmt_bytes(paper.total)} per rank",
@@ -280,8 +280,6 @@ def _zero(*, model: str, setup: str, ranks: int, recipe: str, micro_batch_size: 
         "per_rank": (mine.total, fmt_bytes(mine.total)), "fits": (int(ok), "yes" if ok else "no"),
         "comm_ms": (comm["seconds"] * 1e3, f"{comm['seconds'] * 1e3:.1f} ms")})
 
-
-RECIPE_GRAD_BYTES = {name: grad for name, (_, grad, _) in Z.RECIPES.items()}
 
 ZERO = Calculator(
     name="zero", title="ZeRO and FSDP: one rank's memory", compute=_zero,

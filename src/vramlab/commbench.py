@@ -262,10 +262,29 @@ def main(argv: list[str] | None = None) -> int:
     return launch(_worker, args, prog="commbench", error=CommbenchError, torchrun_port=29511)
 
 
+def backend_problem(args) -> str | None:
+    """Why `args.backend` cannot run `args.nproc` local ranks here (NCCL: one process per GPU), or None."""
+    if getattr(args, "backend", "gloo") != "nccl":
+        return None
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        return "--backend nccl needs CUDA GPUs and this machine has none; use --backend gloo"
+    if "RANK" not in os.environ and args.nproc > gpus:
+        return (f"--backend nccl runs one process per GPU: --nproc {args.nproc}, but this machine has {gpus} "
+                f"GPU{'s' if gpus > 1 else ''}")
+    return None
+
+
 def launch(worker, args, *, prog: str, error: type[Exception], torchrun_port: int) -> int:
     """Run `worker(rank, world, args, port)` in place under torchrun (RANK and WORLD_SIZE set), else in
     `args.nproc` spawned local processes on `args.port` (or a free one). A rank's `error` or any other
     failure is printed as one line prefixed with `prog`; returns the exit status."""
+    why = backend_problem(args)
+    if why:  # one process per GPU: say so before any rank starts
+        print(f"{prog}: {why}", file=sys.stderr)
+        return 2
     try:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
             worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, args.port or torchrun_port)

@@ -49,6 +49,13 @@ def _stage(stage) -> int:
     return int(stage)
 
 
+def _recipe(recipe: str) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes per parameter of a recipe, or a ValueError."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    return RECIPES[recipe]
+
+
 def _psi(n_params) -> int:
     return _count("n_params", n_params, lo=0, hi=10**15)
 
@@ -176,12 +183,10 @@ def model_states(model: ModelSpec | str, n_ranks: int, stage: Stage, *, recipe: 
       N; nothing else between steps."""
     spec = _mem._resolve(model)
     n, s = _count("n_ranks", n_ranks), _stage(stage)
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    pb, gb, k = _recipe(recipe)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
     _count("reduce_bucket", reduce_bucket, lo=0, hi=10**12)
-    pb, gb, k = RECIPES[recipe]
     psi = spec.params
     label = f"{spec.name}: ZeRO-{s} per rank, N = {n}, {recipe} ({implementation})"
     if implementation == "paper":
@@ -221,15 +226,13 @@ def estimate_rank(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_b
     peak composes them with chapter 1's activations and is not yet checked against a measured step."""
     spec = _mem._resolve(model)
     n, s = _count("n_ranks", n_ranks), _stage(stage)
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
+    pb, gb, k = _recipe(recipe)
     if implementation not in ("deepspeed", "fsdp2"):
         raise ValueError(f"implementation must be deepspeed or fsdp2, got {implementation!r}")
     if implementation == "fsdp2" and s != 3:
         raise ValueError("FSDP2's fully_shard is ZeRO-3 (stage 3)")
     _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
     _mem._check_positions(spec, seq_len)
-    pb, gb, k = RECIPES[recipe]
     base = paper_per_rank(spec.params, n, s, k=k, param_bytes=pb, grad_bytes=gb)
     act = _mem.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len,
                                 precision=_ACT_PRECISION[recipe], attention=attention)

@@ -361,7 +361,7 @@ def _worker(rank: int, world: int, args, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .commbench import launch
+    from .commbench import backend_problem, launch
 
     p = argparse.ArgumentParser(prog="python -m vramlab.zerolab", description=__doc__.split("\n\n")[0])
     p.add_argument("--setups", default=",".join(SETUPS), help="comma-separated: ZeRO stages 0-3 and/or fsdp2")
@@ -385,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be at least {2 if name == 'steps' else 1}")
     if args.seq > LAB_CONFIG["n_positions"]:
         p.error(f"--seq must be at most {LAB_CONFIG['n_positions']} (the lab model's positions)")
+    why = backend_problem(args)
+    if why:
+        print(f"zerolab: {why}", file=sys.stderr)
+        return 2
     # one process group per setup, in fresh processes: nothing of one setup (DeepSpeed's buffers, a
     # model) can be alive in the next one's measurement
     import tempfile
