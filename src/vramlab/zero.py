@@ -175,7 +175,7 @@ def model_states(model: ModelSpec | str, n_ranks: int, stage: Stage, *, recipe: 
     - ZeRO-1/2: the model whole (a flat buffer), and from stage 1 on a fp32 master partition beside
       Adam's fp32 moments, *even for an fp32 model*: 12 bytes per parameter over N.
     - ZeRO-3: the parameters' partition plus every tensor smaller than the persistence threshold
-      whole; the gradients' partition (a flat buffer that stays); 12 bytes per parameter over N of
+      whole (on one rank the partition is the whole model, held once); the gradients' partition (a flat buffer that stays); 12 bytes per parameter over N of
       optimizer states; and the reduce bucket (`reduce_bucket_size`, 5e8 elements by default, in the
       gradients' dtype: 2 GB in fp32, whatever the model's size), counted under `other`.
     - FSDP2 (`fully_shard`, the optimizer built on the sharded parameters): fp32 parameters (its
@@ -205,7 +205,10 @@ def model_states(model: ModelSpec | str, n_ranks: int, stage: Stage, *, recipe: 
     if s in (1, 2):
         return _mem.MemoryBreakdown(parameters=psi * pb, optimizer_states=states, label=label)
     grad_dtype = 4 if pb == 4 else gb
-    return _mem.MemoryBreakdown(parameters=(share + persistent_params(spec, persistence_threshold)) * pb,
+    # persistent tensors stay whole beside their partition; on one rank the partition is the whole
+    # tensor (one storage), so nothing is held twice
+    whole = persistent_params(spec, persistence_threshold) if n > 1 else 0
+    return _mem.MemoryBreakdown(parameters=(share + whole) * pb,
                                 gradients=share * grad_dtype, optimizer_states=states,
                                 other=reduce_bucket * grad_dtype, label=label)
 
