@@ -118,3 +118,19 @@ def test_chapter4_zero_stages_and_measurement(built):
     for name in ("ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2"):
         assert name in measured
     assert "Traceback" not in page and "loss_type" not in page and "Warning" not in page
+
+
+def test_chapter7_checkpointing(built):
+    """Chapter 7: the step's memory drawn at build, the plans' trade-off for Llama 3.2 1B, the H100's
+    measured none/full with their provenance, and lab 7's stored run labelled as a CPU run."""
+    html, _ = built
+    page = (html / "book" / "07_checkpointing.html").read_text()
+    assert len(re.findall(r'<img[^>]+src="[^"]*_images/[^"]+\.png"', page)) >= 2
+    assert "NVIDIA H100 80GB HBM3, driver 580.159.04" in page and "43.84 GiB" in page and "27.26 GiB" in page
+    measured = page.split('id="predicted-against-measured"')[1]
+    assert "not a GPU" in measured
+    for plan in ("none", "full", "sac-matmuls", "sqrt", "every-2", "first-4", "segments-4"):
+        assert f" {plan} " in measured
+    assert 'id="vl-checkpointing"' in page or "vl-checkpointing" in page
+    assert "Traceback" not in page and "Warning" not in page
+

@@ -40,6 +40,8 @@ CASES = [
                                                {"micro_batches": 32}]),
     ("zero", "book/04_zero.html", [{"model": "gpt2", "setup": "fsdp2", "ranks": 2, "seq_len": 1024}, {"ranks": 64},
                                    {"setup": "1"}]),
+    ("checkpointing", "book/07_checkpointing.html", [{"model": "gpt2", "plan": "sqrt", "seq_len": 1024},
+                                                     {"batch_size": 32, "gpu": "t4"}, {"plan": "sac-matmuls"}]),
 ]
 
 

@@ -56,6 +56,19 @@ def test_zero_numbers_are_the_librarys():
     assert vramlab_preset_params("llama-3.1-8b") == est_params  # the preset's own count, as published
 
 
+def test_checkpointing_numbers_are_the_librarys():
+    from vramlab import checkpointing as CK
+
+    r = C.get("checkpointing").run(model="llama-3.2-1b", plan="sqrt", batch_size=4, seq_len=2048,
+                                   precision="bf16-mixed", gpu="h100-80gb")
+    mine = CK.evaluate("llama-3.2-1b", "sqrt", batch_size=4, seq_len=2048, precision="bf16-mixed", gpu="h100-80gb")
+    assert r.numbers["peak"][0] == mine.peak.total and r.numbers["recompute"][0] == mine.recompute_fraction
+    assert r.numbers["cheapest"][1] == "none"  # 44 GiB without recompute fits in an H100's 79 GiB
+    t4 = C.get("checkpointing").run(model="llama-3.2-1b", plan="none", batch_size=4, seq_len=2048,
+                                    precision="bf16-mixed", gpu="t4")
+    assert t4.numbers["cheapest"][1] == "none fits" and "no plan fits" in t4.text  # the model states alone exceed 15 GiB
+
+
 def vramlab_preset_params(name):
     from vramlab import preset
 
@@ -64,6 +77,8 @@ def vramlab_preset_params(name):
 
 @pytest.mark.parametrize("name, values, needle", [
     ("zero", {"setup": "4"}, "'4' is not one of"),
+    ("checkpointing", {"plan": "most"}, "'most' is not one of"),
+    ("checkpointing", {"model": "gpt2", "seq_len": 2048}, "gpt2 reads at most 1,024 positions"),
     ("zero", {"model": "gpt2", "seq_len": 4096}, "gpt2 reads at most 1,024 positions"),
     ("training", {"batch_size": 0}, "batch size: 0 is outside 1..128"),
     ("training", {"batch_size": 2.5}, "whole number"),

@@ -54,7 +54,7 @@ def _exercises_only(nb):
 
 def test_every_lab_is_released():
     assert LABS == ["lab01_where_memory_goes", "lab02_collectives", "lab03_parallelism", "lab04_zero",
-                    "lab05_mixed_precision"]
+                    "lab05_mixed_precision", "lab07_checkpointing"]
     assert sorted(p.name for p in (ROOT / "labs" / "release").iterdir()) == LABS
 
 
@@ -70,6 +70,7 @@ def test_release_is_regenerated_exactly(tmp_path, lab):
     ("lab05_mixed_precision", "7.5e-13", "min_loss_scale(1e-9)"),  # lab 5: hidden gradients
     ("lab03_parallelism", "(3, 2, 6, 10)", "(2, 3, 8, 16)"),  # lab 3: the hidden 3-rank MLP check
     ("lab04_zero", "(4, 48, 2)", "(2, 64, 3)"),  # lab 4: the hidden 4-rank ZeRO-1 check
+    ("lab07_checkpointing", "seed=7, n=12", "seed=0"),  # lab 7: the hidden random models
 ])
 def test_released_version_leaks_nothing(lab, hidden, visible):
     nb = nbformat.read(released(lab), as_version=4)
@@ -115,7 +116,8 @@ def test_instructor_version_full_marks_and_cpu_run(tmp_path):
 
 
 @pytest.mark.parametrize("lab, points", [(LAB, 9), ("lab02_collectives", 8), ("lab03_parallelism", 9),
-                                         ("lab04_zero", 8), ("lab05_mixed_precision", 7)])
+                                         ("lab04_zero", 8), ("lab05_mixed_precision", 7),
+                                         ("lab07_checkpointing", 8)])
 def test_student_version_scores_zero(lab, points):
     scores = tools.grade(_exercises_only(nbformat.read(released(lab), as_version=4)), lab)
     assert tools.total(scores) == (0, points), scores
@@ -497,3 +499,61 @@ def test_lab4_stored_run():
             for cat in ("parameters", "gradients", "optimizer_states", "other"):
                 want = getattr(pred, cat)
                 assert abs(rank["resident"][cat] - want) <= 0.005 * max(want, 1) + 4096, (setup, cat)
+
+
+def test_lab7_instructor_full_marks_and_cpu_run(tmp_path):
+    """Lab 7 in CPU mode: full marks, every plan's traced peak within 5 % of its prediction, and the
+    timed plans measured (the CPU run times the Llama-style model's none and full)."""
+    saved, executed = _run_instructor("lab07_checkpointing", 8, tmp_path)
+    assert "not a GPU" in saved["note"] and {"date", "torch", "platform"} <= set(saved["provenance"])
+    run = saved["run"]
+    assert len(run["cases"]) == 7 and all(abs(c["error_pct"]) < 5 for c in run["cases"])
+    assert [t["plan"] for t in run["timing"]] == ["none", "full"] and run["timing"][1]["overhead"] > 0.05
+    out = "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
+    assert "sac-matmuls" in out and "overhead" in out
+
+
+WRONG_SEGMENTS = '''def segments_peak(n_blocks, k, c, a):
+    return -(-n_blocks // k) * c + k * a  # counts every checkpoint, even the segment being recomputed
+'''
+
+WRONG_FRACTION = '''def recompute_fraction(l, h, V, B, s, n_checkpointed):
+    return n_checkpointed / l / 3  # a third of the step per block share: forgets the LM head
+'''
+
+WRONG_CHOICE = '''def choose_checkpoints(full, inputs, flops, outside, budget):
+    kept = list(full)
+    chosen = []
+    for i in sorted(range(len(full)), key=lambda i: full[i] - inputs[i], reverse=True):  # greedy by saving
+        if sum(kept) + outside <= budget:
+            break
+        kept[i] = inputs[i]
+        chosen.append(i)
+    return chosen if sum(kept) + outside <= budget else None  # ignores the backward's peak
+'''
+
+
+def test_lab7_wrong_answers_lose_their_points():
+    base = _exercises_only(tools.source_notebook("lab07_checkpointing"))
+    wrong = _with_solution(_with_solution(_with_solution(base, "ex1-solution", WRONG_SEGMENTS), "ex2-solution",
+                                          WRONG_FRACTION), "ex3-solution", WRONG_CHOICE)
+    scores = tools.grade(wrong, "lab07_checkpointing")
+    assert scores["ex1-test"][0] == 0 and "11 checkpoints" in scores["ex1-test"][2]
+    assert scores["ex2-test"][0] == 0 and "GPT-3" in scores["ex2-test"][2]
+    assert scores["ex3-test"][0] == 0 and ("peaks at" in scores["ex3-test"][2] or "recomputes" in scores["ex3-test"][2])
+
+
+def test_lab7_stored_run():
+    """The committed lab 7 run: each plan's peak as vramlab.checkpointing computes it now (within
+    5 %, recomputed here), with its provenance."""
+    from vramlab import checkpointing as CK
+    from vramlab.ckptlab import lab_spec
+
+    saved = json.loads((ROOT / "labs" / "results" / "lab07_checkpointing.json").read_text())
+    assert {"date", "torch", "platform"} <= set(saved["provenance"]) and saved["command"].endswith("lab07_checkpointing")
+    device = "cuda" if saved["run"]["mode"] == "cuda" else "cpu"
+    assert (device == "cuda") == ("gpu" in saved["provenance"])
+    for c in saved["run"]["cases"]:
+        pred = CK.evaluate(lab_spec(c["model"]), c["plan"], batch_size=c["batch_size"], seq_len=c["seq_len"],
+                           precision=c["precision"], device=device).peak.total
+        assert abs(pred - c["measured_bytes"]) <= 0.05 * c["measured_bytes"], (c["model"], c["plan"])

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any, Callable, Literal
 
+from . import checkpointing as CK
 from . import collectives as C
 from . import memory, specs
 from . import parallel as PAR
@@ -294,7 +295,48 @@ ZERO = Calculator(
             Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
             Input(name="link", label="link", kind="choice", default="nvlink4", choices=tuple(C.LINKS))))
 
-CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION, PARALLEL, ZERO)}
+# ----------------------------------------------------------------------------- chapter 7
+
+def _checkpointing(*, model: str, plan: str, batch_size: int, seq_len: int, precision: str, gpu: str) -> Result:
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    kw = dict(batch_size=batch_size, seq_len=seq_len, precision=precision, gpu=gpu)
+    plans = [p for p in CK.PLANS]
+    if plan not in plans:
+        plans.append(plan)
+    results = {p: CK.evaluate(spec, p, **kw) for p in plans}
+    mine = results[plan]
+    bars = [(f"{p} (+{100 * r.recompute_fraction:.0f} %)",
+             [(c.replace("_", " "), getattr(r.peak, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
+            for p, r in results.items()]
+    svg = stacked_bars(bars, title=f"{spec.name}, b={batch_size}, s={seq_len}, {precision}: peak by plan "
+                                   "(extra FLOPs in brackets)", line=(g.usable_bytes / GiB, f"{g.name} usable"))
+    best = CK.cheapest_plan(spec, g.usable_bytes, **kw)
+    fits = mine.peak.total <= g.usable_bytes
+    lines = [mine.peak.table(title=f"plan {plan}: peak at {mine.peak.phase}"), "",
+             f"recompute: {100 * mine.recompute_fraction:.1f} % of the step's FLOPs; step ≈ {1e3 * mine.step_seconds:,.0f} ms "
+             f"on {g.name} at 40 % of its peak FLOP/s",
+             f"{'fits' if fits else 'does NOT fit'} in {fmt_bytes(g.usable_bytes)} usable",
+             ("least recompute that fits: " + best.plan.name + f" ({fmt_bytes(best.peak.total)}, "
+              f"+{100 * best.recompute_fraction:.1f} % FLOPs)") if best else "no plan fits: fewer tokens per step"]
+    return Result(text="\n".join(lines), svg=svg, numbers={
+        "peak": (mine.peak.total, fmt_bytes(mine.peak.total)),
+        "recompute": (mine.recompute_fraction, f"+{100 * mine.recompute_fraction:.1f} %"),
+        "cheapest": (0 if best is None else best.peak.total, best.plan.name if best else "none fits")})
+
+
+CHECKPOINTING = Calculator(
+    name="checkpointing", title="Activation checkpointing: memory against recompute", compute=_checkpointing,
+    number_labels={"peak": "peak of the step", "recompute": "extra compute", "cheapest": "least recompute that fits"},
+    inputs=(Input(name="model", label="model", kind="choice", default="llama-3.2-1b", choices=specs.preset_names()),
+            Input(name="plan", label="recompute plan", kind="choice", default="full",
+                  choices=CK.PLANS + ("every-2", "first-4", "segments-4")),
+            Input(name="batch_size", label="batch size", kind="int", default=4, min=1, max=128),
+            Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),
+            Input(name="precision", label="precision", kind="choice", default="bf16-mixed", choices=memory.PRECISIONS),
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES)))
+
+CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION, PARALLEL, ZERO,
+                                                           CHECKPOINTING)}
 
 
 def get(name: str) -> Calculator:

@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--optimizer", default=None, choices=memory.OPTIMIZERS, help="train only (default adamw)")
     est.add_argument("--optimizer-impl", default=None, choices=memory.OPTIMIZER_IMPLS, help="train only (default foreach)")
     est.add_argument("--attention", default="sdpa", choices=memory.ATTENTIONS)
-    est.add_argument("--recompute", default=None, choices=memory.RECOMPUTES, help="train only (default none)")
+    est.add_argument("--recompute", default=None, metavar="PLAN",
+                     help=f"train only (default none): {', '.join(memory.RECOMPUTES)}, every-K, first-N or segments-K")
     est.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="whose kernels run (default cuda)")
     est.add_argument("--new-tokens", type=_int_at_least(0), default=None,
                      help="infer: model.generate() with this many new tokens (default: one prefill, all logits)")

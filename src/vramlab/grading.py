@@ -502,3 +502,76 @@ def check_zero1(fn: Callable, *, cases=((2, 64, 3),), timeout: float = 60.0) -> 
                 why = _zero1_problem(_rank_report(f"{out}.{rank}", err), numel, world, expected)
                 if why:
                     raise AssertionError(f"ZeRO-1 step on {world} ranks, {numel} parameters: rank {rank} {why}.")
+
+
+# ----------------------------------------------------------------------------- lab 7
+def checkpoint_peak(full: list[int], inputs: list[int], outside: int, chosen) -> int:
+    """Lab 7's peak model: block i keeps inputs[i] if checkpointed, else full[i]. The forward ends
+    holding all that is kept (plus `outside`); block i's backward holds what the blocks before it
+    keep and all of block i (recomputed, if checkpointed). The step's peak is the largest."""
+    kept = [inputs[i] if i in chosen else full[i] for i in range(len(full))]
+    peak = sum(kept)
+    for i in range(len(full)):
+        peak = max(peak, sum(kept[:i]) + full[i])
+    return peak + outside
+
+
+def _least_recompute(full, inputs, flops, outside, budget):
+    import itertools
+
+    best = None
+    for k in range(len(full) + 1):
+        for chosen in itertools.combinations(range(len(full)), k):
+            if checkpoint_peak(full, inputs, outside, set(chosen)) <= budget:
+                cost = sum(flops[i] for i in chosen)
+                if best is None or cost < best:
+                    best = cost
+    return best
+
+
+def checkpoint_cases(seed: int, n: int = 6) -> list[tuple[list[int], list[int], list[int], int, int]]:
+    """Random small models (blocks of unequal sizes and costs) with budgets from nothing-fits to
+    everything-fits: (full, inputs, flops, outside, budget)."""
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        L = rng.randint(2, 7)
+        inputs = [rng.randint(1, 4) for _ in range(L)]
+        full = [x + rng.randint(4, 30) for x in inputs]
+        flops = [rng.randint(1, 9) for _ in range(L)]
+        outside = rng.randint(0, 10)
+        lo, hi = checkpoint_peak(full, inputs, outside, set(range(L))), checkpoint_peak(full, inputs, outside, set())
+        cases.append((full, inputs, flops, outside, rng.randint(lo - 3, hi + 2)))
+    return cases
+
+
+def check_checkpoint_choice(fn: Callable, *, seed: int = 0, n: int = 6) -> None:
+    """`fn(full, inputs, flops, outside, budget)` must return the blocks to checkpoint (a collection
+    of indices) whose peak (`checkpoint_peak`) fits in `budget` with the least recompute FLOPs, or
+    None when no choice fits. Checked against all 2^L choices."""
+    for full, inputs, flops, outside, budget in checkpoint_cases(seed, n):
+        got = fn(list(full), list(inputs), list(flops), outside, budget)
+        best = _least_recompute(full, inputs, flops, outside, budget)
+        where = f"full={full}, inputs={inputs}, flops={flops}, outside={outside}, budget={budget}"
+        if best is None:
+            if got is not None:
+                raise AssertionError(f"nothing fits ({where}): even checkpointing every block peaks at "
+                                     f"{checkpoint_peak(full, inputs, outside, set(range(len(full))))}; return None")
+            continue
+        if got is None:
+            raise AssertionError(f"some choice fits ({where}) but you returned None")
+        try:
+            chosen = [int(i) for i in got]
+        except (TypeError, ValueError):
+            raise AssertionError(f"return a collection of block indices (or None), got {got!r}") from None
+        if len(set(chosen)) != len(chosen) or any(not 0 <= i < len(full) for i in chosen):
+            raise AssertionError(f"block indices must be distinct and in 0..{len(full) - 1}, got {sorted(chosen)}")
+        peak = checkpoint_peak(full, inputs, outside, set(chosen))
+        if peak > budget:
+            raise AssertionError(f"checkpointing {sorted(chosen)} peaks at {peak} > budget {budget} ({where})")
+        cost = sum(flops[i] for i in chosen)
+        if cost != best:
+            raise AssertionError(f"checkpointing {sorted(chosen)} fits but recomputes {cost} FLOPs; a choice that "
+                                 f"fits recomputes only {best} ({where})")

@@ -302,6 +302,89 @@ def _enable_checkpointing(model: torch.nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+class _Skip(torch.nn.Module):
+    """A block run inside an earlier position's segment: passes the hidden states on."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+class _Segment(torch.nn.Module):
+    """Consecutive blocks run as one checkpoint (torch.utils.checkpoint, non-reentrant): only the
+    segment's input is kept; the backward runs the blocks again. `context_fn` selects what the
+    recompute may keep (selective activation checkpointing)."""
+
+    def __init__(self, blocks: list[torch.nn.Module], context_fn: Callable | None = None):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.context_fn = context_fn
+
+    def forward(self, hidden_states, *args, **kwargs):
+        from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+        def run(h):
+            for block in self.blocks:
+                h = block(h, *args, **kwargs)
+            return h
+
+        if not (self.training and torch.is_grad_enabled()):
+            return run(hidden_states)
+        return checkpoint(run, hidden_states, use_reentrant=False, context_fn=self.context_fn or noop_context_fn)
+
+
+# the operators whose outputs the "sac-matmuls" plan saves (everything else is recomputed)
+_MATMUL_OPS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+               "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def save_matmuls_context():
+    """Selective activation checkpointing (`create_selective_checkpoint_contexts`) with the policy
+    "save the outputs of matmuls and fused attention, recompute the rest"."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    save = {getattr(aten, name).default for name in _MATMUL_OPS if hasattr(aten, name)}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _block_list(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.ModuleList:
+    lists = [m for _, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == spec.num_layers
+             and len({type(b) for b in m}) == 1]
+    if spec.family not in ("gpt2", "llama", "opt", "gpt_neox") or len(lists) != 1:
+        raise NotImplementedError(f"recompute plans other than none/full are measured on decoder-only models "
+                                  f"(gpt2, llama, opt, gpt_neox families), not {spec.family}")
+    return lists[0]
+
+
+def apply_plan(model: torch.nn.Module, spec: ModelSpec, recompute: Recompute) -> torch.nn.Module:
+    """Rearrange `model`'s blocks for a recompute plan (`vramlab.memory.recompute_plan`): each
+    checkpointed segment becomes one `_Segment` at its first block's position (`_Skip` at the
+    others); "sac-matmuls" checkpoints every block with `save_matmuls_context`. "none" and
+    "selective" (Korthikanti's attention-core recompute, a change inside attention) are not
+    rearrangements: the first is the model as it is, the second is not measured. Offloading the
+    checkpoints to host memory is not measured either."""
+    from .memory import recompute_plan
+
+    plan = recompute_plan(recompute, spec)
+    if plan.attention_core or plan.offload:
+        raise NotImplementedError(f"the {plan.name!r} plan is computed by vramlab.memory but not measured")
+    if not plan.segments:
+        return model
+    blocks = _block_list(model, spec)
+    model.config.use_cache = False  # a training step keeps no KV cache
+    context = save_matmuls_context if plan.keep == "matmuls" else None
+    for a, e in plan.segments:
+        inner = [blocks[i] for i in range(a, e)]
+        blocks[a] = _Segment(inner, context)
+        for i in range(a + 1, e):
+            blocks[i] = _Skip()
+    return model
+
+
 def _defaults(mode_: str, warmup_steps: int | None, timing_steps: int | None) -> tuple[int, int]:
     """CUDA: one warm-up step (the steady state the estimate describes) and three timed steps;
     CPU and trace: neither (a trace has no time worth taking, and no lazy state to warm)."""
@@ -332,6 +415,8 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
             model = model_hook(model)
         if recompute == "full":
             _enable_checkpointing(model)
+        elif recompute != "none":
+            model = apply_plan(model, spec, recompute)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(params, optimizer=optimizer, optimizer_impl=optimizer_impl)
         # steady state: create the optimizer's states with one step on zero gradients

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import operator
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Iterable, Literal
 
 from .specs import GPUSpec, ModelSpec, gpu as _gpu
 from .units import fmt_bytes
@@ -21,7 +22,7 @@ Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16", "bf16-fp32-state
 Optimizer = Literal["adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit"]
 OptimizerImpl = Literal["for-loop", "foreach", "fused"]
 AttentionImpl = Literal["eager", "sdpa"]
-Recompute = Literal["none", "full"]
+Recompute = str  # a recompute plan: see `recompute_plan`
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "bf16-fp32-states", "fp16-fp32-master")
 # 16-bit models: pure bf16 (torch.optim keeps the states in bf16), bf16 with fp32 optimizer states
@@ -32,7 +33,8 @@ FP32_STATES: tuple[str, ...] = ("bf16-fp32-states", "fp16-fp32-master")  # 16-bi
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit")
 OPTIMIZER_IMPLS: tuple[str, ...] = ("for-loop", "foreach", "fused")
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa")
-RECOMPUTES: tuple[str, ...] = ("none", "full")
+# the named recompute plans (`recompute_plan` also takes every-K, first-N, segments-K and block sets)
+RECOMPUTES: tuple[str, ...] = ("none", "full", "selective", "sac-matmuls", "sqrt", "offload")
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_states", "activations", "temporaries",
                                "kv_cache", "inputs", "other")
 
@@ -415,20 +417,138 @@ def _linear_weight_params(spec: ModelSpec) -> int:
     return max(0, g["layers"] - blocks * per_block_norm_bias) + lm
 
 
+# ============================================================================ recompute plans
+@dataclass(frozen=True)
+class Plan:
+    """Which blocks activation checkpointing recomputes, and what a checkpointed block keeps.
+
+    segments  checkpointed [start, end) ranges of blocks (0 = the first block the forward runs; T5:
+              the encoder's, then the decoder's). A segment keeps only its input; in the backward it
+              is run again whole, and all its blocks' saved tensors are alive at once (Chen+16).
+    keep      what a checkpointed block keeps: "input", or "matmuls" (PyTorch's selective
+              activation checkpointing with a policy that saves matmul and attention outputs and
+              recomputes the rest: norms, activation functions, dropout)
+    attention_core  Korthikanti+22's selective recompute: every block keeps all but the attention
+              core (QK^T, softmax, dropout, attention over V), recomputed in its backward
+    offload   the segments' inputs go to host memory in the forward and come back in the backward
+    """
+
+    name: str
+    segments: tuple[tuple[int, int], ...] = ()
+    keep: str = "input"
+    attention_core: bool = False
+    offload: bool = False
+
+    def checkpointed(self) -> frozenset[int]:
+        return frozenset(i for a, b in self.segments for i in range(a, b))
+
+
+def _stacks(spec: ModelSpec) -> list[tuple[int, int]]:
+    """[start, end) of each stack of blocks in forward order (T5: encoder, then decoder)."""
+    stacks = [(0, spec.num_layers)]
+    if spec.num_decoder_layers:
+        stacks.append((spec.num_layers, spec.num_layers + spec.num_decoder_layers))
+    return stacks
+
+
+def _segments_of(stacks: list[tuple[int, int]], k: int) -> tuple[tuple[int, int], ...]:
+    return tuple((a, min(a + k, end)) for start, end in stacks for a in range(start, end, k))
+
+
+def recompute_plan(recompute: "str | Plan | Iterable[int]", model: ModelSpec | str) -> Plan:
+    """A recompute plan for `model`'s blocks, from a name:
+
+    none         keep every saved tensor (no recompute)
+    full         checkpoint every block: keep its input, recompute it in the backward (one extra
+                 forward of the blocks)
+    selective    Korthikanti+22: recompute only the attention core (no memory saved where the
+                 attention kernel keeps no scores: SDPA's flash kernels)
+    sac-matmuls  checkpoint every block, saving matmul and attention outputs (PyTorch's selective
+                 activation checkpointing): recompute only norms, activations and dropout
+    sqrt         segments of round(sqrt(L)) blocks (Chen+16): memory O(sqrt L), one extra forward
+    offload      full, with the checkpoints (block inputs) moved to host memory
+    every-K      checkpoint blocks 0, K, 2K, ... (1 in K)
+    first-N      checkpoint the first N blocks (Megatron-LM's "block" method)
+    segments-K   segments of K consecutive blocks (Megatron-LM's "uniform" method)
+
+    or a set of block indices, each checkpointed alone (a `Plan` passes through)."""
+    spec = _resolve(model)
+    stacks = _stacks(spec)
+    n = stacks[-1][1]
+    if isinstance(recompute, Plan):
+        bad = [x for seg in recompute.segments for x in seg if not 0 <= x <= n]
+        if bad:
+            raise ValueError(f"plan {recompute.name!r} has segments outside {spec.name}'s {n} blocks")
+        return recompute
+    if not isinstance(recompute, str):
+        try:
+            if isinstance(recompute, (bytes, dict)) or any(isinstance(i, bool) for i in recompute):
+                raise TypeError
+            blocks = sorted({operator.index(i) for i in recompute})
+        except TypeError:
+            raise ValueError(f"recompute must be a plan name ({', '.join(RECOMPUTES)}, every-K, first-N, "
+                             f"segments-K) or a set of block indices, not {recompute!r}") from None
+        if blocks and not 0 <= blocks[0] <= blocks[-1] < n:
+            raise ValueError(f"block indices must lie in 0..{n - 1} ({spec.name} has {n} blocks), got {blocks}")
+        return Plan(name=f"blocks {blocks}", segments=tuple((i, i + 1) for i in blocks))
+    name = recompute.strip()
+    every = _segments_of(stacks, 1)
+    fixed = {"none": Plan(name="none"), "full": Plan(name="full", segments=every),
+             "selective": Plan(name="selective", attention_core=True),
+             "sac-matmuls": Plan(name="sac-matmuls", segments=every, keep="matmuls"),
+             "sqrt": Plan(name="sqrt", segments=_segments_of(stacks, max(1, round(math.sqrt(n))))),
+             "offload": Plan(name="offload", segments=every, offload=True)}
+    if name in fixed:
+        return fixed[name]
+    kind, _, num = name.partition("-")
+    if kind in ("every", "first", "segments") and num.isdigit() and int(num) >= (0 if kind == "first" else 1):
+        k = int(num)
+        if kind == "every":
+            return Plan(name=name, segments=tuple((i, i + 1) for i in range(0, n, k)))
+        if kind == "first":
+            if k > n:
+                raise ValueError(f"first-{k}: {spec.name} has only {n} blocks")
+            return Plan(name=name, segments=every[:k])
+        return Plan(name=name, segments=_segments_of(stacks, k))
+    raise ValueError(f"unknown recompute plan {recompute!r}; choose from {', '.join(RECOMPUTES)}, "
+                     "every-K, first-N, segments-K (K, N whole numbers) or a set of block indices")
+
+
+def _matmul_outputs(spec: ModelSpec, *, attention: AttentionImpl, device: str, precision: Precision) -> list[Saved]:
+    """What a block keeps under selective activation checkpointing with the "save matmuls" policy
+    (mm, addmm, bmm and the fused attention kernels' outputs are saved, everything else recomputed):
+    the outputs of its projections and of attention, per token (the scores per score)."""
+    h, i, qd, kv = spec.hidden_size, spec.intermediate_size, spec.q_dim, spec.kv_dim
+    if spec.family == "gpt2":  # one fused c_attn projection
+        kv = h
+    proj = qd + 2 * kv + h + i * (2 if spec.gated_mlp else 1) + h
+    saved = [Saved(name="projection outputs", width=proj, kind="half")]
+    if _math_path(spec, attention, device):  # QK^T and probs @ V are bmm: both outputs saved
+        f32 = device == "cpu" and attention == "sdpa" and precision != "fp32"
+        saved += [Saved(name="QK^T", width=1, kind="f32" if f32 else "half", per_score=True),
+                  Saved(name="probs @ V", width=qd, kind="half")]
+    else:
+        saved += [Saved(name="attention out", width=qd, kind="half"), Saved(name="logsumexp", width=spec.num_heads, kind="f32")]
+    return saved
+
+
 def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
-                     attention: AttentionImpl = "sdpa", recompute: Recompute = "none", device: str = "cuda",
-                     frozen_base: bool = False) -> dict[str, int]:
+                     attention: AttentionImpl = "sdpa", recompute: "Recompute | Plan" = "none", device: str = "cuda",
+                     frozen_base: bool = False) -> dict:
     """Bytes saved for backward at the end of the forward pass, split into 'layers' (all blocks),
     'one_layer' (the largest block), 'outside' (embeddings, head, loss) and 'weight_copies'
-    (autocast's half-precision weights). With full recompute a block keeps only its input.
+    (autocast's half-precision weights). `recompute` is a plan (`recompute_plan`): a checkpointed
+    segment keeps only its input. Per block, in forward order: 'full' (what it saves without
+    recompute) and 'kept' (what it keeps under the plan); 'backward_live': for each block whose
+    backward may peak, (block, activations of the blocks alive then, recomputed?).
     `frozen_base`: PEFT with adapters on the attention projections (LoRA's default targets): the
     frozen linears save no input (checked on mT5-base LoRA r=8 q,v on an H100)."""
     spec = _resolve(spec)
     _check_positive(batch_size=batch_size, seq_len=seq_len)
     _check_choice(precision, PRECISIONS, "precision")
     _check_choice(attention, ATTENTIONS, "attention implementation")
-    _check_choice(recompute, RECOMPUTES, "recompute")
     _check_choice(device, ("cuda", "cpu"), "device")
+    plan = recompute_plan(recompute, spec)
     nb = _dtype_bytes(precision, device)
     b, s, a = batch_size, seq_len, spec.num_heads
     tokens, scores = b * s, b * a * s * s
@@ -444,13 +564,31 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     mlp_part = _ledger_bytes([x for x in block if x.part == "mlp"], tokens=tokens, scores=scores, nbytes=nb)
     n_enc, n_dec = spec.num_layers, spec.num_decoder_layers
     one = max(enc, dec)
-    if recompute == "full":  # checkpoint keeps each block's input (Chen+16; Korthikanti+22: 2sbh in 16-bit)
-        kept = tokens * spec.hidden_size * nb["x"]
-        layers = (n_enc + n_dec) * kept
-        copies = 0  # weights are re-cast during recompute, one block at a time
-    else:
-        layers = n_enc * enc + n_dec * dec
-        copies = 2 * _linear_weight_params(spec) if precision in ("bf16-mixed", "fp16-mixed") else 0
+    # per block, in forward order: all it saves, and what it keeps under the plan
+    full = [enc] * n_enc + [dec] * n_dec
+    scores_of = [_ledger_bytes([x for x in blk if x.per_score], tokens=tokens, scores=scores, nbytes=nb)
+                 for blk in (enc_saved, block)]
+    per_score = [scores_of[0]] * n_enc + [scores_of[1]] * n_dec
+    block_in = tokens * spec.hidden_size * nb["x"]  # a checkpoint: the block's input (Korthikanti+22: 2sbh in 16-bit)
+    matmuls = _ledger_bytes(_matmul_outputs(spec, attention=attention, device=device, precision=precision),
+                            tokens=tokens, scores=scores, nbytes=nb)
+    kept = [f - p if plan.attention_core else f for f, p in zip(full, per_score)]
+    live: list[tuple[int, int, bool]] = []  # (block, blocks' activations alive in its backward, recomputed)
+    for a, e in plan.segments:
+        for i in range(a, e):
+            kept[i] = (block_in + matmuls) if plan.keep == "matmuls" else 0
+        if plan.keep == "input":
+            kept[a] = 0 if plan.offload else block_in
+    for a, e in plan.segments:  # the segment's last block: the whole segment recomputed, earlier blocks kept
+        extra = sum(kept[a:e]) - (e - a) * block_in if plan.keep == "matmuls" else 0  # SAC's saved outputs stay
+        live.append((e - 1, sum(kept[:a]) + sum(full[a:e]) + extra, True))
+    last = n_enc + n_dec - 1
+    if last not in plan.checkpointed():  # the last block's backward, nothing recomputed
+        live.append((last, sum(kept[:last]) + full[last], plan.attention_core))
+    layers = sum(kept)
+    plain = n_enc + n_dec - len(plan.checkpointed())  # blocks run once: autocast keeps their weights' casts
+    copies = (2 * _linear_weight_params(spec) * plain // max(n_enc + n_dec, 1)
+              if precision in ("bf16-mixed", "fp16-mixed") else 0)
     outside = _ledger_bytes(keep(model_saved(spec)), tokens=tokens, scores=scores, nbytes=nb)
     if spec.family == "t5":
         # relative-position buckets: an (s, s) int64 index per stack, kept by the bias embedding
@@ -458,7 +596,7 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
         outside += tokens * spec.hidden_size * nb["x"]  # the encoder's output, read by every cross-attention
         if not _math_path(spec, attention, device):  # SDPA keeps the (zero) cross-attention bias
             outside += a * s * s * nb["x"]
-        if recompute == "full":  # checkpointed blocks also keep their shared inputs: a (1, a, s, s) bias
+        if plan.segments:  # checkpointed blocks also keep their shared inputs: a (1, a, s, s) bias
             outside += a * s * s * nb["x"]
     # A block's backward runs the MLP first (all the block's tensors still saved, plus the MLP's
     # d(hidden)s), then attention (the MLP's tensors freed; with the scores materialised, d(probs)
@@ -468,7 +606,8 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     attn_grads = 2 * scores * nb["f32"] if math else 3 * tokens * spec.q_dim * nb["half"]
     transient = max(mlp_grads, attn_grads - mlp_part, 0)
     return {"layers": layers, "one_layer": one, "outside": outside, "weight_copies": copies,
-            "block_backward": transient, "block_grad_in": 2 * tokens * spec.hidden_size * nb["x"]}
+            "block_backward": transient, "block_grad_in": 2 * tokens * spec.hidden_size * nb["x"],
+            "full": tuple(full), "kept": tuple(kept), "backward_live": tuple(live), "plan": plan, "block_in": block_in}
 
 
 # ============================================================================ training
@@ -552,7 +691,8 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     precision   fp32 | bf16-mixed | fp16-mixed (PyTorch AMP: fp32 model + autocast) | bf16 (pure)
     optimizer   adamw | adam | sgd | sgd-momentum | adamw-8bit;  optimizer_impl for-loop | foreach | fused
     attention   eager (stores the s x s scores) | sdpa (flash / memory-efficient kernels)
-    recompute   none | full (activation checkpointing of every block)
+    recompute   a plan (`recompute_plan`): none | full (activation checkpointing of every block) |
+                selective | sac-matmuls | sqrt | offload | every-K | first-N | segments-K | block set
     device      cuda | cpu: which kernels run (dropout masks are 1-byte bool on CUDA, full-width on
                 CPU; CPU SDPA with dropout materialises the scores)
     trainable_params  fewer than all for frozen-base fine-tuning (PEFT): gradients and optimizer
@@ -583,8 +723,8 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     _check_choice(optimizer, OPTIMIZERS, "optimizer")
     _check_choice(optimizer_impl, OPTIMIZER_IMPLS, "optimizer implementation")
     _check_choice(attention, ATTENTIONS, "attention implementation")
-    _check_choice(recompute, RECOMPUTES, "recompute")
     _check_choice(device, ("cuda", "cpu"), "device")
+    recompute_plan(recompute, spec)  # a clear error for an unknown plan before anything else
     # cuBLAS workspaces, held by the caching allocator for the process's life: one per handle, and
     # the forward (Python thread) and backward (autograd's device thread) use different handles
     workspaces = 2 * cublas_workspace_bytes(gpu) if device == "cuda" else 0
@@ -623,15 +763,23 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     ]
     half = _dtype_bytes(precision, device)["half"]
     loss_side = b * s * (V * 4 + e * half + (8 if spec.is_causal_lm else 0))  # freed by now
-    block_grads = spec.param_groups()["layers"] * pb // (spec.num_layers + spec.num_decoder_layers)
-    if recompute == "full":  # a block is recomputed (all it saves, at once) while its gradient flows
-        phases.append(MemoryBreakdown(**base, activations=act["layers"] + act["outside"] - loss_side + act["one_layer"],
-                                      temporaries=act["block_grad_in"], gradients=head_grad + block_grads,
-                                      phase="backward of a recomputed block"))
-    else:  # the last block's backward: its gradients in flight (small vocabularies peak here)
-        phases.append(MemoryBreakdown(**base, activations=A - loss_side, gradients=head_grad,
-                                      temporaries=act["block_backward"] + act["block_grad_in"],
-                                      phase="backward of the last block"))
+    n_blocks = spec.num_layers + spec.num_decoder_layers
+    block_grads = spec.param_groups()["layers"] * pb // n_blocks if n_train == n_all else 0
+    # each block's backward that may peak: a recomputed segment (all it saves, at once, while its
+    # gradients flow: the blocks after it have made theirs) or the last block (its gradients in
+    # flight; small vocabularies peak here)
+    block_phases = []
+    for i, alive, recomputed in act["backward_live"]:
+        if recomputed and i in act["plan"].checkpointed():
+            block_phases.append(MemoryBreakdown(
+                **base, activations=alive + act["outside"] - loss_side, temporaries=act["block_grad_in"],
+                gradients=head_grad + (n_blocks - i) * block_grads,
+                phase=f"backward of a recomputed block (block {i})"))
+        else:
+            block_phases.append(MemoryBreakdown(
+                **base, activations=alive + act["outside"] + act["weight_copies"] - loss_side, gradients=head_grad,
+                temporaries=act["block_backward"] + act["block_grad_in"], phase="backward of the last block"))
+    phases.append(max(block_phases, key=lambda m: m.total))
     # the embedding's backward makes a dense V x e gradient; tied to the LM head, autograd adds it to
     # the head's gradient. In fp32 the head's gradient is a transposed view (mm's backward), which
     # autograd cannot add to in place: old, new and sum coexist for a moment (measured on CPU and

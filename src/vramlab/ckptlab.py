@@ -1,0 +1,152 @@
+"""Lab 7's measurement: each recompute plan's training step, measured one configuration per
+process, against `vramlab.checkpointing`'s prediction (memory) and recompute fraction (time).
+
+    python -m vramlab.ckptlab --out results.json               # memory: trace on CPU, allocator on a GPU
+    python -m vramlab.ckptlab --time --out results.json        # and step times (real steps)
+
+Memory is the peak of one steady-state step: on the CPU, FakeTensor tracking of the CPU kernels
+(`measure` mode "trace", exact for CPU kernels); on a GPU, `max_memory_allocated`. Time is the
+median of the timed steps after a warm-up, with the plan's overhead t_plan / t_none - 1 set beside
+the predicted recompute FLOPs over the step's FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import checkpointing as ck
+from . import memory as _mem
+from .specs import ModelSpec, SpecError, from_config, preset
+
+# the lab's models: GPT-2 (12 blocks, as released) and a Llama-style model small enough that its
+# activations, not its 128k-token embedding, decide the peak (Llama 3.2's block shapes, scaled down)
+LLAMA_SMALL = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
+               "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 8192,
+               "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+               "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+MODELS = ("gpt2", "llama-small")
+# measured plans: Korthikanti's attention-core recompute and offloading are computed, not measured
+PLANS = ("none", "full", "sac-matmuls", "sqrt", "every-2", "first-4", "segments-4")
+TIMED = ("none", "full", "sqrt", "sac-matmuls")
+
+
+def lab_spec(name: str) -> ModelSpec:
+    if name == "llama-small":
+        return from_config(LLAMA_SMALL, name="llama-small")
+    return preset(name)
+
+
+def _case(spec: ModelSpec, plan: str, *, batch_size: int, seq_len: int, mode: str, precision: str,
+          timing_steps: int) -> dict[str, Any]:
+    from .measure import measure_isolated
+
+    t0 = time.perf_counter()
+    m = measure_isolated("training", spec, batch_size=batch_size, seq_len=seq_len, recompute=plan, mode=mode,
+                         precision=precision, warmup_steps=1 if timing_steps else None, timing_steps=timing_steps)
+    device = "cuda" if mode == "cuda" else "cpu"
+    r = ck.evaluate(spec, plan, batch_size=batch_size, seq_len=seq_len, precision=precision, device=device)
+    measured = m.peak_allocated if mode == "cuda" else m.breakdown.total
+    return {"model": spec.name, "plan": plan, "batch_size": batch_size, "seq_len": seq_len, "precision": precision,
+            "mode": mode, "num_layers": spec.num_layers, "measured_bytes": measured,
+            "measured": m.breakdown.to_dict(), "estimated_bytes": r.peak.total, "estimated_phase": r.peak.phase,
+            "estimated": r.peak.to_dict(), "error_pct": 100 * (r.peak.total - measured) / measured,
+            "recompute_fraction": r.recompute_fraction, "step_seconds": list(m.step_seconds),
+            "wall_seconds": round(time.perf_counter() - t0, 2)}
+
+
+def run(*, models=MODELS, plans=PLANS, batch_size: int = 2, seq_len: int = 512, mode: str = "auto",
+        precision: str = "fp32", time_steps: int = 0, timed_plans=TIMED, time_batch: int = 2, time_seq: int = 256,
+        progress=print) -> dict[str, Any]:
+    """Memory of every plan for every model, and (time_steps > 0) step times of `timed_plans`."""
+    from .measure import provenance, resolve_mode
+
+    mode_ = resolve_mode(mode)
+    if mode_ == "cpu":
+        mode_ = "trace"  # memory by tracing the CPU kernels: the same bytes, seconds instead of minutes
+    for p in (*plans, *(timed_plans if time_steps else ())):
+        _mem.recompute_plan(p, lab_spec(models[0]))  # unknown plans fail here, before any process starts
+    if time_steps and (not timed_plans or timed_plans[0] != "none"):
+        raise ValueError("the first timed plan is the baseline the overheads are measured from: it must be none")
+    cases, times = [], []
+    todo = len(models) * len(plans) + (len(models) * len(timed_plans) if time_steps else 0)
+    done = 0
+    for name in models:
+        spec = lab_spec(name)
+        for plan in plans:
+            c = _case(spec, plan, batch_size=batch_size, seq_len=seq_len, mode=mode_, precision=precision,
+                      timing_steps=0)
+            cases.append(c)
+            done += 1
+            progress(f"[{done}/{todo}] {name} {plan:12s} measured {c['measured_bytes'] / 2**30:6.3f} GiB, "
+                     f"predicted {c['estimated_bytes'] / 2**30:6.3f} GiB ({c['error_pct']:+.2f} %)")
+    if time_steps:
+        tmode = "cuda" if mode_ == "cuda" else "cpu"
+        for name in models:
+            spec = lab_spec(name)
+            b, s = (batch_size, seq_len) if tmode == "cuda" else (time_batch, time_seq)
+            rows = []
+            for plan in timed_plans:
+                c = _case(spec, plan, batch_size=b, seq_len=s, mode=tmode, precision=precision, timing_steps=time_steps)
+                rows.append(c)
+                done += 1
+                med = sorted(c["step_seconds"])[len(c["step_seconds"]) // 2]
+                progress(f"[{done}/{todo}] {name} (b={b} s={s}, timed) {plan:12s} "
+                         f"step {1e3 * med:7.0f} ms, predicted recompute +{100 * c['recompute_fraction']:.1f} %")
+            base = _median(rows[0]["step_seconds"])
+            for c in rows:
+                c["overhead"] = _median(c["step_seconds"]) / base - 1
+            times += rows
+    return {"experiment": "activation checkpointing", "mode": mode_, "provenance": provenance(), "cases": cases,
+            "timing": times, "time_method": "median of the timed steps after one warm-up step, one process per "
+            "plan; overhead = t_plan / t_none - 1 against recompute FLOPs / step FLOPs (checkpointing.flops)"}
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m vramlab.ckptlab", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)} or presets")
+    ap.add_argument("--plans", default=",".join(PLANS))
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16-mixed", "fp16-mixed", "bf16"))
+    ap.add_argument("--mode", default="auto", choices=("auto", "cuda", "trace"))
+    ap.add_argument("--time", type=int, default=0, metavar="STEPS", help="also time STEPS steps per plan (0: no)")
+    ap.add_argument("--timed-plans", default=",".join(TIMED), help="the plans --time times (the first is the baseline)")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    try:
+        models = tuple(m.strip() for m in a.models.split(",") if m.strip())
+        for m in models:
+            lab_spec(m)
+        if a.batch_size < 1 or a.seq_len < 1 or a.time < 0:
+            raise ValueError("--batch-size and --seq-len must be positive, --time non-negative")
+        res = run(models=models, plans=tuple(p.strip() for p in a.plans.split(",")), batch_size=a.batch_size,
+                  seq_len=a.seq_len, mode=a.mode, precision=a.precision, time_steps=a.time,
+                  timed_plans=tuple(p.strip() for p in a.timed_plans.split(",") if p.strip()),
+                  progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except (ValueError, SpecError, NotImplementedError, RuntimeError) as e:
+        print(f"ckptlab: {e}", file=sys.stderr)
+        return 2
+    res["command"] = "python -m vramlab.ckptlab " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = json.dumps(res, indent=1)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
