@@ -183,3 +183,14 @@ def test_stored_step_time_overhead_against_the_recompute_fraction():
     for model in ("gpt2", "llama-small"):
         t = {r["plan"]: r["overhead"] for r in rows if r["model"] == model}
         assert t["none"] == 0 and 0 < t["sac-matmuls"] < t["full"]
+
+
+@pytest.mark.parametrize("plan", ["full", "sqrt", "first-2", "sac-matmuls"])
+def test_t5_checkpoints_keep_one_shared_bias_of_all_heads(plan):
+    """Checkpointed T5 blocks keep their shared (1, a, s, s) position bias as an input: a = the number
+    of heads, whatever the plan's segments (a loop over segments once reused the name `a` and counted
+    the last segment's start instead)."""
+    t5 = preset("t5-small")
+    kw = dict(batch_size=3, seq_len=256, precision="fp32")
+    extra = M.activation_bytes(t5, recompute=plan, **kw)["outside"] - M.activation_bytes(t5, **kw)["outside"]
+    assert extra == t5.num_heads * 256 * 256 * 4

@@ -50,8 +50,11 @@ def flops(model: ModelSpec | str, *, batch_size: int, seq_len: int) -> dict:
 def recompute_flops(model: ModelSpec | str, recompute: "str | Plan", *, batch_size: int, seq_len: int) -> int:
     """FLOPs a plan runs again in the backward."""
     spec = _mem._resolve(model)
-    plan = recompute_plan(recompute, spec)
-    f = flops(spec, batch_size=batch_size, seq_len=seq_len)
+    return _recomputed(recompute_plan(recompute, spec), flops(spec, batch_size=batch_size, seq_len=seq_len))
+
+
+def _recomputed(plan: Plan, f: dict) -> int:
+    """The FLOPs of `flops`' answer `f` that `plan` runs again."""
     if plan.attention_core:
         return sum(f["attention_core"])
     if plan.keep == "matmuls":
@@ -97,7 +100,7 @@ def evaluate(model: ModelSpec | str, recompute: "str | Plan" = "none", *, batch_
                                   optimizer=optimizer, attention=attention, recompute=plan, device=device,
                                   gpu=gpu if device == "cuda" else None)
     f = flops(spec, batch_size=batch_size, seq_len=seq_len)
-    extra = recompute_flops(spec, plan, batch_size=batch_size, seq_len=seq_len)
+    extra = _recomputed(plan, f)
     x = _mem._dtype_bytes(precision, device)["x"]
     moved = len(plan.segments) * batch_size * seq_len * spec.hidden_size * x if plan.offload else 0
     seconds = None
@@ -161,32 +164,13 @@ def brute_force_blocks(model: ModelSpec | str, budget_bytes: int, *, batch_size:
 
 
 def timeline(model: ModelSpec | str, recompute: "str | Plan" = "none", *, batch_size: int, seq_len: int,
-             **kw) -> list[tuple[str, int]]:
+             precision: str = "fp32", attention: str = "sdpa", device: str = "cuda") -> list[tuple[str, int]]:
     """Activation bytes held over one step, event by event: after each block's forward (a
-    checkpointed segment holds all its blocks' tensors while it runs, then only its input), the
-    loss, and during each block's backward (a segment is recomputed whole when its last block's
-    backward begins). Activations only: model states and gradients are `evaluate`'s."""
-    spec = _mem._resolve(model)
-    plan = recompute_plan(recompute, spec)
-    act = _mem.activation_bytes(spec, batch_size=batch_size, seq_len=seq_len, recompute=plan,
-                                **{k: v for k, v in kw.items() if k in ("precision", "attention", "device")})
-    full, kept, n = act["full"], act["kept"], len(act["full"])
-    seg_of = {i: (a, e) for a, e in plan.segments for i in range(a, e)}
-    events, held = [], 0
-    for i in range(n):  # forward: a checkpointed block's tensors are dropped as soon as used
-        held += kept[i]
-        events.append((f"forward {i}", held))
-    events.append(("loss", held + act["outside"]))
-    i = n - 1
-    while i >= 0:  # backward
-        if i in seg_of:
-            a, e = seg_of[i]
-            # SAC's saved outputs stay beside the recomputed tensors until the block's backward ends
-            extra = sum(kept[a:e]) - (e - a) * act["block_in"] if plan.keep == "matmuls" else 0
-            for j in range(e - 1, a - 1, -1):  # the whole segment recomputed, then freed block by block
-                events.append((f"backward {j}", sum(kept[:a]) + sum(full[a:j + 1]) + extra + act["outside"]))
-            i = a - 1
-        else:
-            events.append((f"backward {i}", sum(kept[:i]) + full[i] + act["outside"]))
-            i -= 1
-    return events
+    checkpointed block drops its tensors as they are used and keeps its checkpoint), the loss, and
+    during each block's backward (a segment is recomputed whole when its last block's backward
+    begins). Activations only: model states and gradients are `evaluate`'s."""
+    act = _mem.activation_bytes(_mem._resolve(model), batch_size=batch_size, seq_len=seq_len, recompute=recompute,
+                                precision=precision, attention=attention, device=device)
+    held = list(itertools.accumulate(act["kept"]))
+    return ([(f"forward {i}", b) for i, b in enumerate(held)] + [("loss", held[-1] + act["outside"])]
+            + [(f"backward {i}", b + act["outside"]) for i, b in act["backward"]])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import math
 import operator
 from dataclasses import dataclass
@@ -539,8 +540,8 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     'one_layer' (the largest block), 'outside' (embeddings, head, loss) and 'weight_copies'
     (autocast's half-precision weights). `recompute` is a plan (`recompute_plan`): a checkpointed
     segment keeps only its input. Per block, in forward order: 'full' (what it saves without
-    recompute) and 'kept' (what it keeps under the plan); 'backward_live': for each block whose
-    backward may peak, (block, activations of the blocks alive then, recomputed?).
+    recompute) and 'kept' (what it keeps under the plan); 'backward': for each block, last first,
+    (block, activations of the blocks alive during its backward).
     `frozen_base`: PEFT with adapters on the attention projections (LoRA's default targets): the
     frozen linears save no input (checked on mT5-base LoRA r=8 q,v on an H100)."""
     spec = _resolve(spec)
@@ -573,18 +574,23 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     matmuls = _ledger_bytes(_matmul_outputs(spec, attention=attention, device=device, precision=precision),
                             tokens=tokens, scores=scores, nbytes=nb)
     kept = [f - p if plan.attention_core else f for f, p in zip(full, per_score)]
-    live: list[tuple[int, int, bool]] = []  # (block, blocks' activations alive in its backward, recomputed)
-    for a, e in plan.segments:
-        for i in range(a, e):
+    for lo, hi in plan.segments:  # (not `a`: that is the number of heads here)
+        for i in range(lo, hi):
             kept[i] = (block_in + matmuls) if plan.keep == "matmuls" else 0
         if plan.keep == "input":
-            kept[a] = 0 if plan.offload else block_in
-    for a, e in plan.segments:  # the segment's last block: the whole segment recomputed, earlier blocks kept
-        extra = sum(kept[a:e]) - (e - a) * block_in if plan.keep == "matmuls" else 0  # SAC's saved outputs stay
-        live.append((e - 1, sum(kept[:a]) + sum(full[a:e]) + extra, True))
-    last = n_enc + n_dec - 1
-    if last not in plan.checkpointed():  # the last block's backward, nothing recomputed
-        live.append((last, sum(kept[:last]) + full[last], plan.attention_core))
+            kept[lo] = 0 if plan.offload else block_in
+    kept_before = list(itertools.accumulate(kept, initial=0))  # kept_before[i]: what blocks 0..i-1 keep
+    full_before = list(itertools.accumulate(full, initial=0))
+    seg_of = {i: (lo, hi) for lo, hi in plan.segments for i in range(lo, hi)}
+    backward = []  # (block, activations of the blocks alive in its backward), in backward order
+    for i in reversed(range(n_enc + n_dec)):
+        if i in seg_of:  # the whole segment is recomputed when its last block's backward begins, then freed block by block
+            lo, hi = seg_of[i]
+            # SAC's saved outputs stay beside the recomputed tensors until the block's backward ends
+            extra = kept_before[hi] - kept_before[lo] - (hi - lo) * block_in if plan.keep == "matmuls" else 0
+            backward.append((i, kept_before[lo] + full_before[i + 1] - full_before[lo] + extra))
+        else:
+            backward.append((i, kept_before[i] + full[i]))
     layers = sum(kept)
     plain = n_enc + n_dec - len(plan.checkpointed())  # blocks run once: autocast keeps their weights' casts
     copies = (2 * _linear_weight_params(spec) * plain // max(n_enc + n_dec, 1)
@@ -607,7 +613,7 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     transient = max(mlp_grads, attn_grads - mlp_part, 0)
     return {"layers": layers, "one_layer": one, "outside": outside, "weight_copies": copies,
             "block_backward": transient, "block_grad_in": 2 * tokens * spec.hidden_size * nb["x"],
-            "full": tuple(full), "kept": tuple(kept), "backward_live": tuple(live), "plan": plan, "block_in": block_in}
+            "full": tuple(full), "kept": tuple(kept), "backward": tuple(backward), "block_in": block_in}
 
 
 # ============================================================================ training
@@ -724,7 +730,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     _check_choice(optimizer_impl, OPTIMIZER_IMPLS, "optimizer implementation")
     _check_choice(attention, ATTENTIONS, "attention implementation")
     _check_choice(device, ("cuda", "cpu"), "device")
-    recompute_plan(recompute, spec)  # a clear error for an unknown plan before anything else
+    plan = recompute_plan(recompute, spec)
     # cuBLAS workspaces, held by the caching allocator for the process's life: one per handle, and
     # the forward (Python thread) and backward (autograd's device thread) use different handles
     workspaces = 2 * cublas_workspace_bytes(gpu) if device == "cuda" else 0
@@ -738,7 +744,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     T_opt = optimizer_step_temporaries(optimizer, optimizer_impl, spec, n_train, precision)
     inputs = b * s * 8 * (2 if spec.family == "t5" else 1)  # int64 ids (+ T5's separate labels)
     act = activation_bytes(spec, batch_size=b, seq_len=s, precision=precision, attention=attention,
-                           recompute=recompute, device=device, frozen_base=n_train < n_all)
+                           recompute=plan, device=device, frozen_base=n_train < n_all)
     A = act["layers"] + act["outside"] + act["weight_copies"]
     amp = _cuda_amp(precision, device)
     logits32 = b * s * V * 4  # the loss works on fp32 logits
@@ -768,14 +774,15 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     # each block's backward that may peak: a recomputed segment (all it saves, at once, while its
     # gradients flow: the blocks after it have made theirs) or the last block (its gradients in
     # flight; small vocabularies peak here)
+    segment_ends = {e - 1 for _, e in plan.segments}
     block_phases = []
-    for i, alive, recomputed in act["backward_live"]:
-        if recomputed and i in act["plan"].checkpointed():
+    for i, alive in act["backward"]:
+        if i in segment_ends:
             block_phases.append(MemoryBreakdown(
                 **base, activations=alive + act["outside"] - loss_side, temporaries=act["block_grad_in"],
                 gradients=head_grad + (n_blocks - i) * block_grads,
                 phase=f"backward of a recomputed block (block {i})"))
-        else:
+        elif i == n_blocks - 1:
             block_phases.append(MemoryBreakdown(
                 **base, activations=alive + act["outside"] + act["weight_copies"] - loss_side, gradients=head_grad,
                 temporaries=act["block_backward"] + act["block_grad_in"], phase="backward of the last block"))
