@@ -3,14 +3,13 @@ stored measurements of lab 7."""
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 
 import pytest
 
 from vramlab import checkpointing as C
 from vramlab import memory as M
-from vramlab.ckptlab import LLAMA_SMALL as C_LLAMA  # the lab's Llama-style shape (a choice, not an expectation)
+from vramlab.ckptlab import lab_spec  # the lab's models (a choice of shapes, not an expectation)
 from vramlab.specs import from_config, preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,10 +144,6 @@ def _stored():
     return json.loads((ROOT / "benchmarks" / "results" / "checkpointing" / "ckptlab_cpu.json").read_text())
 
 
-def _spec(name):
-    return preset("gpt2") if name == "gpt2" else from_config(C_LLAMA, name="llama-small")
-
-
 def test_stored_memory_of_every_plan_within_5_percent():
     """Issue 14: every plan's traced peak within 5 % of the prediction, recomputed here from the
     case's settings (not read from the file)."""
@@ -158,7 +153,7 @@ def test_stored_memory_of_every_plan_within_5_percent():
     assert {c["plan"] for c in cases} == {"none", "full", "sac-matmuls", "sqrt", "every-2", "first-4", "segments-4"}
     assert {c["model"] for c in cases} == {"gpt2", "llama-small"}
     for c in cases:
-        pred = C.evaluate(_spec(c["model"]), c["plan"], batch_size=c["batch_size"], seq_len=c["seq_len"],
+        pred = C.evaluate(lab_spec(c["model"]), c["plan"], batch_size=c["batch_size"], seq_len=c["seq_len"],
                           precision=c["precision"], device="cpu").peak.total
         assert abs(pred - c["measured_bytes"]) <= 0.05 * c["measured_bytes"], (c["model"], c["plan"])
     # and the plans really differ: full recompute saves more than a third of GPT-2's peak here
@@ -173,7 +168,7 @@ def test_stored_step_time_overhead_against_the_recompute_fraction():
     rows = _stored()["timing"]
     checked = 0
     for r in rows:
-        spec = _spec(r["model"])
+        spec = lab_spec(r["model"])
         if r["plan"] in ("full", "sqrt"):
             frac = C.recompute_flops(spec, r["plan"], batch_size=r["batch_size"], seq_len=r["seq_len"]) / \
                 C.flops(spec, batch_size=r["batch_size"], seq_len=r["seq_len"])["step"]

@@ -168,18 +168,24 @@ WRONG_RING = '''def ring_all_reduce(tensor, rank, world_size):
 
 def test_lab2_wrong_answers_lose_their_points():
     base = _exercises_only(tools.source_notebook("lab02_collectives"))
-    wrong = _with_solution(_with_solution(base, "ex1-solution", WRONG_BUSBW), "ex3-solution", WRONG_RING)
+    wrong = _with_solutions(base, {"ex1-solution": WRONG_BUSBW, "ex3-solution": WRONG_RING})
     scores = tools.grade(wrong, "lab02_collectives")
     assert scores["ex1-test"][0] == 0 and "1.75" in scores["ex1-test"][2]
     assert scores["ex3-test"][0] == 0 and scores["ex2-test"][0] == 2
 
 
-def _with_solution(nb, grade_id, code):
+def _with_solutions(nb, answers):
+    """A copy of `nb` whose cells named in `answers` ({grade_id: code}) hold that code."""
     nb = copy.deepcopy(nb)
     for cell in nb.cells:
-        if cell.metadata.get("nbgrader", {}).get("grade_id") == grade_id:
-            cell.source = code
+        gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if gid in answers:
+            cell.source = answers[gid]
     return nb
+
+
+def _with_solution(nb, grade_id, code):
+    return _with_solutions(nb, {grade_id: code})
 
 
 WRONG_EX1 = '''def gpt2_param_count(*, n_layer, n_embd, vocab_size, n_positions, n_inner=None):
@@ -198,7 +204,7 @@ WRONG_EX2 = '''def model_state_bytes(n_params, recipe):
 
 def test_wrong_answers_lose_their_points():
     base = _exercises_only(tools.source_notebook(LAB))
-    wrong = _with_solution(_with_solution(base, "ex1-solution", WRONG_EX1), "ex3-solution", WRONG_EX3)
+    wrong = _with_solutions(base, {"ex1-solution": WRONG_EX1, "ex3-solution": WRONG_EX3})
     scores = tools.grade(wrong, LAB)
     assert scores["ex1-test"][0] == 0 and scores["ex3-test"][0] == 0 and scores["ex2-test"][0] == 3
     assert "tie" in scores["ex1-test"][2]  # the feedback explains the mistake
@@ -431,7 +437,7 @@ WRONG_STATES = '''def device_state_bytes(*, num_layers, h, f, V, dp, tp, pp, sta
 
 def test_lab3_wrong_answers_lose_their_points():
     base = _exercises_only(tools.source_notebook("lab03_parallelism"))
-    wrong = _with_solution(_with_solution(base, "ex3-solution", WRONG_TP), "ex2-solution", WRONG_STATES)
+    wrong = _with_solutions(base, {"ex3-solution": WRONG_TP, "ex2-solution": WRONG_STATES})
     scores = tools.grade(wrong, "lab03_parallelism")
     assert scores["ex3-test"][0] == 0 and "partial product" in scores["ex3-test"][2]
     assert scores["ex2-test"][0] == 0 and scores["ex1-test"][0] == 2
@@ -476,8 +482,8 @@ WRONG_SENT = '''def zero_bytes_sent(n_params, n_ranks, stage, bytes_per_value=2)
 
 def test_lab4_wrong_answers_lose_their_points():
     base = _exercises_only(tools.source_notebook("lab04_zero"))
-    wrong = _with_solution(_with_solution(_with_solution(base, "ex3-solution", WRONG_ZERO1), "ex1-solution",
-                                          WRONG_ZERO_BYTES), "ex2-solution", WRONG_SENT)
+    wrong = _with_solutions(base, {"ex3-solution": WRONG_ZERO1, "ex1-solution": WRONG_ZERO_BYTES,
+                                   "ex2-solution": WRONG_SENT})
     scores = tools.grade(wrong, "lab04_zero")
     assert scores["ex3-test"][0] == 0 and "optimizer-state values" in scores["ex3-test"][2]
     assert scores["ex1-test"][0] == 0 and "Figure 1" in scores["ex1-test"][2]
@@ -535,8 +541,8 @@ WRONG_CHOICE = '''def choose_checkpoints(full, inputs, flops, outside, budget):
 
 def test_lab7_wrong_answers_lose_their_points():
     base = _exercises_only(tools.source_notebook("lab07_checkpointing"))
-    wrong = _with_solution(_with_solution(_with_solution(base, "ex1-solution", WRONG_SEGMENTS), "ex2-solution",
-                                          WRONG_FRACTION), "ex3-solution", WRONG_CHOICE)
+    wrong = _with_solutions(base, {"ex1-solution": WRONG_SEGMENTS, "ex2-solution": WRONG_FRACTION,
+                                   "ex3-solution": WRONG_CHOICE})
     scores = tools.grade(wrong, "lab07_checkpointing")
     assert scores["ex1-test"][0] == 0 and "11 checkpoints" in scores["ex1-test"][2]
     assert scores["ex2-test"][0] == 0 and "GPT-3" in scores["ex2-test"][2]

@@ -300,7 +300,7 @@ ZERO = Calculator(
 def _checkpointing(*, model: str, plan: str, batch_size: int, seq_len: int, precision: str, gpu: str) -> Result:
     spec, g = specs.preset(model), specs.gpu(gpu)
     kw = dict(batch_size=batch_size, seq_len=seq_len, precision=precision, gpu=gpu)
-    plans = [p for p in CK.PLANS]
+    plans = list(CK.PLANS)
     if plan not in plans:
         plans.append(plan)
     results = {p: CK.evaluate(spec, p, **kw) for p in plans}

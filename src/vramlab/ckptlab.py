@@ -13,8 +13,8 @@ the predicted recompute FLOPs over the step's FLOPs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -95,22 +95,16 @@ def run(*, models=MODELS, plans=PLANS, batch_size: int = 2, seq_len: int = 512, 
                 c = _case(spec, plan, batch_size=b, seq_len=s, mode=tmode, precision=precision, timing_steps=time_steps)
                 rows.append(c)
                 done += 1
-                med = sorted(c["step_seconds"])[len(c["step_seconds"]) // 2]
+                med = statistics.median(c["step_seconds"])
                 progress(f"[{done}/{todo}] {name} (b={b} s={s}, timed) {plan:12s} "
                          f"step {1e3 * med:7.0f} ms, predicted recompute +{100 * c['recompute_fraction']:.1f} %")
-            base = _median(rows[0]["step_seconds"])
+            base = statistics.median(rows[0]["step_seconds"])
             for c in rows:
-                c["overhead"] = _median(c["step_seconds"]) / base - 1
+                c["overhead"] = statistics.median(c["step_seconds"]) / base - 1
             times += rows
     return {"experiment": "activation checkpointing", "mode": mode_, "provenance": provenance(), "cases": cases,
             "timing": times, "time_method": "median of the timed steps after one warm-up step, one process per "
             "plan; overhead = t_plan / t_none - 1 against recompute FLOPs / step FLOPs (checkpointing.flops)"}
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
 
 
 def main(argv: list[str] | None = None) -> int:
