@@ -189,3 +189,16 @@ def test_t5_checkpoints_keep_one_shared_bias_of_all_heads(plan):
     kw = dict(batch_size=3, seq_len=256, precision="fp32")
     extra = M.activation_bytes(t5, recompute=plan, **kw)["outside"] - M.activation_bytes(t5, **kw)["outside"]
     assert extra == t5.num_heads * 256 * 256 * 4
+
+
+@pytest.mark.parametrize("argv, says", [(["--plans", "selective"], "computed by vramlab.memory but not measured"),
+                                        (["--models", "t5-small", "--plans", "none,sqrt"], "decoder-only models"),
+                                        (["--plans", "most"], "unknown recompute plan"),
+                                        (["--time", "2", "--timed-plans", "full"], "must be none")])
+def test_ckptlab_refuses_what_it_cannot_measure_before_any_process_starts(argv, says, capsys):
+    pytest.importorskip("torch")
+    from vramlab import ckptlab
+
+    assert ckptlab.main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1 and "measured" not in err.split("ckptlab:")[0]

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from . import checkpointing as ck
-from . import memory as _mem
 from .specs import ModelSpec, SpecError, from_config, preset
 
 # the lab's models: GPT-2 (12 blocks, as released) and a Llama-style model small enough that its
@@ -69,8 +68,11 @@ def run(*, models=MODELS, plans=PLANS, batch_size: int = 2, seq_len: int = 512, 
     mode_ = resolve_mode(mode)
     if mode_ == "cpu":
         mode_ = "trace"  # memory by tracing the CPU kernels: the same bytes, seconds instead of minutes
-    for p in (*plans, *(timed_plans if time_steps else ())):
-        _mem.recompute_plan(p, lab_spec(models[0]))  # unknown plans fail here, before any process starts
+    from .measure import check_measurable
+
+    for name in models:  # a plan that cannot be measured fails here, before any process starts
+        for p in (*plans, *(timed_plans if time_steps else ())):
+            check_measurable(lab_spec(name), p)
     if time_steps and (not timed_plans or timed_plans[0] != "none"):
         raise ValueError("the first timed plan is the baseline the overheads are measured from: it must be none")
     cases, times = [], []

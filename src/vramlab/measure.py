@@ -351,12 +351,29 @@ def save_matmuls_context():
     return create_selective_checkpoint_contexts(policy)
 
 
+_PLAN_FAMILIES = ("gpt2", "llama", "opt", "gpt_neox")  # decoder-only: one list of blocks, each returning a tensor
+
+
+def check_measurable(spec: ModelSpec, recompute: Recompute):
+    """The plan `measure_training` would run for `spec`, or NotImplementedError (one line) where it
+    cannot: "selective" and "offload" are computed, not measured; plans other than none and full
+    (transformers' own switch) regroup the blocks of decoder-only models only."""
+    from .memory import recompute_plan
+
+    plan = recompute_plan(recompute, spec)
+    if plan.attention_core or plan.offload:
+        raise NotImplementedError(f"the {plan.name!r} plan is computed by vramlab.memory but not measured")
+    if plan.segments and recompute != "full" and spec.family not in _PLAN_FAMILIES:
+        raise NotImplementedError(f"recompute plans other than none/full are measured on decoder-only models "
+                                  f"({', '.join(_PLAN_FAMILIES)} families), not {spec.family}")
+    return plan
+
+
 def _block_list(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.ModuleList:
     lists = [m for _, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == spec.num_layers
              and len({type(b) for b in m}) == 1]
-    if spec.family not in ("gpt2", "llama", "opt", "gpt_neox") or len(lists) != 1:
-        raise NotImplementedError(f"recompute plans other than none/full are measured on decoder-only models "
-                                  f"(gpt2, llama, opt, gpt_neox families), not {spec.family}")
+    if len(lists) != 1:
+        raise NotImplementedError(f"{spec.name}: no single list of {spec.num_layers} blocks to regroup")
     return lists[0]
 
 
@@ -367,11 +384,7 @@ def apply_plan(model: torch.nn.Module, spec: ModelSpec, recompute: Recompute) ->
     "selective" (Korthikanti's attention-core recompute, a change inside attention) are not
     rearrangements: the first is the model as it is, the second is not measured. Offloading the
     checkpoints to host memory is not measured either."""
-    from .memory import recompute_plan
-
-    plan = recompute_plan(recompute, spec)
-    if plan.attention_core or plan.offload:
-        raise NotImplementedError(f"the {plan.name!r} plan is computed by vramlab.memory but not measured")
+    plan = check_measurable(spec, recompute)
     if not plan.segments:
         return model
     blocks = _block_list(model, spec)
