@@ -314,7 +314,7 @@ def _checkpointing(*, model: str, plan: str, batch_size: int, seq_len: int, prec
     fits = mine.peak.total <= g.usable_bytes
     lines = [mine.peak.table(title=f"plan {plan}: peak at {mine.peak.phase}"), "",
              f"recompute: {100 * mine.recompute_fraction:.1f} % of the step's FLOPs; step ≈ {1e3 * mine.step_seconds:,.0f} ms "
-             f"on {g.name} at 40 % of its peak FLOP/s",
+             f"on {g.name} at {100 * CK.MFU:.0f} % of its peak FLOP/s",
              f"{'fits' if fits else 'does NOT fit'} in {fmt_bytes(g.usable_bytes)} usable",
              ("least recompute that fits: " + best.plan.name + f" ({fmt_bytes(best.peak.total)}, "
               f"+{100 * best.recompute_fraction:.1f} % FLOPs)") if best else "no plan fits: fewer tokens per step"]

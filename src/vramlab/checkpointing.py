@@ -21,6 +21,7 @@ from .memory import MemoryBreakdown, Plan, recompute_plan
 from .specs import GPUSpec, ModelSpec, gpu as _gpu
 
 PLANS: tuple[str, ...] = ("none", "selective", "sac-matmuls", "full", "sqrt", "offload")
+MFU = 0.4  # the share of a GPU's dense peak FLOP/s a step is assumed to reach (step_seconds)
 
 
 def _block_matmul_params(spec: ModelSpec) -> list[int]:
@@ -88,7 +89,7 @@ class PlanResult:
 
 def evaluate(model: ModelSpec | str, recompute: "str | Plan" = "none", *, batch_size: int, seq_len: int,
              precision: str = "bf16-mixed", optimizer: str = "adamw", attention: str = "sdpa",
-             device: str = "cuda", gpu: GPUSpec | str | None = None, mfu: float = 0.4) -> PlanResult:
+             device: str = "cuda", gpu: GPUSpec | str | None = None, mfu: float = MFU) -> PlanResult:
     """A plan's peak memory and its cost. With `gpu`, the step time: FLOPs (plus the recompute) at
     `mfu` of the GPU's dense peak for the precision, and for "offload" the transfer of the
     checkpoints over the host link where it exceeds the step's compute (it overlaps)."""
