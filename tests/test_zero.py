@@ -103,10 +103,10 @@ def _stored_zero():
 
 def test_stored_zero_run_trains_what_one_process_trains():
     """Lab 4's run: every setup's trained parameters equal one process's on all ranks' data within
-    1 % of the 3 steps' total Adam update (lr 1e-3 each), and every setup moved the same as the others."""
+    1 % of the steps' total Adam update (lr 1e-3 each), and every setup moved the same as the others."""
     run = _stored_zero()
     assert set(run["setups"]) == {"0", "1", "2", "3", "fsdp2"} and run["ranks"] == 2
-    assert all(s["max_abs_diff_vs_one_process"] < 0.01 * 3 * 1e-3 for s in run["setups"].values())
+    assert all(s["max_abs_diff_vs_one_process"] < 0.01 * run["steps"] * 1e-3 for s in run["setups"].values())
 
 
 @pytest.mark.parametrize("precision, recipe", [("fp32", "fp32-adam"), ("bf16", "mixed-adam")])
@@ -131,6 +131,53 @@ def test_resident_model_states_against_the_stored_measurement(setup, precision, 
         for cat in ("parameters", "gradients", "optimizer_states", "other"):
             want = getattr(pred, cat)
             assert abs(got[cat] - want) <= 0.005 * max(want, 1) + 4096, (setup, cat, got[cat], want)
+
+
+def _stored_runs():
+    for name, recipe in (("zerolab_gloo_2ranks.json", "fp32-adam"), ("zerolab_gloo_2ranks_bf16.json", "mixed-adam")):
+        run = json.loads((ROOT / "benchmarks" / "results" / "zero" / name).read_text())
+        assert ("--precision bf16" in run["command"]) == (recipe == "mixed-adam")
+        yield run, recipe
+
+
+@pytest.mark.parametrize("setup", ["0", "1", "2", "3", "fsdp2"])
+def test_step_peak_against_the_stored_measurement(setup):
+    """estimate_rank (model states between steps + the step's worst phase) against lab 4's measured
+    step peaks, fp32 and bf16, 2 gloo ranks, 3 measured steps each: within 5 % of the largest measured
+    (over ranks and steps: a layout fits only if every rank fits in every step), and never more than
+    1 % below any one. The part beyond the between-step states (activations, gradient copies, buckets,
+    gathered parameters) within 10 % of the largest measured one: stages 1-2 are dominated by the
+    reduce bucket and the totals alone would not see an error there. The estimate before this check
+    (paper states + activations) was 13.5 % low for bf16 ZeRO-0 and 21 % low for FSDP2."""
+    from vramlab.zerolab import lab_model
+
+    spec = lab_model()
+    impl, stage = ("fsdp2", 3) if setup == "fsdp2" else ("deepspeed", int(setup))
+    for run, recipe in _stored_runs():
+        assert run["steps"] - 2 >= 3  # the largest of 3 measured steps
+        est = Z.estimate_rank(spec, run["ranks"], stage, micro_batch_size=run["micro_batch_size"], seq_len=run["seq_len"],
+                              recipe=recipe, implementation=impl, optimizer_impl="for-loop", device="cpu")
+        ranks = run["setups"][setup]["per_rank"]
+        between = Z.model_states(spec, run["ranks"], stage, recipe=recipe, implementation=impl).total
+        peaks = [r["resident"]["total"] + t for r in ranks for t in r["step_transient_peaks"]]
+        assert abs(est.total - max(peaks)) <= 0.05 * max(peaks), (recipe, est.phase, est.total, max(peaks))
+        assert est.total >= 0.99 * max(peaks) and est.total >= 0.99 * min(peaks)
+        step = max(t for r in ranks for t in r["step_transient_peaks"])
+        assert abs((est.total - between) - step) <= 0.10 * step, (recipe, est.total - between, step)
+
+
+def test_step_peak_against_the_h100_allocator():
+    """The one-rank H100 run: estimate_rank on CUDA (with the two cuBLAS workspaces) against the
+    allocator's peak over the measured step, ZeRO-3 and FSDP2 within 5 %."""
+    from vramlab.zerolab import lab_model
+
+    run = json.loads((ROOT / "benchmarks" / "results" / "zero" / "zerolab_h100_nccl1_fp32.json").read_text())
+    for setup, s in run["setups"].items():
+        impl = "fsdp2" if setup == "fsdp2" else "deepspeed"
+        est = Z.estimate_rank(lab_model(), 1, 3, micro_batch_size=run["micro_batch_size"], seq_len=run["seq_len"],
+                              recipe="fp32-adam", implementation=impl, optimizer_impl="for-loop", gpu="h100-80gb")
+        got = s["per_rank"][0]["cuda"]["peak_allocated"]
+        assert abs(est.total - got) <= 0.05 * got, (setup, est.total, got)
 
 
 def test_stored_communication_per_step():
@@ -165,6 +212,9 @@ def test_stored_communication_per_step():
     (lambda: Z.model_states("gpt2", 2, 1, implementation="megatron"), "implementation"),
     (lambda: Z.model_states("gpt2", 2, 2, implementation="fsdp2"), "FSDP2"),
     (lambda: Z.communication(10, 2, 3, link="carrier-pigeon"), "link"),
+    (lambda: Z.estimate_rank("gpt2", 2, 1, micro_batch_size=1, seq_len=8, optimizer_impl="apex"), "optimizer_impl"),
+    (lambda: Z.estimate_rank("gpt2", 2, 1, micro_batch_size=1, seq_len=8, device="tpu"), "device"),
+    (lambda: Z.estimate_rank("gpt2", 2, 2, micro_batch_size=1, seq_len=8, implementation="fsdp2"), "FSDP2"),
 ])
 def test_bad_input_is_one_clear_error(call, match):
     with pytest.raises(ValueError, match=match):

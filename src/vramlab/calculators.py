@@ -259,7 +259,7 @@ def _zero(*, model: str, setup: str, ranks: int, recipe: str, micro_batch_size: 
           link: str) -> Result:
     spec, g = specs.preset(model), specs.gpu(gpu)
     impl, stage = ("fsdp2", 3) if setup == "fsdp2" else ("deepspeed", int(setup))
-    kw = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, recipe=recipe)
+    kw = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, recipe=recipe, gpu=g)
     rows = [(f"ZeRO-{s}", Z.estimate_rank(spec, ranks, s, **kw)) for s in Z.STAGES]
     rows.append(("FSDP2", Z.estimate_rank(spec, ranks, 3, implementation="fsdp2", **kw)))
     mine = Z.estimate_rank(spec, ranks, stage, implementation=impl, **kw)
@@ -276,7 +276,8 @@ def _zero(*, model: str, setup: str, ranks: int, recipe: str, micro_batch_size: 
              f"the paper's model states alone: {fmt_bytes(paper.total)} per rank",
              f"communication per step: {fmt_bytes(comm['bytes_sent_per_rank'])} sent per rank "
              f"({comm['volume_in_psi']:.0f} Psi), {comm['seconds'] * 1e3:.1f} ms over {link}",
-             "(the step's peak composes measured model states with chapter 1's activations; not yet measured as a whole)"]
+             f"peak phase: {mine.phase} (model states between steps + the step's worst phase, "
+             "checked against lab 4's measured steps)"]
     return Result(text="\n".join(lines), svg=svg, numbers={
         "per_rank": (mine.total, fmt_bytes(mine.total)), "fits": (int(ok), "yes" if ok else "no"),
         "comm_ms": (comm["seconds"] * 1e3, f"{comm['seconds'] * 1e3:.1f} ms")})

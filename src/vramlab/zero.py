@@ -14,9 +14,11 @@ What is here:
   `estimate_zero3_model_states_mem_needs`), reproduced formula for formula, with the version that its
   documentation still prints for ZeRO-2 (4 Psi + 16 Psi / N) beside the one its code computes since
   PR #5099 (2 Psi + 18 Psi / N);
-- `model_states`: one `MemoryBreakdown` per rank in `memory`'s categories for a real model and
-  recipe, with what the Psi/N formulas leave out: stage 3's gathered layers in flight (the one in use
-  and the one prefetched, at least the largest layer), and the flat communication buckets;
+- `model_states`: what one rank holds between steps, in `memory`'s categories, for a real model and
+  recipe, with what the Psi/N formulas leave out: the fp32 master partition even for an fp32 model,
+  ZeRO-3's persistent small tensors and its reduce bucket;
+- `estimate_rank`: one rank's peak in a step, `model_states` plus the step's worst phase (activations,
+  the gradients' copies and buckets, stage 3's gathered parameters, FSDP2's units in flight);
 - `communication`: bytes each rank sends per step (stages 0-2: 2 Psi, as one all-reduce or a
   reduce-scatter plus an all-gather; stage 3: 3 Psi) and their time on a link (`collectives`).
 """
@@ -150,6 +152,7 @@ def deepspeed_estimate(n_params: int, stage: Literal[2, 3], *, gpus_per_node: in
 IMPLEMENTATIONS: tuple[str, ...] = ("paper", "deepspeed", "fsdp2")
 REDUCE_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default, in elements
 PERSISTENCE = 100_000  # DeepSpeed's stage3_param_persistence_threshold default, in elements
+PREFETCH = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size default, in elements
 
 
 def persistent_params(model: ModelSpec | str, threshold: int = PERSISTENCE) -> int:
@@ -217,16 +220,52 @@ def model_states(model: ModelSpec | str, n_ranks: int, stage: Stage, *, recipe: 
 _ACT_PRECISION = {"mixed-adam": "bf16-fp32-states", "fp32-adam": "fp32", "bf16-fp32-grads": "bf16-fp32-states"}
 
 
+OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "for-loop", "foreach")
+
+
+def _step_side(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, precision: str, attention: str,
+               device: str) -> int:
+    """What one rank's forward and backward add to its model states at their worst moment, with
+    local gradients in the model's dtype (`memory.training_phases`' phases up to the last block's
+    backward: activations, temporaries and the gradients made so far)."""
+    phases = _mem.training_phases(spec, batch_size=micro_batch_size, seq_len=seq_len, precision=precision,
+                                  attention=attention, device=device, optimizer_impl="fused")
+    return max(ph.activations + ph.temporaries + ph.gradients for ph in phases
+               if not ph.phase.startswith(("embedding", "optimizer")))
+
+
+def _unit_params(spec: ModelSpec) -> int:
+    """The largest FSDP2 unit of `lab 4`'s wrapping (each block its own unit, the rest the root)."""
+    groups = spec.param_groups()
+    blocks = max(spec.num_layers + spec.num_decoder_layers, 1)
+    return max(groups["layers"] // blocks, spec.params - groups["layers"])
+
+
 def estimate_rank(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_batch_size: int, seq_len: int,
                   recipe: str = "mixed-adam", implementation: str = "deepspeed", attention: str = "sdpa",
-                  reduce_bucket: int = REDUCE_BUCKET) -> _mem.MemoryBreakdown:
-    """One rank's peak in a training step, by category: the paper's model states at the peak (every
-    gradient counted, `paper_per_rank`); the activations of the rank's micro-batch (`memory`'s ledger,
-    a 16-bit model for the 16-bit recipes, as DeepSpeed runs it); under stage 3 the gathered layers in
-    flight (the one in use and one prefetched, each at least the largest module, in the parameters'
-    dtype); with DeepSpeed from stage 1, the reduce bucket (`reduce_bucket` elements in the gradients'
-    dtype) under `other`. The model states between steps are measured (lab 4, `model_states`); this
-    peak composes them with chapter 1's activations and is not yet checked against a measured step."""
+                  reduce_bucket: int = REDUCE_BUCKET, optimizer_impl: str = "fused",
+                  device: Literal["cuda", "cpu"] = "cuda", gpu=None) -> _mem.MemoryBreakdown:
+    """One rank's peak in a training step: what stays between steps (`model_states`, as lab 4
+    measured it) plus the step's worst moment, the larger of these phases:
+    - forward/backward: the rank's micro-batch's activations, temporaries and local gradients
+      (`memory.training_phases`; a 16-bit model for the 16-bit recipes, as DeepSpeed runs it);
+    - DeepSpeed ZeRO-0, optimizer step: every gradient in the model's dtype, a second fp32 copy of
+      them all (fp32: the flat copy the all-reduce works on; bf16: the BF16 optimizer's fp32
+      accumulation) and the optimizer's temporaries;
+    - ZeRO-1/2: the reduce bucket (`reduce_bucket` elements, allocated whole whatever the model's
+      size) beside the backward, or beside the flat gradients and this rank's fp32 gradient partition;
+    - ZeRO-3: the gathered parameters, twice (the all-gather's flat output and the parameters'
+      copies), of every parameter above the persistence threshold (DeepSpeed gathers the whole model
+      when it fits the prefetch window, as in lab 4; at most 2 x (prefetch bucket + largest layer)
+      for a large model); the bucket and the gradient partition are between-step states already;
+    - FSDP2: two units gathered (the one in use and the one prefetched) in the compute dtype, the
+      unit's unsharded gradients, their fp32 copy that the reduce-scatter reads, and the fp32
+      gradient shards.
+    The optimizer's temporaries follow `optimizer_impl` (fused: none, DeepSpeed's FusedAdam; for-loop:
+    torch's AdamW(foreach=False), as lab 4 runs it; foreach: a copy of the states it steps). On CUDA
+    the two cuBLAS workspaces (sized for `gpu`) are under `other`, as in `memory`. Checked against lab
+    4's measured step peaks (gloo ranks, fp32 and bf16, the largest over ranks and steps; the H100's
+    allocator) in tests/test_zero.py: within 5 %, never below."""
     spec = _mem._resolve(model)
     n, s = _count("n_ranks", n_ranks), _stage(stage)
     pb, gb, k = _recipe(recipe)
@@ -234,21 +273,51 @@ def estimate_rank(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_b
         raise ValueError(f"implementation must be deepspeed or fsdp2, got {implementation!r}")
     if implementation == "fsdp2" and s != 3:
         raise ValueError("FSDP2's fully_shard is ZeRO-3 (stage 3)")
+    if optimizer_impl not in OPTIMIZER_IMPLS:
+        raise ValueError(f"optimizer_impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got {optimizer_impl!r}")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be cuda or cpu, got {device!r}")
     _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
     _mem._check_positions(spec, seq_len)
-    base = paper_per_rank(spec.params, n, s, k=k, param_bytes=pb, grad_bytes=gb)
-    act = _mem.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len,
-                                precision=_ACT_PRECISION[recipe], attention=attention)
-    gathered = 0
-    if s == 3 and n > 1:
-        block = spec.param_groups()["layers"] // max(spec.num_layers, 1)
-        gathered = 2 * max(block, largest_layer_params(spec)) * pb
-    bucket = _count("reduce_bucket", reduce_bucket, lo=0, hi=10**12) * gb if implementation == "deepspeed" and s >= 1 else 0
-    name = "FSDP2" if implementation == "fsdp2" else f"DeepSpeed ZeRO-{s}"
-    return _mem.MemoryBreakdown(parameters=base.parameters, gradients=base.gradients,
-                                optimizer_states=base.optimizer_states,
-                                activations=act["layers"] + act["outside"], temporaries=gathered, other=bucket,
-                                label=f"{spec.name}: {name}, {n} ranks, {recipe}, micro-batch {micro_batch_size} x {seq_len}")
+    bucket_elems = _count("reduce_bucket", reduce_bucket, lo=0, hi=10**12)
+    between = model_states(spec, n, s, recipe=recipe, implementation=implementation, reduce_bucket=bucket_elems)
+    psi = spec.params
+    share = -(-psi // n)
+    act = _step_side(spec, micro_batch_size=micro_batch_size, seq_len=seq_len, precision=_ACT_PRECISION[recipe],
+                     attention=attention, device=device)
+
+    def temps(tensors: int, largest_pair: int) -> int:  # the optimizer step's own, on fp32 masters
+        return {"fused": 0, "for-loop": largest_pair * 4, "foreach": tensors * 4}[optimizer_impl]
+
+    if implementation == "fsdp2":
+        unit = _unit_params(spec)
+        # (gradients, activations, temporaries) of each phase, beyond the between-step states; on one
+        # rank only the unit in use is gathered and the gradients need no reduce-scatter copy (as
+        # measured on the H100, lab 4's one-rank run)
+        grads, gathered = (share * 4 + unit * pb + unit * 4, 2 * unit * pb) if n > 1 else (share * 4, unit * pb)
+        phases = {"backward, two units gathered" if n > 1 else "backward, one unit gathered": (grads, act, gathered),
+                  "optimizer step": (share * 4, 0, temps(share, _mem._for_loop_peak(spec) // n + 1))}
+    elif s == 0:
+        phases = {"forward and backward": (0, act, 0),
+                  # fp32: the all-reduce's flat copy (one bucket at most); 16-bit: the fp32 accumulation of all
+                  "optimizer step": (psi * pb + (min(psi, bucket_elems) if pb == 4 else psi) * 4, 0,
+                                     temps(psi, _mem._for_loop_peak(spec)))}
+    elif s in (1, 2):
+        bucket = bucket_elems * gb
+        phases = {"backward, with the reduce bucket": (0, act, bucket),
+                  "gradients reduced": (psi * pb + share * 4, 0, bucket + temps(share, 2 * share))}
+    else:
+        window = min(psi - persistent_params(spec), PREFETCH + largest_layer_params(spec))
+        phases = {"backward, parameters gathered": (0, act, 2 * window * pb),
+                  "optimizer step": (0, 0, temps(share, 2 * share))}
+    name, (step_grads, step_act, step_tmp) = max(phases.items(), key=lambda kv: sum(kv[1]))
+    workspaces = 2 * _mem.cublas_workspace_bytes(gpu) if device == "cuda" else 0
+    label = "FSDP2" if implementation == "fsdp2" else f"DeepSpeed ZeRO-{s}"
+    return _mem.MemoryBreakdown(parameters=between.parameters, gradients=between.gradients + step_grads,
+                                optimizer_states=between.optimizer_states, activations=step_act,
+                                temporaries=step_tmp, other=between.other + workspaces, phase=name,
+                                label=f"{spec.name}: {label}, {n} ranks, {recipe}, micro-batch "
+                                      f"{micro_batch_size} x {seq_len}")
 
 
 # ----------------------------------------------------------------------------- communication

@@ -12,8 +12,8 @@ fixed data, one process group per setup, and reports per rank:
   Python holds) and sorted into parameters (the module's, flat or partitioned), gradients,
   optimizer states (the inner optimizer's states and DeepSpeed's fp32 master partitions) and other
   (communication buckets and the like, largest first with their shapes);
-- the step's peak: resident plus the most that the step's own storages held at once
-  (`parlab._LiveBytes`);
+- the step's peak: resident plus the most that a step's own storages held at once
+  (`parlab._LiveBytes`), the largest over the measured steps (all but the first two);
 - bytes communicated in the step, counted at the `torch.distributed` calls (payload per collective
   and what each rank sends on a ring, `collectives.bytes_sent_per_rank`);
 - the trained parameters against one process training the same model on all ranks' data.
@@ -269,9 +269,17 @@ def _reference(world: int, micro_batch: int, seq: int, steps: int) -> dict[str, 
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def warmup_steps(steps: int) -> int:
+    """Steps trained before any is measured: two (one when only two are trained)."""
+    return min(2, steps - 1)
+
+
 def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, steps: int,
               precision: str = "fp32") -> dict[str, Any]:
-    """Train `steps` steps, measure the last one; return this rank's report."""
+    """Train `steps` steps and measure every one after the warm-up (`warmup_steps`); return this
+    rank's report. The step's peak is the largest over the measured steps, as the allocator's peak
+    over a run is: which buffers of the last collective are still alive at a step's worst moment
+    depends on when Python frees them, and one step can miss a buffer that the next one holds."""
     from .parlab import _LiveBytes
 
     import torch
@@ -279,14 +287,19 @@ def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, 
     model, opt, step = _engine(setup, _build(), world, micro_batch, precision)
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else None
     ids = _batch(rank, micro_batch, seq).to(dev or "cpu")
-    for _ in range(steps - 1):
+    for _ in range(warmup_steps(steps)):
         step(ids)
     before = _resident(model, opt)
-    if dev is not None:  # on a GPU the allocator is the truth: its peak over the measured step
+    if dev is not None:  # on a GPU the allocator is the truth: its peak over the measured steps
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    with _CommCounter(world) as comm, _LiveBytes({"storages": before.pop("storages")}) as live:
-        step(ids)
+    peaks, comm = [], None
+    for _ in range(steps - warmup_steps(steps)):
+        storages = _resident(model, opt)["storages"] if peaks else before.pop("storages")
+        with _CommCounter(world) as counter, _LiveBytes({"storages": storages}) as live:
+            step(ids)
+        peaks.append(live.peak)
+        comm = comm or counter  # every measured step sends the same
     cuda = None
     if dev is not None:
         torch.cuda.synchronize()
@@ -295,8 +308,9 @@ def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, 
     after = _resident(model, opt)
     after.pop("storages")
     full = _full_params(setup, model)
-    return {"setup": setup, "rank": rank, "resident": after, "step_peak": before["total"] + live.peak,
-            "step_transient_peak": live.peak, "cuda": cuda, "comm": comm.report(), "params_after": full}
+    return {"setup": setup, "rank": rank, "resident": after, "step_peak": before["total"] + max(peaks),
+            "step_transient_peak": max(peaks), "step_transient_peaks": peaks, "cuda": cuda,
+            "comm": comm.report(), "params_after": full}
 
 
 def _worker(rank: int, world: int, args, port: int) -> None:
@@ -369,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5,
+                   help="steps trained; every one after the first two is measured (the peak is their largest)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="bf16: DeepSpeed's bf16 optimizer, FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 reductions)")
     p.add_argument("--out", default="")
