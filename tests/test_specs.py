@@ -147,3 +147,18 @@ def test_param_tensors_match_named_parameters(seed):
         assert [n for _, n in mine] == [n for _, n in real], cfg.model_type
         assert all(r.endswith(m) for (m, _), (r, _) in zip(mine, real)), (mine, real)
         assert sum(n for _, n in mine) == spec.params
+
+
+def test_every_gpu_argument_takes_a_gpuspec_or_a_name():
+    """specs.gpu passes a GPUSpec through, so every function with a `gpu` argument takes either:
+    checkpointing.evaluate used to refuse a preset GPUSpec ("a GPU is named by a catalogue name")."""
+    from vramlab import checkpointing, memory, offload, specs
+
+    h100 = specs.gpu("h100")
+    assert specs.gpu(h100) is h100
+    kw = dict(batch_size=1, seq_len=64)
+    assert checkpointing.evaluate("gpt2", "full", gpu=h100, **kw) == checkpointing.evaluate("gpt2", "full", gpu="h100", **kw)
+    assert memory.fit("gpt2", h100, seq_len=64) == memory.fit("gpt2", "h100", seq_len=64)
+    assert offload.host_link_GBps(h100) == offload.host_link_GBps("h100")
+    with pytest.raises(ValueError, match="custom_gpu"):
+        memory.fit("gpt2", 80, seq_len=64)

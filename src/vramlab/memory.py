@@ -621,11 +621,7 @@ def cublas_workspace_bytes(gpu: GPUSpec | str | None = None) -> int:
     """One cuBLAS handle's workspace on `gpu` (default: Hopper's 32 MiB, what the H100 measured)."""
     if gpu is None:
         return 4096 * 8 * 1024
-    if isinstance(gpu, str):
-        return _gpu(gpu).cublas_workspace_bytes
-    if isinstance(gpu, GPUSpec):
-        return gpu.cublas_workspace_bytes
-    raise ValueError(f"gpu must be a GPUSpec or a catalogue name, got {gpu!r}")
+    return _gpu(gpu).cublas_workspace_bytes
 
 
 def _resolve(model: ModelSpec | str) -> ModelSpec:
@@ -1003,10 +999,7 @@ def fit(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: int = 1, mode
     - context: the CUDA context and libraries outside the allocator (`gpu.context_bytes`);
     - usable: what cudaMemGetInfo calls total (`gpu.usable_bytes`), less than nvidia-smi's total.
     Checked against bisected out-of-memory boundaries on an H100 (tests/test_gpu_truth.py)."""
-    g = _gpu(gpu) if isinstance(gpu, str) else gpu
-    if not isinstance(g, GPUSpec):
-        raise ValueError(f"gpu must be a GPUSpec or a catalogue name, got {gpu!r} (for a GPU known only by its "
-                         "memory, use vramlab.specs.custom_gpu(bytes))")
+    g = _gpu(gpu)
     if mode not in ("train", "infer"):
         raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
     _check_positive(batch_size=batch_size, max_search=max_search)

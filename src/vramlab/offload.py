@@ -17,10 +17,11 @@ What is here:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 
 from . import memory as _mem
-from .specs import GPUSpec, ModelSpec
+from .specs import GPUSpec, ModelSpec, gpu as _gpu
 
 # PCIe per lane and direction after line coding, decimal GB/s (PCI-SIG: 8, 16, 32 GT/s with 128b/130b)
 PCIE_LANE_GBps: dict[int, float] = {3: 0.985, 4: 1.969, 5: 3.938}
@@ -42,13 +43,6 @@ def pcie_generation(gpu: GPUSpec) -> int:
     if not m:
         raise ValueError(f"{gpu.name}: no PCIe generation in {gpu.interconnect!r}")
     return int(m.group(1))
-
-
-def _gpu(gpu: GPUSpec | str) -> GPUSpec:
-    if isinstance(gpu, GPUSpec):
-        return gpu
-    from .specs import gpu as lookup
-    return lookup(gpu)
 
 
 def host_link_GBps(gpu: GPUSpec | str, *, pinned: bool = True, lanes: int = 16) -> float:
@@ -93,6 +87,8 @@ def activation_offload(model: ModelSpec | str, *, batch_size: int, seq_len: int,
     workspaces + one fp32 logits tensor + the logits' gradients. The optimizer step is unchanged.
     Host: every saved tensor (the activations' ledger), pinned. Time: the baseline step plus both
     copies of the saved bytes at `efficiency` of the link's nominal rate (see SAVE_ON_CPU_EFFICIENCY)."""
+    if baseline_seconds is not None and not (isinstance(baseline_seconds, (int, float)) and baseline_seconds >= 0):
+        raise ValueError(f"baseline_seconds must be seconds >= 0, got {baseline_seconds!r}")
     spec = _mem._resolve(model)
     g = _gpu(gpu)
     phases = _mem.training_phases(spec, batch_size=batch_size, seq_len=seq_len, precision=precision,
@@ -108,8 +104,6 @@ def activation_offload(model: ModelSpec | str, *, batch_size: int, seq_len: int,
                                              label=f"{p.label}, save_on_cpu"))
     peak = max(offloaded, key=lambda p: p.total)
     moving = 2 * transfer_seconds(saved, g, efficiency=efficiency)
-    if baseline_seconds is not None and not (isinstance(baseline_seconds, (int, float)) and baseline_seconds >= 0):
-        raise ValueError(f"baseline_seconds must be seconds >= 0, got {baseline_seconds!r}")
     return ActivationOffload(gpu_peak=peak, baseline_peak=baseline, host_bytes=saved, moved_bytes=saved,
                              transfer_seconds=moving,
                              step_seconds=None if baseline_seconds is None else baseline_seconds + moving)
@@ -212,8 +206,6 @@ def smallest_resident(layer_bytes, layer_seconds, *, link_GBps: float, buffers: 
     only BMInf's choice of layers spaced as far apart as possible (`spaced`), which is exact for equal
     layers but can keep more resident than needed when they differ. Every layer resident always
     hides (nothing is copied)."""
-    import itertools
-
     n = len(_numbers("layer_bytes", layer_bytes, positive=True))
     for m in range(n, -1, -1):
         choices = itertools.combinations(range(n), m) if n <= EXHAUSTIVE_UP_TO else [spaced(n, m)]

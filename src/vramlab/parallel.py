@@ -564,7 +564,7 @@ def device_need(stages: list[_mem.MemoryBreakdown], gpu) -> tuple[bool, int, int
 
     if not isinstance(stages, (list, tuple)) or not stages or not all(isinstance(x, _mem.MemoryBreakdown) for x in stages):
         raise ValueError("stages must be estimate_layout's non-empty list of MemoryBreakdowns")
-    g = _gpu(gpu) if isinstance(gpu, str) else gpu
+    g = _gpu(gpu)
     need = math.ceil(max(x.total for x in stages) * 1.03) + g.context_bytes
     return need <= g.usable_bytes, need, g.usable_bytes
 

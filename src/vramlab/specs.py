@@ -752,10 +752,14 @@ _GPU_ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "gtx-1060": "gtx-1060-
                 "a100-40": "a100-40gb", "a100-80": "a100-80gb", "h200-141gb": "h200"}
 
 
-def gpu(name: str) -> GPUSpec:
-    """Look up a GPU by catalogue name ('t4', 'a100-80gb', 'h100', ...), case-insensitive."""
+def gpu(name: "str | GPUSpec") -> GPUSpec:
+    """Look up a GPU by catalogue name ('t4', 'a100-80gb', 'h100', ...), case-insensitive; a GPUSpec
+    (a preset or `custom_gpu`) is returned as it is, so every function taking `gpu` takes either."""
+    if isinstance(name, GPUSpec):
+        return name
     if not isinstance(name, str) or not name.strip():
-        raise SpecError(f"a GPU is named by a catalogue name ({', '.join(GPUS)}), got {name!r}")
+        raise SpecError(f"a GPU is a GPUSpec or named by a catalogue name ({', '.join(GPUS)}), got {name!r} "
+                        "(for a GPU known only by its memory, use vramlab.specs.custom_gpu(bytes))")
     key = name.lower().replace("_", "-").replace(" ", "-")
     key = _GPU_ALIASES.get(key, key)
     if key not in GPUS:
