@@ -212,7 +212,7 @@ def test_stored_communication_per_step():
     (lambda: Z.model_states("gpt2", 2, 1, implementation="megatron"), "implementation"),
     (lambda: Z.model_states("gpt2", 2, 2, implementation="fsdp2"), "FSDP2"),
     (lambda: Z.communication(10, 2, 3, link="carrier-pigeon"), "link"),
-    (lambda: Z.estimate_rank("gpt2", 2, 1, micro_batch_size=1, seq_len=8, optimizer_impl="apex"), "optimizer_impl"),
+    (lambda: Z.estimate_rank("gpt2", 2, 1, micro_batch_size=1, seq_len=8, optimizer_impl="apex"), "optimizer implementation"),
     (lambda: Z.estimate_rank("gpt2", 2, 1, micro_batch_size=1, seq_len=8, device="tpu"), "device"),
     (lambda: Z.estimate_rank("gpt2", 2, 2, micro_batch_size=1, seq_len=8, implementation="fsdp2"), "FSDP2"),
 ])

@@ -220,9 +220,6 @@ def model_states(model: ModelSpec | str, n_ranks: int, stage: Stage, *, recipe: 
 _ACT_PRECISION = {"mixed-adam": "bf16-fp32-states", "fp32-adam": "fp32", "bf16-fp32-grads": "bf16-fp32-states"}
 
 
-OPTIMIZER_IMPLS: tuple[str, ...] = ("fused", "for-loop", "foreach")
-
-
 def _step_side(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, precision: str, attention: str,
                device: str) -> int:
     """What one rank's forward and backward add to its model states at their worst moment, with
@@ -273,10 +270,8 @@ def estimate_rank(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_b
         raise ValueError(f"implementation must be deepspeed or fsdp2, got {implementation!r}")
     if implementation == "fsdp2" and s != 3:
         raise ValueError("FSDP2's fully_shard is ZeRO-3 (stage 3)")
-    if optimizer_impl not in OPTIMIZER_IMPLS:
-        raise ValueError(f"optimizer_impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got {optimizer_impl!r}")
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device must be cuda or cpu, got {device!r}")
+    _mem._check_choice(optimizer_impl, _mem.OPTIMIZER_IMPLS, "optimizer implementation")
+    _mem._check_choice(device, ("cuda", "cpu"), "device")
     _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
     _mem._check_positions(spec, seq_len)
     bucket_elems = _count("reduce_bucket", reduce_bucket, lo=0, hi=10**12)
