@@ -17,6 +17,18 @@ def _quiet():
         yield
 
 
+@pytest.fixture
+def assert_pure_python():
+    """Runs `code` in a fresh interpreter and fails if it loaded torch, numpy, matplotlib or ipywidgets
+    (calculators and pure modules must run in the browser, under Pyodide)."""
+    def check(code: str) -> None:
+        probe = (f"{code}\nimport sys; bad = [m for m in ('torch', 'matplotlib', 'ipywidgets', 'numpy') "
+                 "if m in sys.modules]; assert not bad, bad")
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    return check
+
+
 @pytest.fixture(scope="session")
 def built_book(tmp_path_factory):
     """The book, built strict and offline once per test session: (html folder, build log)."""
