@@ -135,6 +135,8 @@ def test_smallest_resident_against_every_choice():
     (lambda: O.stream_layers([1, -2], [1, 1], streamed=[], link_GBps=1), "layer_bytes"),
     (lambda: O.stream_layers([1, 2], [1, 1], streamed=[], link_GBps=0), "link_GBps"),
     (lambda: O.stream_layers([1, 2], [1, 1], streamed=[], link_GBps=1, buffers=0), "buffers"),
+    (lambda: O.stream_layers([1, 2], [1, 1], streamed=[], link_GBps=1, passes=0), "passes"),
+    (lambda: O.transfer_seconds(1, "h100", efficiency="fast"), "efficiency"),
     (lambda: O.spaced(3, 4), "cannot stream"),
     (lambda: O.activation_offload("gpt2", batch_size=1, seq_len=8, baseline_seconds=-1), "baseline_seconds"),
 ])

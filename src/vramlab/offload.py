@@ -59,7 +59,7 @@ def transfer_seconds(nbytes: int | float, gpu: GPUSpec | str, *, pinned: bool = 
     """Seconds to move `nbytes` one way over `gpu`'s host link at `efficiency` of its nominal rate."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not nbytes >= 0:
         raise ValueError(f"nbytes must be a number of bytes >= 0, got {nbytes!r}")
-    if not 0 < efficiency <= 1:
+    if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
     return nbytes / (host_link_GBps(gpu, pinned=pinned) * efficiency * 1e9)
 
@@ -169,6 +169,8 @@ def stream_layers(layer_bytes, layer_seconds, *, streamed, link_GBps: float, buf
         raise ValueError(f"link_GBps must be positive, got {link_GBps!r}")
     if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
         raise ValueError(f"buffers must be a whole number >= 1, got {buffers!r}")
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"passes must be a whole number >= 1, got {passes!r}")
     copy_s = {i: sizes[i] / (link_GBps * 1e9) for i in stream}
     t = copy_end = 0.0
     computed: list[float] = []  # compute end of each streamed layer, in copy order over all passes
