@@ -63,14 +63,67 @@ def test_save_on_cpu_step_time_against_the_h100():
         assert naive < 0.75 * measured
 
 
-def test_host_bytes_are_at_least_what_was_saved():
-    """The host holds every saved tensor: measured host memory (max RSS over the baseline run's) is
-    above the ledger's saved bytes (the pinned caching allocator rounds blocks up), and within 2x."""
+def test_host_bytes_against_the_h100_host():
+    """Host memory under save_on_cpu: every saved tensor in a pinned block rounded up to a power of
+    two. GPT-2 (whose saved tensors are 3/2 x 2^k and 9/8 x 2^k bytes, so the rounding matters)
+    within 5 % of the measured growth of the process's max RSS over the baseline run's; Llama
+    (tensors already powers of two) is a lower bound: 23 % under, a gap this model does not explain
+    (not traced on the host). Without the rounding GPT-2 would be 38 % under."""
     for off, base in _h100():
         name, b, s = CASES[off["case"]]
         got = O.activation_offload(name, batch_size=b, seq_len=s, gpu="h100")
         grown = (off["host_max_rss_kib"] - base["host_max_rss_kib"]) * 1024
-        assert got.host_bytes < grown < 2 * got.host_bytes, (name, got.host_bytes, grown)
+        assert got.host_bytes >= got.moved_bytes and got.host_bytes < grown, (name, got.host_bytes, grown)
+        if name == "gpt2":
+            assert abs(got.host_bytes - grown) <= 0.05 * grown
+            assert got.moved_bytes < 0.65 * grown  # what the rounding adds
+        else:
+            assert got.host_bytes > 0.7 * grown
+
+
+@pytest.mark.parametrize("n, block", [(1, 1), (2, 2), (3, 4), (4096, 4096), (4097, 8192), (3 << 20, 4 << 20)])
+def test_pinned_block_is_the_next_power_of_two(n, block):
+    assert O.pinned_block(n) == block
+
+
+def _fsdp_probe():
+    rows = [json.loads(line) for line in (ROOT / "benchmarks" / "results" / "h100" / "offload_h100.jsonl").read_text().splitlines()]
+    return ({r["probe"]: r for r in rows if r["case"].startswith("llama")})
+
+
+def test_fsdp2_cpu_offload_against_the_h100():
+    """FSDP2 with CPUOffloadPolicy on one rank (llama-3.2-1b, 4 x 2048, bf16 compute): GPU peak within
+    5 % of max_memory_allocated. Time: the CPU Adam rate was calibrated on this probe, so the step
+    time checks only the arithmetic (5 %); the copies' share uses save_on_cpu's efficiency, which was
+    not."""
+    probe = _fsdp_probe()
+    fsdp, base = probe["fsdp-offload"], probe["baseline"]
+    gpu_s = sum(base["step_seconds"]) / 2
+    got = O.model_offload("llama-3.2-1b", scheme="fsdp2-cpu", batch_size=4, seq_len=2048, gpu="h100", gpu_seconds=gpu_s)
+    assert abs(got.gpu_peak.total - fsdp["peak_allocated"]) <= 0.05 * fsdp["peak_allocated"], got.gpu_peak.total
+    measured = sum(fsdp["step_seconds"]) / 2
+    assert abs(got.step_seconds - measured) <= 0.05 * measured
+    # what moved: 12 bytes a parameter less the root's second copy (an independent count of the tensors)
+    from vramlab import specs
+    spec = specs.preset("llama-3.2-1b")
+    psi = sum(n for _, n in spec.param_tensors())
+    root = sum(n for name, n in spec.param_tensors() if ".layers." not in f".{name}")
+    assert got.moved_bytes == 12 * psi - 4 * root and got.host_bytes == 16 * psi
+    # the model states are gone from the GPU: below the no-offload baseline by more than them
+    assert got.gpu_peak.optimizer_states == 0 and base["peak_allocated"] - got.gpu_peak.total > 12 * psi
+
+
+def test_zero_offload_keeps_the_16_bit_parameters_on_the_gpu():
+    """ZeRO-Offload (not measured here: no GPU run of DeepSpeed yet): the GPU keeps 2 bytes a
+    parameter and the bucket; 16 bytes a parameter go to host memory; 8 bytes a parameter cross PCIe."""
+    from vramlab import specs
+    psi = sum(n for _, n in specs.preset("gpt2").param_tensors())
+    z = O.model_offload("gpt2", scheme="zero-offload", batch_size=8, seq_len=1024, reduce_bucket=10**6)
+    assert z.gpu_peak.parameters == 2 * psi and z.gpu_peak.optimizer_states == 0
+    assert z.host_bytes == 16 * psi and z.moved_bytes == 8 * psi
+    big = O.model_offload("gpt2", scheme="zero-offload", batch_size=8, seq_len=1024, reduce_bucket=2 * 10**6)
+    assert big.gpu_peak.total - z.gpu_peak.total == 2 * 10**6  # a bf16 bucket of 1e6 more elements
+    assert z.cpu_seconds == pytest.approx(psi * O.CPU_ADAM_SECONDS_PER_PARAM) and z.step_seconds is None
 
 
 def test_equal_layers_smallest_resident_is_arithmetic():
@@ -139,6 +192,10 @@ def test_smallest_resident_against_every_choice():
     (lambda: O.transfer_seconds(1, "h100", efficiency="fast"), "efficiency"),
     (lambda: O.spaced(3, 4), "cannot stream"),
     (lambda: O.activation_offload("gpt2", batch_size=1, seq_len=8, baseline_seconds=-1), "baseline_seconds"),
+    (lambda: O.model_offload("gpt2", scheme="nvme", batch_size=1, seq_len=8), "scheme"),
+    (lambda: O.model_offload("gpt2", scheme="zero-offload", batch_size=1, seq_len=8, gpu_seconds="1"), "gpu_seconds"),
+    (lambda: O.model_offload("gpt2", scheme="zero-offload", batch_size=1, seq_len=8, reduce_bucket=-1), "reduce_bucket"),
+    (lambda: O.model_offload("gpt2", scheme="fsdp2-cpu", batch_size=0, seq_len=8), "batch"),
 ])
 def test_bad_input_is_one_clear_error(call, match):
     with pytest.raises(ValueError, match=match):

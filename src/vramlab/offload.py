@@ -8,6 +8,10 @@ What is here:
   backward goes to host memory in the forward and comes back in the backward. The GPU keeps the
   model states and what the loss's backward unpacks; the step pays both copies, which save_on_cpu
   makes on the compute stream (not overlapped). Checked against the H100 (tests/test_offload.py);
+- `model_offload`: the model states in host memory. "zero-offload" (DeepSpeed ZeRO-Offload, Ren et
+  al. 2021): 16-bit parameters stay on the GPU, the fp32 master weights, Adam's moments, the
+  gradients and the Adam step go to the CPU. "fsdp2-cpu" (FSDP2's `CPUOffloadPolicy`, as
+  ZeRO-Infinity's parameter offload): the parameters too, copied in one unit at a time;
 - `stream_layers` / `smallest_resident`: BMInf's schedule for a model bigger than the GPU (Han et
   al., BMInf 2021): k of n layers resident, the others copied in before their turn through a few
   GPU buffers, on a copy stream beside the compute stream; the time per pass, the GPU and host
@@ -69,10 +73,33 @@ def transfer_seconds(nbytes: int | float, gpu: GPUSpec | str, *, pinned: bool = 
 class ActivationOffload:
     gpu_peak: _mem.MemoryBreakdown  # with save_on_cpu
     baseline_peak: _mem.MemoryBreakdown  # without
-    host_bytes: int  # the saved tensors, in host memory at the end of the forward
-    moved_bytes: int  # each way, per step
+    host_bytes: int  # pinned host memory at the end of the forward: each saved tensor in its power-of-two block
+    moved_bytes: int  # each way, per step: the saved tensors' bytes
     transfer_seconds: float  # both ways, not overlapped
     step_seconds: float | None  # baseline_seconds + transfer_seconds, when a baseline time is given
+
+
+def pinned_block(nbytes: int) -> int:
+    """What PyTorch's pinned (page-locked) caching host allocator reserves for a request of `nbytes`:
+    the next power of two (c10's CachingHostAllocator rounds every block up so blocks can be reused)."""
+    return 1 << max(int(nbytes) - 1, 0).bit_length() if nbytes > 0 else 0
+
+
+def _saved_tensors(spec: ModelSpec, *, batch_size: int, seq_len: int, precision: str) -> list[int]:
+    """The size of every tensor one training step saves for backward on CUDA (per block, times the
+    blocks; outside the blocks; autocast's weight casts as one tensor per linear weight)."""
+    nb = _mem._dtype_bytes(precision, "cuda")
+    tokens, scores = batch_size * seq_len, batch_size * spec.num_heads * seq_len * seq_len
+    size = lambda x: x.width * nb[x.kind] * (scores if x.per_score else tokens)  # noqa: E731
+    kw = dict(precision=precision, device="cuda", batch_size=batch_size)
+    sizes = [size(x) for x in _mem.layer_saved(spec, **kw)] * spec.num_layers
+    if spec.num_decoder_layers:
+        sizes += [size(x) for x in _mem.layer_saved(spec, decoder=True, **kw)] * spec.num_decoder_layers
+    sizes += [size(x) for x in _mem.model_saved(spec)]
+    if precision in ("bf16-mixed", "fp16-mixed"):  # each linear's weight cast, saved for its input's gradient
+        sizes += [2 * n for name, n in spec.param_tensors() if name.endswith("weight") and n > spec.hidden_size
+                  and "norm" not in name and "wpe" not in name]
+    return sizes
 
 
 def activation_offload(model: ModelSpec | str, *, batch_size: int, seq_len: int, precision: str = "bf16-mixed",
@@ -85,7 +112,9 @@ def activation_offload(model: ModelSpec | str, *, batch_size: int, seq_len: int,
     backward's start, where the loss's backward unpacks its saved fp32 log-probabilities back onto
     the GPU beside the two logit-sized gradients it makes: parameters + optimizer states + the
     workspaces + one fp32 logits tensor + the logits' gradients. The optimizer step is unchanged.
-    Host: every saved tensor (the activations' ledger), pinned. Time: the baseline step plus both
+    Host: every saved tensor (the activations' ledger), each in its own pinned block rounded up to a
+    power of two (`pinned_block`): a lower bound (GPT-2 within 5 % of the H100 host's RSS growth,
+    Llama 23 % under it; tests/test_offload.py). Time: the baseline step plus both
     copies of the saved bytes at `efficiency` of the link's nominal rate (see SAVE_ON_CPU_EFFICIENCY)."""
     if baseline_seconds is not None and not (isinstance(baseline_seconds, (int, float)) and baseline_seconds >= 0):
         raise ValueError(f"baseline_seconds must be seconds >= 0, got {baseline_seconds!r}")
@@ -104,9 +133,95 @@ def activation_offload(model: ModelSpec | str, *, batch_size: int, seq_len: int,
                                              label=f"{p.label}, save_on_cpu"))
     peak = max(offloaded, key=lambda p: p.total)
     moving = 2 * transfer_seconds(saved, g, efficiency=efficiency)
-    return ActivationOffload(gpu_peak=peak, baseline_peak=baseline, host_bytes=saved, moved_bytes=saved,
+    host = sum(pinned_block(n) for n in _saved_tensors(spec, batch_size=batch_size, seq_len=seq_len,
+                                                         precision=precision))
+    return ActivationOffload(gpu_peak=peak, baseline_peak=baseline, host_bytes=host, moved_bytes=saved,
                              transfer_seconds=moving,
                              step_seconds=None if baseline_seconds is None else baseline_seconds + moving)
+
+
+# ----------------------------------------------------------------------------- model states offload
+# torch.optim.AdamW stepping fp32 tensors in host memory, seconds per parameter: calibrated on the
+# H100 host's 16 cores with the FSDP2 CPUOffloadPolicy probe (llama-3.2-1b: 1.48 s step = 0.23 s
+# on the GPU + 13.8 GB of copies at SAVE_ON_CPU_EFFICIENCY + 0.90 s for 1.24e9 parameters). About
+# 70 bytes of host memory traffic per parameter for the for-loop AdamW's kernels, so ~100 GB/s.
+# DeepSpeed's CPU-Adam (SIMD, fused) is several times faster (Ren et al. 2021): not measured here.
+CPU_ADAM_SECONDS_PER_PARAM = 0.73e-9
+OFFLOAD_SCHEMES = ("zero-offload", "fsdp2-cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOffload:
+    scheme: str
+    gpu_peak: _mem.MemoryBreakdown
+    host_bytes: int  # the model states in host memory (fp32 parameters, Adam's moments, gradients)
+    moved_bytes: int  # per step, both ways together
+    transfer_seconds: float  # the copies, not overlapped
+    cpu_seconds: float  # the Adam step on the CPU
+    step_seconds: float | None  # gpu_seconds + transfer_seconds + cpu_seconds, when gpu_seconds is given
+
+    @property
+    def table(self) -> str:
+        return self.gpu_peak.table(title=self.gpu_peak.label)
+
+
+def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_len: int,
+                  gpu: GPUSpec | str = "h100-80gb", gpu_seconds: float | None = None,
+                  cpu_adam_seconds_per_param: float = CPU_ADAM_SECONDS_PER_PARAM,
+                  efficiency: float = SAVE_ON_CPU_EFFICIENCY, reduce_bucket: int | None = None) -> ModelOffload:
+    """One GPU training a 16-bit model (bf16 compute) with AdamW whose states live in host memory.
+
+    - "zero-offload" (DeepSpeed stage 2, `offload_optimizer: cpu`): the GPU keeps the bf16
+      parameters and the reduce bucket (`reduce_bucket` elements in bf16, zero.REDUCE_BUCKET by
+      default) beside the step's activations; host memory holds fp32 parameters, both moments and
+      fp32 gradients (16 bytes a parameter). Copies: the gradients down and the updated parameters
+      up, in fp32 (8 bytes a parameter).
+    - "fsdp2-cpu" (`fully_shard(..., offload_policy=CPUOffloadPolicy())` with
+      `MixedPrecisionPolicy(param_dtype=bf16)`, one rank, each block its own unit): the GPU keeps no
+      model state between steps; in the step, the root unit (embeddings, final norm, head) stays
+      gathered in bf16 after the forward, the next block's fp32 shard is copied in and cast, and its
+      gradient reaches the host before the next; the root's gradient waits on the GPU to the end.
+      Copies: every fp32 shard up in the forward, the blocks' again in the backward, the fp32
+      gradients down (12 bytes a parameter, less the root's second copy).
+    Activations, temporaries and gradients in flight are `memory.training_phases` of a pure bf16
+    model. Time: `gpu_seconds` (the step on the GPU with no offload) + the copies at `efficiency` of
+    the link's nominal rate, not overlapped + the CPU's Adam step at `cpu_adam_seconds_per_param`.
+    Checked against the H100's FSDP2 probe (tests/test_offload.py)."""
+    if scheme not in OFFLOAD_SCHEMES:
+        raise ValueError(f"scheme must be one of {', '.join(OFFLOAD_SCHEMES)}, got {scheme!r}")
+    for name, v in (("gpu_seconds", gpu_seconds), ("cpu_adam_seconds_per_param", cpu_adam_seconds_per_param)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+    from .zero import REDUCE_BUCKET  # zero imports nothing from here
+    bucket = REDUCE_BUCKET if reduce_bucket is None else reduce_bucket
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
+        raise ValueError(f"reduce_bucket must be a whole number of elements >= 0, got {reduce_bucket!r}")
+    spec = _mem._resolve(model)
+    g = _gpu(gpu)
+    psi = spec.params
+    phases = _mem.training_phases(spec, batch_size=batch_size, seq_len=seq_len, precision="bf16",
+                                  optimizer_impl="fused", device="cuda", gpu=g)
+    step = [p for p in phases if not p.phase.startswith("optimizer")]
+    if scheme == "zero-offload":
+        bucket_bytes = min(bucket, psi) * 2
+        peak = max(step, key=lambda p: p.activations + p.temporaries + p.gradients)
+        gpu_peak = dataclasses.replace(peak, optimizer_states=0, temporaries=peak.temporaries + bucket_bytes,
+                                       label=f"{spec.name}: ZeRO-Offload, {batch_size} x {seq_len}")
+        moved, host = 8 * psi, 16 * psi
+    else:
+        groups = spec.param_groups()
+        blocks = max(spec.num_layers + spec.num_decoder_layers, 1)
+        block, root = groups["layers"] // blocks, psi - groups["layers"]
+        peak = max((p for p in step if not p.phase.startswith("embedding")),
+                   key=lambda p: p.activations + p.temporaries + p.gradients)
+        # the root gathered (bf16) and the next block arriving: its fp32 shard and its bf16 copy
+        gpu_peak = dataclasses.replace(peak, parameters=2 * root + 6 * block, optimizer_states=0,
+                                       label=f"{spec.name}: FSDP2 CPUOffloadPolicy, {batch_size} x {seq_len}")
+        moved, host = 4 * psi + 4 * (psi - root) + 4 * psi, 16 * psi
+    moving = transfer_seconds(moved, g, efficiency=efficiency)
+    cpu = psi * cpu_adam_seconds_per_param
+    return ModelOffload(scheme=scheme, gpu_peak=gpu_peak, host_bytes=host, moved_bytes=moved, transfer_seconds=moving,
+                        cpu_seconds=cpu, step_seconds=None if gpu_seconds is None else gpu_seconds + moving + cpu)
 
 
 # ----------------------------------------------------------------------------- streaming (BMInf)
