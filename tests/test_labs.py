@@ -54,7 +54,7 @@ def _exercises_only(nb):
 
 def test_every_lab_is_released():
     assert LABS == ["lab01_where_memory_goes", "lab02_collectives", "lab03_parallelism", "lab04_zero",
-                    "lab05_mixed_precision", "lab07_checkpointing"]
+                    "lab05_mixed_precision", "lab06_offload", "lab07_checkpointing"]
     assert sorted(p.name for p in (ROOT / "labs" / "release").iterdir()) == LABS
 
 
@@ -71,6 +71,7 @@ def test_release_is_regenerated_exactly(tmp_path, lab):
     ("lab03_parallelism", "(3, 2, 6, 10)", "(2, 3, 8, 16)"),  # lab 3: the hidden 3-rank MLP check
     ("lab04_zero", "(4, 48, 2)", "(2, 64, 3)"),  # lab 4: the hidden 4-rank ZeRO-1 check
     ("lab07_checkpointing", "seed=7, n=12", "seed=0"),  # lab 7: the hidden random models
+    ("lab06_offload", "seed=11, n=12", "seed=0"),  # lab 6: the hidden random stacks
 ])
 def test_released_version_leaks_nothing(lab, hidden, visible):
     nb = nbformat.read(released(lab), as_version=4)
@@ -117,7 +118,7 @@ def test_instructor_version_full_marks_and_cpu_run(tmp_path):
 
 @pytest.mark.parametrize("lab, points", [(LAB, 9), ("lab02_collectives", 8), ("lab03_parallelism", 9),
                                          ("lab04_zero", 8), ("lab05_mixed_precision", 7),
-                                         ("lab07_checkpointing", 8)])
+                                         ("lab06_offload", 8), ("lab07_checkpointing", 8)])
 def test_student_version_scores_zero(lab, points):
     scores = tools.grade(_exercises_only(nbformat.read(released(lab), as_version=4)), lab)
     assert tools.total(scores) == (0, points), scores
@@ -569,3 +570,72 @@ def test_lab7_stored_run():
         pred = CK.evaluate(lab_spec(c["model"]), c["plan"], batch_size=c["batch_size"], seq_len=c["seq_len"],
                            precision=c["precision"], device=device).peak.total
         assert abs(pred - c["measured_bytes"]) <= 0.05 * c["measured_bytes"], (c["model"], c["plan"])
+
+
+def test_lab6_instructor_full_marks_and_cpu_run(tmp_path):
+    """Lab 6 in CPU mode: full marks; the students' streaming (the instructor's solution) gives the
+    all-resident output bit for bit in every configuration, and each pass is within 10 % of the
+    schedule's prediction from the measured per-layer times; no GPU probe is claimed."""
+    saved, executed = _run_instructor("lab06_offload", 8, tmp_path)
+    assert "not a GPU measurement" in saved["note"] and saved["probes"] is None
+    st = saved["streaming"]
+    assert st["mode"] == "cpu" and len(st["configs"]) >= 5
+    assert all(c["matches_all_resident"] for c in st["configs"])
+    assert all(abs(c["error_pct"]) < 10 for c in st["configs"]), [c["error_pct"] for c in st["configs"]]
+    out = "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
+    assert "No GPU" in out and "fewest resident" in out
+
+
+WRONG_PCIE = '''def pcie_seconds(nbytes, generation, lanes=16, pinned=True):
+    rate = {3: 8e9, 4: 16e9, 5: 32e9}[generation] / 8 * lanes  # forgets 128b/130b
+    return nbytes / (rate if pinned else rate / 2)
+'''
+
+WRONG_PASS = '''def stream_pass(layer_bytes, layer_seconds, streamed, link_GBps, buffers):
+    t = copy_end = 0.0
+    for i in range(len(layer_bytes)):  # one pass, every copy waiting for the layer before: no prefetch
+        if i in streamed:
+            copy_end = max(copy_end, t) + layer_bytes[i] / (link_GBps * 1e9)
+            t = max(t, copy_end)
+        t += layer_seconds[i]
+    big = max((layer_bytes[i] for i in streamed), default=0)
+    return t, sum(layer_bytes) - sum(layer_bytes[i] for i in streamed) + min(buffers, len(streamed)) * big
+'''
+
+WRONG_FEWEST = '''def fewest_resident(layer_bytes, layer_seconds, link_GBps, buffers):
+    n = len(layer_bytes)
+    for m in range(n, -1, -1):  # BMInf's evenly spaced choice only
+        streamed = sorted({int(i * n / m) for i in range(m)}) if m else []
+        seconds, _ = stream_pass(layer_bytes, layer_seconds, streamed, link_GBps, buffers)
+        if seconds <= sum(layer_seconds) * (1 + 1e-9):
+            return n - m
+'''
+
+
+def test_lab6_wrong_answers_lose_their_points():
+    base = _exercises_only(tools.source_notebook("lab06_offload"))
+    good_pass = next(c.source for c in base.cells if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "ex2-solution")
+    wrong = _with_solutions(base, {"ex1-solution": WRONG_PCIE, "ex2-solution": WRONG_PASS,
+                                   "ex3-solution": good_pass + "\n" + WRONG_FEWEST})
+    scores = tools.grade(wrong, "lab06_offload")
+    assert scores["ex1-test"][0] == 0 and "about a second" in scores["ex1-test"][2]
+    assert scores["ex2-test"][0] == 0 and "pass" in scores["ex2-test"][2]
+    assert scores["ex3-test"][0] == 0 and "every choice" in scores["ex3-test"][2]
+
+
+def test_lab6_stored_run():
+    """The committed lab 6 run: its provenance, and every configuration's prediction recomputed now
+    from the stored per-layer times with vramlab.offload.stream_layers (the same schedule, the same
+    numbers), within 10 % of the measured pass."""
+    from vramlab import offload as OFF
+
+    saved = json.loads((ROOT / "labs" / "results" / "lab06_offload.json").read_text())
+    assert {"date", "torch", "platform"} <= set(saved["provenance"]) and saved["command"].endswith("lab06_offload")
+    st = saved["streaming"]
+    assert (st["mode"] == "cuda") == ("gpu" in saved["provenance"])
+    for c in st["configs"]:
+        pred = OFF.stream_layers(st["layer_bytes"], st["layer_seconds"], streamed=c["streamed"],
+                                 link_GBps=st["link_GBps"], buffers=st["buffers"], passes=st["passes"])
+        assert pred.seconds == pytest.approx(c["predicted_seconds"]) and pred.gpu_bytes == c["gpu_bytes"]
+        assert abs(pred.seconds - c["measured_seconds"]) <= 0.10 * c["measured_seconds"], c["streamed"]
+        assert c["matches_all_resident"]

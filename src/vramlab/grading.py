@@ -575,3 +575,74 @@ def check_checkpoint_choice(fn: Callable, *, seed: int = 0, n: int = 6) -> None:
         if cost != best:
             raise AssertionError(f"checkpointing {sorted(chosen)} fits but recomputes {cost} FLOPs; a choice that "
                                  f"fits recomputes only {best} ({where})")
+
+
+# ----------------------------------------------------------------------------- lab 6
+def stream_cases(seed: int, n: int = 8) -> list[tuple[list[int], list[float], float, int]]:
+    """Random stacks of uneven layers (bytes, compute seconds), a link and a buffer count, where the
+    copies are sometimes hidden and sometimes not: (layer_bytes, layer_seconds, link_GBps, buffers)."""
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        layers = rng.randint(2, 8)
+        sizes = [rng.choice((1, 2, 3, 4, 6, 8)) * 10**8 for _ in range(layers)]
+        secs = [round(rng.uniform(0.5, 8.0), 3) * 1e-3 for _ in range(layers)]
+        cases.append((sizes, secs, rng.choice((12.0, 25.0, 50.0)), rng.choice((1, 2, 3))))
+    return cases
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(b), 1e-12) + 1e-15
+
+
+def check_stream_pass(fn: Callable, *, seed: int = 0, n: int = 8) -> None:
+    """`fn(layer_bytes, layer_seconds, streamed, link_GBps, buffers)` must return (seconds of the
+    third pass, device bytes) as `vramlab.offload.stream_layers` computes them, for every case of
+    `stream_cases` and several choices of streamed layers (uneven layers, one to three buffers)."""
+    import random
+
+    from .offload import stream_layers
+
+    rng = random.Random(seed + 1)
+    for sizes, secs, link, buffers in stream_cases(seed, n):
+        choices = [(), tuple(range(len(sizes)))] + [tuple(sorted(rng.sample(range(len(sizes)), rng.randint(1, len(sizes)))))
+                                                     for _ in range(2)]
+        for streamed in choices:
+            want = stream_layers(sizes, secs, streamed=streamed, link_GBps=link, buffers=buffers, passes=3)
+            where = f"layer_bytes={sizes}, layer_seconds={secs}, streamed={list(streamed)}, link {link} GB/s, {buffers} buffers"
+            got = fn(list(sizes), list(secs), list(streamed), link, buffers)
+            try:
+                seconds, nbytes = got
+                seconds = float(seconds)
+            except (TypeError, ValueError):
+                raise AssertionError(f"return (seconds, device_bytes), got {got!r}") from None
+            if not _close(seconds, want.seconds):
+                hint = (" (that is the first pass: the copies of the next pass may start while this one still runs)"
+                        if _close(seconds, stream_layers(sizes, secs, streamed=streamed, link_GBps=link, buffers=buffers,
+                                                         passes=1).seconds) else "")
+                raise AssertionError(f"the third pass takes {want.seconds * 1e3:.4f} ms, you said {seconds * 1e3:.4f} ms "
+                                     f"({where}){hint}")
+            if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes != want.gpu_bytes:
+                raise AssertionError(f"device memory is {want.gpu_bytes:,} bytes, you said {nbytes!r} ({where}): the "
+                                     "resident layers plus min(buffers, streamed) buffers as large as the largest "
+                                     "streamed layer")
+
+
+def check_fewest_resident(fn: Callable, *, seed: int = 0, n: int = 8) -> None:
+    """`fn(layer_bytes, layer_seconds, link_GBps, buffers)` must return the fewest resident layers
+    whose streamed layers' copies hide behind compute (`vramlab.offload.smallest_resident`, which
+    tries every choice of streamed layers)."""
+    from .offload import smallest_resident
+
+    for sizes, secs, link, buffers in stream_cases(seed, n):
+        want = len(sizes) - len(smallest_resident(sizes, secs, link_GBps=link, buffers=buffers).streamed)
+        got = fn(list(sizes), list(secs), link, buffers)
+        where = f"layer_bytes={sizes}, layer_seconds={secs}, link {link} GB/s, {buffers} buffers"
+        if isinstance(got, bool) or not isinstance(got, int):
+            raise AssertionError(f"return a count of layers (an int), got {got!r}")
+        if got != want:
+            raise AssertionError(f"{want} resident layers hide the copies, you said {got} ({where})"
+                                 + (": try every choice of streamed layers, not only evenly spaced ones"
+                                    if got > want else ": with that few, some copy makes a layer wait"))
