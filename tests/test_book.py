@@ -134,3 +134,19 @@ def test_chapter7_checkpointing(built):
     assert 'id="vl-checkpointing"' in page or "vl-checkpointing" in page
     assert "Traceback" not in page and "Warning" not in page
 
+
+
+def test_chapter6_offload(built):
+    """Chapter 6: the streaming timelines drawn at build, the H100's save_on_cpu and FSDP2 offload
+    measurements with their provenance, both live calculators, and lab 6's stored run labelled as a
+    CPU run."""
+    html, _ = built
+    page = (html / "book" / "06_offload.html").read_text()
+    assert len(re.findall(r'<img[^>]+src="[^"]*_images/[^"]+\.png"', page)) >= 1
+    assert "NVIDIA H100 80GB HBM3, driver 580.159.04" in page
+    for measured in ("26.02 GiB", "25.69 GiB", "10.66 GiB"):  # save_on_cpu llama and gpt2, FSDP2: the stored peaks
+        assert measured in page, measured
+    assert 'id="vl-offload"' in page and 'id="vl-streaming"' in page
+    measured = page.split('id="predicted-against-measured"')[1]
+    assert "not a GPU measurement" in measured and "[0, 1, 2, 3, 4, 5, 6, 7]" in measured
+    assert "Traceback" not in page and "Warning" not in page

@@ -40,6 +40,10 @@ CASES = [
                                                {"micro_batches": 32}]),
     ("zero", "book/04_zero.html", [{"model": "gpt2", "setup": "fsdp2", "ranks": 2, "seq_len": 1024}, {"ranks": 64},
                                    {"setup": "1"}]),
+    ("offload", "book/06_offload.html", [{"model": "llama-3.1-8b", "scheme": "zero-offload", "seq_len": 8192},
+                                         {"batch_size": 1, "gpu": "a100-80gb"}, {"scheme": "fsdp2-cpu"}]),
+    ("streaming", "book/06_offload.html", [{"tokens": 512, "weights": "16-bit"}, {"gpu": "t4", "buffers": 3},
+                                           {"model": "llama-3.1-8b"}]),
     ("checkpointing", "book/07_checkpointing.html", [{"model": "gpt2", "plan": "sqrt", "seq_len": 1024},
                                                      {"batch_size": 32, "gpu": "t4"}, {"plan": "sac-matmuls"}]),
 ]

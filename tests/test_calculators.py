@@ -63,6 +63,44 @@ def test_checkpointing_numbers_are_the_librarys():
     assert t4.numbers["cheapest"][1] == "none fits" and "no plan fits" in t4.text  # the model states alone exceed 15 GiB
 
 
+def test_offload_numbers_are_the_librarys():
+    from vramlab import checkpointing as CK
+    from vramlab import offload as OFF
+
+    r = C.get("offload").run(model="llama-3.2-1b", scheme="fsdp2-cpu", batch_size=4, seq_len=2048, gpu="h100-80gb")
+    gpu_s = CK.evaluate("llama-3.2-1b", "none", batch_size=4, seq_len=2048, precision="bf16-mixed", gpu="h100").step_seconds
+    fs = OFF.model_offload("llama-3.2-1b", scheme="fsdp2-cpu", batch_size=4, seq_len=2048, gpu="h100", gpu_seconds=gpu_s)
+    assert r.numbers["gpu_peak"][0] == fs.gpu_peak.total and r.numbers["host"][0] == fs.host_bytes
+    assert r.numbers["step_ms"][0] == pytest.approx(1e3 * fs.step_seconds)
+    t4 = C.get("offload").run(model="llama-3.2-1b", scheme="none", batch_size=4, seq_len=2048, gpu="t4")
+    assert t4.numbers["fits"][1] == "no" and "NO" in t4.text
+
+
+def test_streaming_the_10b_model_on_a_gtx_1060():
+    """The chapter's worked example, against independent arithmetic: GPT-2's layout counted by hand,
+    PCIe 3.0 x16 at 80 %, and for equal layers with prefetch the copies hide exactly when the streamed
+    layers' copies fit in a pass of compute: s x copy <= n x compute."""
+    import math
+
+    from vramlab import offload as OFF
+
+    h, L, V, P = 4096, 48, 50257, 2048
+    spec = OFF.ten_b_model()
+    assert spec.params == V * h + P * h + L * (12 * h * h + 13 * h) + 2 * h
+    r = C.get("streaming").run(tokens=1, weights="int8", buffers=2)
+    m = OFF.stream_model(spec, "gtx-1060", tokens=1, weight_bytes=1)
+    copy = (12 * h * h + 13 * h) / (15.75e9 * 128 / 130 * 16 / 16 * 0.8 / 0.9846153846153847 * 0.9846153846153847)
+    assert m.layer_bytes == 12 * h * h + 13 * h and m.layer_bytes / (m.link_GBps * 1e9) == pytest.approx(copy, rel=3e-3)
+    assert m.layer_seconds == pytest.approx(m.layer_bytes / 192e9)  # one token: reading the weights
+    assert r.numbers["hide"][0] == L - math.floor(L * m.layer_seconds / copy)
+    assert r.numbers["resident"][0] == m.most_resident and m.fitted.gpu_bytes + m.other_bytes <= m.usable_bytes
+    more = m.other_bytes + (m.most_resident + 1 + min(2, L - m.most_resident - 1)) * m.layer_bytes
+    assert more > m.usable_bytes  # one more resident block would not fit
+    assert not m.fitted.hidden and OFF.stream_model(spec, "gtx-1060", tokens=512, weight_bytes=1).fitted.hidden
+    big = C.get("streaming").run(model="llama-3.1-70b", weights="fp32")
+    assert big.numbers["resident"][1] == "none fit" and "does NOT fit" in big.text and not big.error
+
+
 def vramlab_preset_params(name):
     from vramlab import preset
 
@@ -72,6 +110,9 @@ def vramlab_preset_params(name):
 @pytest.mark.parametrize("name, values, needle", [
     ("zero", {"setup": "4"}, "'4' is not one of"),
     ("checkpointing", {"plan": "most"}, "'most' is not one of"),
+    ("offload", {"scheme": "nvme"}, "'nvme' is not one of"),
+    ("streaming", {"tokens": 3}, "'3' is not one of"),
+    ("offload", {"batch_size": 0}, "batch size: 0 is outside"),
     ("checkpointing", {"model": "gpt2", "seq_len": 2048}, "gpt2 reads at most 1,024 positions"),
     ("zero", {"model": "gpt2", "seq_len": 4096}, "gpt2 reads at most 1,024 positions"),
     ("training", {"batch_size": 0}, "batch size: 0 is outside 1..128"),

@@ -19,10 +19,11 @@ from typing import Any, Callable, Literal
 from . import checkpointing as CK
 from . import collectives as C
 from . import memory, specs
+from . import offload as OFF
 from . import parallel as PAR
 from . import precision as P
 from . import zero as Z
-from .svg import gantt, loglog_lines, stacked_bars
+from .svg import gantt, loglog_lines, stacked_bars, streams
 from .units import GiB, fmt_bytes
 
 Kind = Literal["choice", "int", "float"]
@@ -336,8 +337,99 @@ CHECKPOINTING = Calculator(
             Input(name="precision", label="precision", kind="choice", default="bf16-mixed", choices=memory.PRECISIONS),
             Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES)))
 
+# ----------------------------------------------------------------------------- chapter 6
+
+def _offload(*, model: str, scheme: str, batch_size: int, seq_len: int, gpu: str) -> Result:
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    kw = dict(batch_size=batch_size, seq_len=seq_len)
+    gpu_s = CK.evaluate(spec, "none", precision="bf16-mixed", gpu=g, **kw).step_seconds  # at CK.MFU
+    act = OFF.activation_offload(spec, precision="bf16-mixed", gpu=g, baseline_seconds=gpu_s, **kw)
+    zo = OFF.model_offload(spec, scheme="zero-offload", gpu=g, gpu_seconds=gpu_s, **kw)
+    fs = OFF.model_offload(spec, scheme="fsdp2-cpu", gpu=g, gpu_seconds=gpu_s, **kw)
+    rows = [("none", act.baseline_peak, 0, 0, gpu_s), ("save_on_cpu", act.gpu_peak, act.host_bytes, 2 * act.moved_bytes,
+                                                       act.step_seconds),
+            ("zero-offload", zo.gpu_peak, zo.host_bytes, zo.moved_bytes, zo.step_seconds),
+            ("fsdp2-cpu", fs.gpu_peak, fs.host_bytes, fs.moved_bytes, fs.step_seconds)]
+    usable = g.usable_bytes - (g.measured_context_bytes or specs.DEFAULT_CONTEXT_BYTES)
+    bars = [(name, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
+            for name, b, *_ in rows]
+    svg = stacked_bars(bars, title=f"{spec.name}, {batch_size} x {seq_len}, bf16: the GPU's peak with each offload",
+                       line=(usable / GiB, f"{g.name} usable"))
+    link = OFF.host_link_GBps(g)
+    lines = [f"{'scheme':>13}{'GPU peak':>12}{'host':>12}{'over PCIe':>12}{'step':>10}   fits",
+             *(f"{name:>13}{fmt_bytes(b.total):>12}{fmt_bytes(h):>12}{fmt_bytes(m):>12}{1e3 * t:>8.0f}ms   "
+               f"{'yes' if b.total <= usable else 'NO'}" for name, b, h, m, t in rows), "",
+             f"host link: PCIe {OFF.pcie_generation(g)}.0 x16, {link:.1f} GB/s each way (nominal); copies counted at "
+             f"{OFF.SAVE_ON_CPU_EFFICIENCY:.2f} of it, not overlapped",
+             f"GPU step without offload: {1e3 * gpu_s:.0f} ms at {100 * CK.MFU:.0f} % of the GPU's peak; the CPU's Adam "
+             f"step: {OFF.CPU_ADAM_SECONDS_PER_PARAM * 1e9:.2f} ns a parameter (torch AdamW, an H100 host's 16 cores)", ""]
+    mine = dict((r[0], r) for r in rows)[scheme]
+    lines.append(mine[1].table(title=f"{scheme}: {mine[1].label}"))
+    return Result(text="\n".join(lines), svg=svg, numbers={
+        "gpu_peak": (mine[1].total, fmt_bytes(mine[1].total)), "host": (mine[2], fmt_bytes(mine[2])),
+        "step_ms": (mine[4] * 1e3, f"{mine[4] * 1e3:.0f} ms"), "fits": (int(mine[1].total <= usable),
+                                                                       "yes" if mine[1].total <= usable else "no")})
+
+
+OFFLOAD = Calculator(
+    name="offload", title="Offload in training: the GPU's peak, host memory and the step", compute=_offload,
+    number_labels={"gpu_peak": "GPU peak", "host": "host memory", "step_ms": "step", "fits": "fits"},
+    inputs=(Input(name="model", label="model", kind="choice", default="llama-3.2-1b", choices=DECODER_PRESETS),
+            Input(name="scheme", label="offload", kind="choice", default="save_on_cpu",
+                  choices=("none", "save_on_cpu", "zero-offload", "fsdp2-cpu")),
+            Input(name="batch_size", label="batch size", kind="int", default=4, min=1, max=128),
+            Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES)))
+
+TEN_B = "gpt-10b (48 x 4096)"
+
+
+def _streaming(*, model: str, gpu: str, tokens: int, weights: str, buffers: int) -> Result:
+    spec = OFF.ten_b_model() if model == TEN_B else specs.preset(model)
+    g = specs.gpu(gpu)
+    wb = {"int8": 1, "16-bit": 2, "fp32": 4}[weights]
+    r = OFF.stream_model(spec, g, tokens=tokens, weight_bytes=wb, buffers=buffers)
+    n = spec.num_layers + spec.num_decoder_layers
+    hide = n - len(r.hiding.streamed)
+    lines = [f"{spec.name} on {g.name}: {n} blocks of {fmt_bytes(r.layer_bytes)} ({weights}), "
+             f"{fmt_bytes(r.other_bytes)} of embeddings and head kept on the GPU",
+             f"one block: compute {1e3 * r.layer_seconds:.2f} ms for {tokens} token(s); copy "
+             f"{1e3 * r.layer_bytes / (r.link_GBps * 1e9):.2f} ms over {r.link_GBps:.1f} GB/s "
+             f"({100 * OFF.STREAM_EFFICIENCY:.0f} % of PCIe {OFF.pcie_generation(g)}.0 x16)",
+             f"usable GPU memory: {fmt_bytes(r.usable_bytes)}"]
+    if r.fitted is None:
+        lines.append("does NOT fit: even with every block streamed, the embeddings, head and buffers exceed the GPU")
+        svg = ""
+        numbers = {"resident": (0, "none fit"), "pass_ms": (0.0, "-"), "hide": (hide, f"{hide} of {n}")}
+    else:
+        f = r.fitted
+        lines += [f"fits with {r.most_resident} of {n} blocks resident, {n - r.most_resident} streamed through "
+                  f"{min(buffers, n - r.most_resident)} buffer(s): {fmt_bytes(f.gpu_bytes + r.other_bytes)} on the GPU, "
+                  f"{fmt_bytes(f.host_bytes)} in host memory",
+                  f"one pass: {1e3 * f.seconds:.1f} ms ({f.seconds / f.compute_seconds:.1f}x the compute alone, "
+                  f"{1e3 * f.compute_seconds:.1f} ms){'' if f.hidden else ': the copies do not hide'}",
+                  f"the copies hide with {hide} of {n} resident (needs "
+                  f"{fmt_bytes(r.hiding.gpu_bytes + r.other_bytes)} on the GPU"
+                  f"{'' if r.hiding.gpu_bytes + r.other_bytes <= r.usable_bytes else ': more than it has'})"]
+        svg = streams(f.events, makespan=f.seconds,
+                      title=f"one pass, {r.most_resident} of {n} blocks resident: {1e3 * f.seconds:.1f} ms")
+        numbers = {"resident": (r.most_resident, f"{r.most_resident} of {n}"),
+                   "pass_ms": (1e3 * f.seconds, f"{1e3 * f.seconds:.1f} ms"), "hide": (hide, f"{hide} of {n}")}
+    return Result(text="\n".join(lines), svg=svg, numbers=numbers)
+
+
+STREAMING = Calculator(
+    name="streaming", title="A model bigger than the GPU, streamed layer by layer (BMInf)", compute=_streaming,
+    number_labels={"resident": "blocks resident", "pass_ms": "one pass", "hide": "resident blocks that hide the copies"},
+    inputs=(Input(name="model", label="model", kind="choice", default=TEN_B, choices=(TEN_B,) + specs.preset_names()),
+            Input(name="gpu", label="GPU", kind="choice", default="gtx-1060-6gb", choices=GPU_CHOICES),
+            Input(name="tokens", label="tokens per pass", kind="choice", default=1,
+                  choices=(1, 8, 64, 256, 512, 1024, 2048, 4096)),
+            Input(name="weights", label="weights", kind="choice", default="int8", choices=("int8", "16-bit", "fp32")),
+            Input(name="buffers", label="buffers", kind="choice", default=2, choices=(1, 2, 3, 4))))
+
 CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION, PARALLEL, ZERO,
-                                                           CHECKPOINTING)}
+                                                           OFFLOAD, STREAMING, CHECKPOINTING)}
 
 
 def get(name: str) -> Calculator:

@@ -25,7 +25,7 @@ import itertools
 import re
 
 from . import memory as _mem
-from .specs import GPUSpec, ModelSpec, gpu as _gpu
+from .specs import DEFAULT_CONTEXT_BYTES, GPUSpec, ModelSpec, gpu as _gpu
 
 # PCIe per lane and direction after line coding, decimal GB/s (PCI-SIG: 8, 16, 32 GT/s with 128b/130b)
 PCIE_LANE_GBps: dict[int, float] = {3: 0.985, 4: 1.969, 5: 3.938}
@@ -332,3 +332,73 @@ def smallest_resident(layer_bytes, layer_seconds, *, link_GBps: float, buffers: 
         if hiding:
             return min(hiding, key=lambda r: (r.gpu_bytes, r.streamed))
     raise AssertionError("unreachable: nothing streamed always hides")
+
+
+# ----------------------------------------------------------------------------- a model streamed (BMInf)
+# Large copies from pinned memory: the share of PCIe's nominal rate assumed for whole layers (an
+# assumption: lab 6's bandwidth probe measures it on a GPU; save_on_cpu's many small copies get less)
+STREAM_EFFICIENCY = 0.8
+STREAM_MFU = 0.4  # the share of the GPU's peak FLOP/s a layer's matmuls reach when compute-bound
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStreaming:
+    model: str
+    gpu: str
+    layer_bytes: int  # one block's weights
+    layer_seconds: float  # one block's compute for `tokens` tokens (roofline: FLOPs or reading the weights)
+    other_bytes: int  # kept on the GPU whatever the schedule: embeddings, head, norms
+    usable_bytes: int  # the GPU's memory less the CUDA context
+    link_GBps: float  # the effective host link
+    most_resident: int  # the most blocks that fit beside the buffers (-1: not even the rest fits)
+    fitted: Streaming | None  # the schedule with `most_resident` blocks resident
+    hiding: Streaming  # the fewest resident blocks whose copies hide (memory permitting or not)
+
+
+def stream_model(model: ModelSpec | str, gpu: GPUSpec | str, *, tokens: int = 1, weight_bytes: int = 2,
+                 buffers: int = 2, efficiency: float = STREAM_EFFICIENCY, mfu: float = STREAM_MFU) -> ModelStreaming:
+    """A model's forward (one pass over its blocks, for `tokens` tokens at once: 1 per generated
+    token, or a prompt's length) on `gpu` with blocks streamed from host memory as BMInf does.
+    Every block holds `weight_bytes` per parameter (2: fp16/bf16; 1: int8, BMInf's choice); a block's
+    compute is the larger of its matmuls' FLOPs (2 x params x tokens at `mfu` of the faster of the
+    GPU's fp32 and 16-bit peaks) and reading its weights from GPU memory. The embeddings and head stay
+    resident. `most_resident`: the most blocks that fit in the GPU's usable memory beside them and
+    `buffers` streaming buffers (activations for a few tokens are small and not counted)."""
+    spec = _mem._resolve(model)
+    g = _gpu(gpu)
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens must be a whole number >= 1, got {tokens!r}")
+    if weight_bytes not in (1, 2, 4):
+        raise ValueError(f"weight_bytes must be 1 (int8), 2 (fp16/bf16) or 4 (fp32), got {weight_bytes!r}")
+    for name, v in (("efficiency", efficiency), ("mfu", mfu)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+            raise ValueError(f"{name} must be in (0, 1], got {v!r}")
+    groups = spec.param_groups()
+    n = spec.num_layers + spec.num_decoder_layers
+    block_params = groups["layers"] // n
+    layer_bytes = block_params * weight_bytes
+    other = (spec.params - groups["layers"]) * weight_bytes
+    peak = max(g.peak_tflops_fp32, g.peak_tflops_16) * 1e12 * mfu
+    layer_s = max(2 * block_params * tokens / peak, layer_bytes / (g.bandwidth_GBps * 1e9))
+    link = host_link_GBps(g) * efficiency
+    usable = g.usable_bytes - (g.measured_context_bytes or DEFAULT_CONTEXT_BYTES)
+    sizes, secs = [layer_bytes] * n, [layer_s] * n
+    most, fitted = -1, None
+    for k in range(n, -1, -1):
+        need = other + k * layer_bytes + min(buffers, n - k) * layer_bytes
+        if need <= usable:
+            most = k
+            fitted = stream_layers(sizes, secs, streamed=spaced(n, n - k), link_GBps=link, buffers=buffers)
+            break
+    hiding = smallest_resident(sizes, secs, link_GBps=link, buffers=buffers)
+    return ModelStreaming(model=spec.name, gpu=g.name, layer_bytes=layer_bytes, layer_seconds=layer_s, other_bytes=other,
+                          usable_bytes=usable, link_GBps=link, most_resident=most, fitted=fitted, hiding=hiding)
+
+
+def ten_b_model() -> ModelSpec:
+    """A 10-billion-parameter GPT (48 blocks of width 4096, GPT-2's layout): the size of the
+    10 B model BMInf ran on a GTX 1060 (the course's source material), for chapter 6's worked example."""
+    from .specs import from_config
+
+    return from_config({"model_type": "gpt2", "n_layer": 48, "n_embd": 4096, "n_head": 32, "vocab_size": 50257,
+                        "n_positions": 2048}, name="gpt-10b")

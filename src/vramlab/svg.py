@@ -216,3 +216,50 @@ def tensor_parallel_mlp(t: int = 2, width: int = 680) -> str:
                f'one before A. Y is never gathered.</text>')
     out.append("</svg>")
     return "".join(out)
+
+
+def streams(events: Sequence, *, makespan: float, title: str = "", width: int = 680, row: int = 26,
+            max_labels: int = 64) -> str:
+    """Two CUDA streams over one pass: the copy stream (host to GPU, one box per layer copied) above
+    the compute stream (one box per layer); compute waiting for a copy shows as a hatched gap.
+    `events`: (kind "copy" | "compute", layer, start, end) in seconds, as vramlab.offload.Streaming's."""
+    left, right, top = 74, 12, 30
+    pw = width - left - right
+    height = top + 2 * row + 40
+    span = max(float(makespan), 1e-12)
+    X = lambda t: left + pw * min(max(float(t), 0.0), span) / span  # noqa: E731
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" role="img" {FONT} font-size="10">',
+           f'<title>{escape(title)}</title>',
+           '<defs><pattern id="vl-wait" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
+           '<rect width="6" height="6" fill="#f4f4f4"/><line x1="0" y1="0" x2="0" y2="6" stroke="#d33" '
+           'stroke-width="1.2" opacity="0.45"/></pattern></defs>',
+           f'<text x="{left}" y="16" font-size="12" font-weight="600">{escape(title)}</text>']
+    rows = {"copy": (0, "#fdae6b", "#000", "copy stream"), "compute": (1, "#3182bd", "#fff", "compute")}
+    for kind, (r, _, _, name) in rows.items():
+        y = top + r * row
+        fill = "url(#vl-wait)" if kind == "compute" else "#fafafa"
+        out.append(f'<rect x="{left}" y="{y + 2}" width="{pw}" height="{row - 4}" fill="{fill}"/>'
+                   f'<text x="{left - 6}" y="{y + row / 2 + 4:.1f}" text-anchor="end">{name}</text>')
+    labelled = len(events) <= max_labels
+    for kind, layer, s, e in events:
+        if kind not in rows or e <= 0 or s >= span:
+            continue
+        r, fill, ink, _ = rows[kind]
+        y = top + r * row
+        x0, x1 = X(s), X(e)
+        out.append(f'<rect x="{x0:.1f}" y="{y + 2}" width="{max(x1 - x0 - 0.6, 0.5):.1f}" height="{row - 4}" fill="{fill}" '
+                   f'stroke="#fff" stroke-width="0.3"/>')
+        label = str(layer)
+        if labelled and x1 - x0 > 6 * len(label) + 3:
+            out.append(f'<text x="{(x0 + x1) / 2:.1f}" y="{y + row / 2 + 3.5:.1f}" text-anchor="middle" '
+                       f'fill="{ink}">{escape(label)}</text>')
+    ly = top + 2 * row + 18
+    out.append(f'<rect x="{left}" y="{ly - 9}" width="12" height="10" fill="#fdae6b"/>'
+               f'<text x="{left + 16}" y="{ly}">a layer copied in</text>'
+               f'<rect x="{left + 120}" y="{ly - 9}" width="12" height="10" fill="#3182bd"/>'
+               f'<text x="{left + 136}" y="{ly}">a layer computed</text>'
+               f'<rect x="{left + 240}" y="{ly - 9}" width="12" height="10" fill="url(#vl-wait)" stroke="#ccc"/>'
+               f'<text x="{left + 256}" y="{ly}">compute waiting for a copy</text>'
+               f'<text x="{left + pw}" y="{ly}" text-anchor="end">{1e3 * span:.3g} ms →</text>')
+    out.append("</svg>")
+    return "".join(out)
