@@ -111,7 +111,7 @@ def vramlab_preset_params(name):
     ("zero", {"setup": "4"}, "'4' is not one of"),
     ("checkpointing", {"plan": "most"}, "'most' is not one of"),
     ("offload", {"scheme": "nvme"}, "'nvme' is not one of"),
-    ("streaming", {"tokens": 3}, "'3' is not one of"),
+    ("streaming", {"tokens": 3}, "tokens per pass: 3 is not one of"),
     ("offload", {"batch_size": 0}, "batch size: 0 is outside"),
     ("checkpointing", {"model": "gpt2", "seq_len": 2048}, "gpt2 reads at most 1,024 positions"),
     ("zero", {"model": "gpt2", "seq_len": 4096}, "gpt2 reads at most 1,024 positions"),
