@@ -168,9 +168,7 @@ WRONG_RING = '''def ring_all_reduce(tensor, rank, world_size):
 
 
 def test_lab2_wrong_answers_lose_their_points():
-    base = _exercises_only(tools.source_notebook("lab02_collectives"))
-    wrong = _with_solutions(base, {"ex1-solution": WRONG_BUSBW, "ex3-solution": WRONG_RING})
-    scores = tools.grade(wrong, "lab02_collectives")
+    scores = _graded_with("lab02_collectives", {"ex1-solution": WRONG_BUSBW, "ex3-solution": WRONG_RING})
     assert scores["ex1-test"][0] == 0 and "1.75" in scores["ex1-test"][2]
     assert scores["ex3-test"][0] == 0 and scores["ex2-test"][0] == 2
 
@@ -183,6 +181,12 @@ def _with_solutions(nb, answers):
         if gid in answers:
             cell.source = answers[gid]
     return nb
+
+
+def _graded_with(lab, answers):
+    """The lab's exercises with the solution cells in `answers` ({grade_id: code}) replaced, graded
+    as a submission: {test grade_id: (score, points, feedback)}."""
+    return tools.grade(_with_solutions(_exercises_only(tools.source_notebook(lab)), answers), lab)
 
 
 def _with_solution(nb, grade_id, code):
@@ -437,9 +441,7 @@ WRONG_STATES = '''def device_state_bytes(*, num_layers, h, f, V, dp, tp, pp, sta
 
 
 def test_lab3_wrong_answers_lose_their_points():
-    base = _exercises_only(tools.source_notebook("lab03_parallelism"))
-    wrong = _with_solutions(base, {"ex3-solution": WRONG_TP, "ex2-solution": WRONG_STATES})
-    scores = tools.grade(wrong, "lab03_parallelism")
+    scores = _graded_with("lab03_parallelism", {"ex3-solution": WRONG_TP, "ex2-solution": WRONG_STATES})
     assert scores["ex3-test"][0] == 0 and "partial product" in scores["ex3-test"][2]
     assert scores["ex2-test"][0] == 0 and scores["ex1-test"][0] == 2
 
@@ -482,10 +484,8 @@ WRONG_SENT = '''def zero_bytes_sent(n_params, n_ranks, stage, bytes_per_value=2)
 
 
 def test_lab4_wrong_answers_lose_their_points():
-    base = _exercises_only(tools.source_notebook("lab04_zero"))
-    wrong = _with_solutions(base, {"ex3-solution": WRONG_ZERO1, "ex1-solution": WRONG_ZERO_BYTES,
-                                   "ex2-solution": WRONG_SENT})
-    scores = tools.grade(wrong, "lab04_zero")
+    scores = _graded_with("lab04_zero", {"ex3-solution": WRONG_ZERO1, "ex1-solution": WRONG_ZERO_BYTES,
+                                         "ex2-solution": WRONG_SENT})
     assert scores["ex3-test"][0] == 0 and "optimizer-state values" in scores["ex3-test"][2]
     assert scores["ex1-test"][0] == 0 and "Figure 1" in scores["ex1-test"][2]
     assert scores["ex2-test"][0] == 0
@@ -547,10 +547,8 @@ WRONG_CHOICE = '''def choose_checkpoints(full, inputs, flops, outside, budget):
 
 
 def test_lab7_wrong_answers_lose_their_points():
-    base = _exercises_only(tools.source_notebook("lab07_checkpointing"))
-    wrong = _with_solutions(base, {"ex1-solution": WRONG_SEGMENTS, "ex2-solution": WRONG_FRACTION,
-                                   "ex3-solution": WRONG_CHOICE})
-    scores = tools.grade(wrong, "lab07_checkpointing")
+    scores = _graded_with("lab07_checkpointing", {"ex1-solution": WRONG_SEGMENTS, "ex2-solution": WRONG_FRACTION,
+                                                  "ex3-solution": WRONG_CHOICE})
     assert scores["ex1-test"][0] == 0 and "11 checkpoints" in scores["ex1-test"][2]
     assert scores["ex2-test"][0] == 0 and "GPT-3" in scores["ex2-test"][2]
     assert scores["ex3-test"][0] == 0 and ("peaks at" in scores["ex3-test"][2] or "recomputes" in scores["ex3-test"][2])
@@ -613,11 +611,10 @@ WRONG_FEWEST = '''def fewest_resident(layer_bytes, layer_seconds, link_GBps, buf
 
 
 def test_lab6_wrong_answers_lose_their_points():
-    base = _exercises_only(tools.source_notebook("lab06_offload"))
-    good_pass = next(c.source for c in base.cells if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "ex2-solution")
-    wrong = _with_solutions(base, {"ex1-solution": WRONG_PCIE, "ex2-solution": WRONG_PASS,
-                                   "ex3-solution": good_pass + "\n" + WRONG_FEWEST})
-    scores = tools.grade(wrong, "lab06_offload")
+    good_pass = next(c.source for c in tools.source_notebook("lab06_offload").cells
+                     if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "ex2-solution")
+    scores = _graded_with("lab06_offload", {"ex1-solution": WRONG_PCIE, "ex2-solution": WRONG_PASS,
+                                            "ex3-solution": good_pass + "\n" + WRONG_FEWEST})
     assert scores["ex1-test"][0] == 0 and "about a second" in scores["ex1-test"][2]
     assert scores["ex2-test"][0] == 0 and "pass" in scores["ex2-test"][2]
     assert scores["ex3-test"][0] == 0 and "every choice" in scores["ex3-test"][2]

@@ -72,3 +72,10 @@ def test_layers_out_of_order_are_one_clear_error():
 
     with pytest.raises(RuntimeError, match="in order"):
         L.measure_streaming(backwards, mode="cpu", configs=[(1,)], progress=lambda m: None)
+
+
+@pytest.mark.parametrize("kw, match", [({"mode": "gpu"}, "mode"), ({"buffers": 0}, "buffers"), ({"passes": 1}, "passes"),
+                                       ({"cpu_link_GBps": 0}, "cpu_link_GBps")])
+def test_bad_arguments_are_one_clear_error(kw, match):
+    with pytest.raises(ValueError, match=match):
+        L.measure_streaming(serial_forward, progress=lambda m: None, **kw)

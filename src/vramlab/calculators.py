@@ -350,7 +350,7 @@ def _offload(*, model: str, scheme: str, batch_size: int, seq_len: int, gpu: str
                                                        act.step_seconds),
             ("zero-offload", zo.gpu_peak, zo.host_bytes, zo.moved_bytes, zo.step_seconds),
             ("fsdp2-cpu", fs.gpu_peak, fs.host_bytes, fs.moved_bytes, fs.step_seconds)]
-    usable = g.usable_bytes - (g.measured_context_bytes or specs.DEFAULT_CONTEXT_BYTES)
+    usable = g.usable_bytes - g.context_bytes
     bars = [(name, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
             for name, b, *_ in rows]
     svg = stacked_bars(bars, title=f"{spec.name}, {batch_size} x {seq_len}, bf16: the GPU's peak with each offload",

@@ -403,8 +403,13 @@ def model_saved(spec: ModelSpec) -> list[Saved]:
     return saved
 
 
+def _saved_bytes(s: Saved, *, tokens: int, scores: int, nbytes: dict[str, int]) -> int:
+    """One saved tensor's bytes: `tokens` (or `scores`) times its width, in its kind's dtype."""
+    return s.width * nbytes[s.kind] * (scores if s.per_score else tokens)
+
+
 def _ledger_bytes(saved: list[Saved], *, tokens: int, scores: int, nbytes: dict[str, int]) -> int:
-    return sum(s.width * nbytes[s.kind] * (scores if s.per_score else tokens) for s in saved)
+    return sum(_saved_bytes(s, tokens=tokens, scores=scores, nbytes=nbytes) for s in saved)
 
 
 def _linear_weight_params(spec: ModelSpec) -> int:

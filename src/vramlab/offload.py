@@ -25,7 +25,9 @@ import itertools
 import re
 
 from . import memory as _mem
-from .specs import DEFAULT_CONTEXT_BYTES, GPUSpec, ModelSpec, gpu as _gpu
+from .parallel import _count
+from .specs import GPUSpec, ModelSpec, gpu as _gpu
+from .zero import REDUCE_BUCKET, _units
 
 # PCIe per lane and direction after line coding, decimal GB/s (PCI-SIG: 8, 16, 32 GT/s with 128b/130b)
 PCIE_LANE_GBps: dict[int, float] = {3: 0.985, 4: 1.969, 5: 3.938}
@@ -39,6 +41,14 @@ SAVE_ON_CPU_EFFICIENCY = 0.62
 # Pageable copies are staged through a pinned bounce buffer by the driver: about half the pinned rate
 # (NVIDIA's CUDA C best practices guide, "pinned memory"); an assumption, not measured here.
 PAGEABLE_FRACTION = 0.5
+
+
+def _number(name: str, value, *, fraction: bool = False) -> float:
+    """A real number >= 0 (or, `fraction`, in (0, 1]), or a ValueError naming the argument."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and (0 < value <= 1 if fraction else value >= 0)
+    if not ok:
+        raise ValueError(f"{name} must be {'in (0, 1]' if fraction else 'a number >= 0'}, got {value!r}")
+    return value
 
 
 def pcie_generation(gpu: GPUSpec) -> int:
@@ -61,10 +71,7 @@ def host_link_GBps(gpu: GPUSpec | str, *, pinned: bool = True, lanes: int = 16) 
 
 def transfer_seconds(nbytes: int | float, gpu: GPUSpec | str, *, pinned: bool = True, efficiency: float = 1.0) -> float:
     """Seconds to move `nbytes` one way over `gpu`'s host link at `efficiency` of its nominal rate."""
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not nbytes >= 0:
-        raise ValueError(f"nbytes must be a number of bytes >= 0, got {nbytes!r}")
-    if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
-        raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
+    _number("nbytes", nbytes), _number("efficiency", efficiency, fraction=True)
     return nbytes / (host_link_GBps(gpu, pinned=pinned) * efficiency * 1e9)
 
 
@@ -90,13 +97,13 @@ def _saved_tensors(spec: ModelSpec, *, batch_size: int, seq_len: int, precision:
     blocks; outside the blocks; autocast's weight casts as one tensor per linear weight)."""
     nb = _mem._dtype_bytes(precision, "cuda")
     tokens, scores = batch_size * seq_len, batch_size * spec.num_heads * seq_len * seq_len
-    size = lambda x: x.width * nb[x.kind] * (scores if x.per_score else tokens)  # noqa: E731
+    size = lambda x: _mem._saved_bytes(x, tokens=tokens, scores=scores, nbytes=nb)  # noqa: E731
     kw = dict(precision=precision, device="cuda", batch_size=batch_size)
     sizes = [size(x) for x in _mem.layer_saved(spec, **kw)] * spec.num_layers
     if spec.num_decoder_layers:
         sizes += [size(x) for x in _mem.layer_saved(spec, decoder=True, **kw)] * spec.num_decoder_layers
     sizes += [size(x) for x in _mem.model_saved(spec)]
-    if precision in ("bf16-mixed", "fp16-mixed"):  # each linear's weight cast, saved for its input's gradient
+    if _mem._cuda_amp(precision, "cuda"):  # each linear's weight cast, saved for its input's gradient
         sizes += [2 * n for name, n in spec.param_tensors() if name.endswith("weight") and n > spec.hidden_size
                   and "norm" not in name and "wpe" not in name]
     return sizes
@@ -116,8 +123,8 @@ def activation_offload(model: ModelSpec | str, *, batch_size: int, seq_len: int,
     power of two (`pinned_block`): a lower bound (GPT-2 within 5 % of the H100 host's RSS growth,
     Llama 23 % under it; tests/test_offload.py). Time: the baseline step plus both
     copies of the saved bytes at `efficiency` of the link's nominal rate (see SAVE_ON_CPU_EFFICIENCY)."""
-    if baseline_seconds is not None and not (isinstance(baseline_seconds, (int, float)) and baseline_seconds >= 0):
-        raise ValueError(f"baseline_seconds must be seconds >= 0, got {baseline_seconds!r}")
+    if baseline_seconds is not None:
+        _number("baseline_seconds", baseline_seconds)
     spec = _mem._resolve(model)
     g = _gpu(gpu)
     phases = _mem.training_phases(spec, batch_size=batch_size, seq_len=seq_len, precision=precision,
@@ -160,10 +167,6 @@ class ModelOffload:
     cpu_seconds: float  # the Adam step on the CPU
     step_seconds: float | None  # gpu_seconds + transfer_seconds + cpu_seconds, when gpu_seconds is given
 
-    @property
-    def table(self) -> str:
-        return self.gpu_peak.table(title=self.gpu_peak.label)
-
 
 def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_len: int,
                   gpu: GPUSpec | str = "h100-80gb", gpu_seconds: float | None = None,
@@ -189,13 +192,10 @@ def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_l
     Checked against the H100's FSDP2 probe (tests/test_offload.py)."""
     if scheme not in OFFLOAD_SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(OFFLOAD_SCHEMES)}, got {scheme!r}")
-    for name, v in (("gpu_seconds", gpu_seconds), ("cpu_adam_seconds_per_param", cpu_adam_seconds_per_param)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
-            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
-    from .zero import REDUCE_BUCKET  # zero imports nothing from here
-    bucket = REDUCE_BUCKET if reduce_bucket is None else reduce_bucket
-    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 0:
-        raise ValueError(f"reduce_bucket must be a whole number of elements >= 0, got {reduce_bucket!r}")
+    if gpu_seconds is not None:
+        _number("gpu_seconds", gpu_seconds)
+    _number("cpu_adam_seconds_per_param", cpu_adam_seconds_per_param)
+    bucket = _count("reduce_bucket", REDUCE_BUCKET if reduce_bucket is None else reduce_bucket, lo=0, hi=10**12)
     spec = _mem._resolve(model)
     g = _gpu(gpu)
     psi = spec.params
@@ -209,9 +209,7 @@ def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_l
                                        label=f"{spec.name}: ZeRO-Offload, {batch_size} x {seq_len}")
         moved, host = 8 * psi, 16 * psi
     else:
-        groups = spec.param_groups()
-        blocks = max(spec.num_layers + spec.num_decoder_layers, 1)
-        block, root = groups["layers"] // blocks, psi - groups["layers"]
+        block, root = _units(spec)
         peak = max((p for p in step if not p.phase.startswith("embedding")),
                    key=lambda p: p.activations + p.temporaries + p.gradients)
         # the root gathered (bf16) and the next block arriving: its fp32 shard and its bf16 copy
@@ -282,10 +280,7 @@ def stream_layers(layer_bytes, layer_seconds, *, streamed, link_GBps: float, buf
         raise ValueError(f"streamed layers must be indices from 0 to {n - 1}")
     if not (isinstance(link_GBps, (int, float)) and link_GBps > 0):
         raise ValueError(f"link_GBps must be positive, got {link_GBps!r}")
-    if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
-        raise ValueError(f"buffers must be a whole number >= 1, got {buffers!r}")
-    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-        raise ValueError(f"passes must be a whole number >= 1, got {passes!r}")
+    _count("buffers", buffers), _count("passes", passes)
     copy_s = {i: sizes[i] / (link_GBps * 1e9) for i in stream}
     t = copy_end = 0.0
     computed: list[float] = []  # compute end of each streamed layer, in copy order over all passes
@@ -366,22 +361,18 @@ def stream_model(model: ModelSpec | str, gpu: GPUSpec | str, *, tokens: int = 1,
     `buffers` streaming buffers (activations for a few tokens are small and not counted)."""
     spec = _mem._resolve(model)
     g = _gpu(gpu)
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise ValueError(f"tokens must be a whole number >= 1, got {tokens!r}")
+    _count("tokens", tokens, hi=_mem.MAX_BATCH)
     if weight_bytes not in (1, 2, 4):
         raise ValueError(f"weight_bytes must be 1 (int8), 2 (fp16/bf16) or 4 (fp32), got {weight_bytes!r}")
-    for name, v in (("efficiency", efficiency), ("mfu", mfu)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-            raise ValueError(f"{name} must be in (0, 1], got {v!r}")
-    groups = spec.param_groups()
+    _number("efficiency", efficiency, fraction=True), _number("mfu", mfu, fraction=True)
     n = spec.num_layers + spec.num_decoder_layers
-    block_params = groups["layers"] // n
+    block_params, rest = _units(spec)
     layer_bytes = block_params * weight_bytes
-    other = (spec.params - groups["layers"]) * weight_bytes
+    other = rest * weight_bytes
     peak = max(g.peak_tflops_fp32, g.peak_tflops_16) * 1e12 * mfu
     layer_s = max(2 * block_params * tokens / peak, layer_bytes / (g.bandwidth_GBps * 1e9))
     link = host_link_GBps(g) * efficiency
-    usable = g.usable_bytes - (g.measured_context_bytes or DEFAULT_CONTEXT_BYTES)
+    usable = g.usable_bytes - g.context_bytes
     sizes, secs = [layer_bytes] * n, [layer_s] * n
     most, fitted = -1, None
     for k in range(n, -1, -1):

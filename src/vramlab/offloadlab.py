@@ -34,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from . import offload as off
+from .parallel import _count
 
 CPU_LINK_GBps = 2.0  # the CPU mode's stand-in for PCIe: slower than the layers' compute, as in BMInf
 # the stack: layer i is an MLP x + relu(x W_up^T) W_down^T of width WIDTHS[i] (uneven on purpose)
@@ -44,6 +45,11 @@ SAVE_CASE = dict(model="gpt2", batch_size=8, seq_len=1024)
 
 
 # ----------------------------------------------------------------------------- copy engines
+def _same_size(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.numel() != src.numel():
+        raise ValueError(f"copy: the buffer holds {dst.numel()} values, the layer {src.numel()}")
+
+
 class CpuLink:
     """A copy engine for a CPU: one worker thread copies in the order asked, chunk by chunk, each
     chunk finished no sooner than a link of `GBps` would finish it. `copy` returns at once."""
@@ -70,8 +76,7 @@ class CpuLink:
         self.log.append((src.numel(), t0, time.perf_counter()))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor):
-        if dst.numel() != src.numel():
-            raise ValueError(f"copy: the buffer holds {dst.numel()} values, the layer {src.numel()}")
+        _same_size(dst, src)
         return self._pool.submit(self._copy, dst, src)
 
     def wait(self, ticket) -> None:
@@ -95,8 +100,7 @@ class CudaLink:
         return torch.empty(numel, dtype=dtype, device="cuda")
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor):
-        if dst.numel() != src.numel():
-            raise ValueError(f"copy: the buffer holds {dst.numel()} values, the layer {src.numel()}")
+        _same_size(dst, src)
         self.stream.wait_stream(torch.cuda.current_stream())
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
@@ -210,7 +214,6 @@ def _timed(stack: Stack, fn: Callable, streamed, link, *, buffers: int, passes: 
     if order != list(range(n)) * passes:
         raise RuntimeError("stream_forward must run the layers in order, 0 to n-1, once per pass")
     compute = [(i % n, s, e) for i, (s, e) in enumerate(zip(starts, ends))]
-    del weights
     return out, compute, copies
 
 
@@ -226,10 +229,15 @@ def reference_forward(stack: Stack, passes: int = 1) -> torch.Tensor:
 def measure_streaming(fn: Callable, *, mode: str = "auto", widths=WIDTHS, buffers: int = 2, passes: int = 4,
                       cpu_link_GBps: float = CPU_LINK_GBps, configs=None, progress=print) -> dict[str, Any]:
     """Measure the layers' compute and copy times, then run `fn` (stream_forward) with each choice of
-    streamed layers and set the measured pass time (the last of `passes`) beside
+    streamed layers and set the measured pass time (the last of `passes`, at least 2) beside
     `offload.stream_layers`' prediction from the measured per-layer times. `configs`: lists of
     streamed layers (default: none, BMInf's spaced choices for 1, 2, 4 streamed, every layer, and
     the smallest resident set `offload.smallest_resident` finds from the measured times)."""
+    if mode not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"mode must be auto, cpu or cuda, got {mode!r}")
+    _count("buffers", buffers), _count("passes", passes, lo=2, hi=1000)
+    if isinstance(cpu_link_GBps, bool) or not isinstance(cpu_link_GBps, (int, float)) or not cpu_link_GBps > 0:
+        raise ValueError(f"cpu_link_GBps must be a positive number, got {cpu_link_GBps!r}")
     mode = ("cuda" if torch.cuda.is_available() else "cpu") if mode == "auto" else mode
     if mode == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("mode cuda: no CUDA GPU here")
@@ -241,8 +249,7 @@ def measure_streaming(fn: Callable, *, mode: str = "auto", widths=WIDTHS, buffer
     before = torch.cuda.memory_allocated() if mode == "cuda" else 0
     try:
         # every layer resident: its compute time inside a pass (median over passes 2..)
-        resident_fn = lambda x, w, s, lk, *, run_layer, buffers, passes: _plain(x, w, run_layer, passes)  # noqa: E731
-        _, compute, _ = _timed(stack, resident_fn, [], link, buffers=buffers, passes=passes)
+        _, compute, _ = _timed(stack, _resident_forward, [], link, buffers=buffers, passes=passes)
         layer_s = [statistics.median(e - s for j, s, e in compute[n:] if j == i) for i in range(n)]
         # each layer's copy alone, through the engine
         bufs = link.buffer(max(w.numel() for w in stack.host), stack.dtype)
@@ -279,10 +286,10 @@ def measure_streaming(fn: Callable, *, mode: str = "auto", widths=WIDTHS, buffer
             peak = torch.cuda.max_memory_allocated() - base if mode == "cuda" else None
             del out
             ends = [e for i, _, e in compute if i == n - 1]
-            measured = ends[-1] - ends[-2] if passes > 1 else ends[-1]
+            measured = ends[-1] - ends[-2]  # the last pass: from the end of the one before
             pred = off.stream_layers(stack.layer_bytes, layer_s, streamed=streamed, link_GBps=link_GBps,
                                      buffers=buffers, passes=passes)
-            last0 = ends[-2] if passes > 1 else 0.0
+            last0 = ends[-2]
             rows.append({"streamed": list(streamed), "resident": n - len(streamed), "measured_seconds": measured,
                          "predicted_seconds": pred.seconds, "compute_seconds": pred.compute_seconds,
                          "error_pct": 100 * (pred.seconds - measured) / measured, "hidden_predicted": pred.hidden,
@@ -312,7 +319,8 @@ def measure_streaming(fn: Callable, *, mode: str = "auto", widths=WIDTHS, buffer
             "configs": rows}
 
 
-def _plain(x, weights, run_layer, passes):
+def _resident_forward(x, weights, streamed, link, *, run_layer, buffers, passes):
+    """stream_forward with nothing streamed: every layer runs from its weights, in order."""
     for _ in range(passes):
         for i, w in enumerate(weights):
             x = run_layer(i, x, w)

@@ -231,11 +231,17 @@ def _step_side(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, precisio
                if not ph.phase.startswith(("embedding", "optimizer")))
 
 
-def _unit_params(spec: ModelSpec) -> int:
-    """The largest FSDP2 unit of `lab 4`'s wrapping (each block its own unit, the rest the root)."""
+def _units(spec: ModelSpec) -> tuple[int, int]:
+    """(one block's parameters, the rest's): the FSDP2 units of `lab 4`'s wrapping, each block its
+    own unit and the rest (embeddings, final norm, head) the root."""
     groups = spec.param_groups()
     blocks = max(spec.num_layers + spec.num_decoder_layers, 1)
-    return max(groups["layers"] // blocks, spec.params - groups["layers"])
+    return groups["layers"] // blocks, spec.params - groups["layers"]
+
+
+def _unit_params(spec: ModelSpec) -> int:
+    """The largest FSDP2 unit of `lab 4`'s wrapping."""
+    return max(_units(spec))
 
 
 def estimate_rank(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_batch_size: int, seq_len: int,
