@@ -231,8 +231,10 @@ def _cast_inputs(name: str, width: int, n_linears: int, *, amp: bool, for_weight
 
 def _norm(spec: ModelSpec, name: str) -> list[Saved]:
     h = spec.hidden_size
-    if spec.norm == "rmsnorm":  # x (fp32) for x.pow(2); x * rsqrt(var) for the weight multiply; rsqrt
-        return [Saved(name=f"{name} input", width=h, kind="x"), Saved(name=f"{name} normalized", width=h, kind="x"),
+    if spec.norm == "rmsnorm":  # x (fp32) for x.pow(2); x * rsqrt(var) for the weight multiply (only
+        # the weight's gradient needs it: a frozen norm keeps none, measured with peft); rsqrt
+        return [Saved(name=f"{name} input", width=h, kind="x"),
+                Saved(name=f"{name} normalized", width=h, kind="x", for_weight=True),
                 Saved(name=f"{name} rsqrt", width=1, kind="f32")]
     return [Saved(name=f"{name} input", width=h, kind="x"), Saved(name=f"{name} mean, rstd", width=2, kind="f32")]
 

@@ -1,0 +1,542 @@
+"""Compression: quantization, LoRA / QLoRA, 8-bit optimizer states, distillation, pruning, weight
+sharing and low-rank factorisation. Pure Python: no torch import (runs in the browser too).
+
+Quantization works on weights given as rows (a list of lists of numbers): absmax integer
+quantization with one scale per tensor, per row (vector-wise) or per group of a row; LLM.int8()'s
+outlier decomposition; NF4 with double quantization (QLoRA) by its byte layout. Model-level
+functions take a `ModelSpec` (or a preset name) and return bytes, parameter counts, a pruned
+`ModelSpec`, or a `MemoryBreakdown` built from `vramlab.memory`'s training and inference estimates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from .memory import (MemoryBreakdown, PRECISIONS, _check_choice, _dtype_bytes, _ledger_bytes, _resolve,
+                     estimate_inference, layer_saved, optimizer_state_bytes, param_bytes, training_phases)
+from .parallel import _count
+from .specs import ModelSpec, SpecError
+
+SCHEMES: tuple[str, ...] = ("per-tensor", "per-row", "per-group")
+SCALE_BYTES = 4  # one fp32 scale per tensor, row or group (bitsandbytes' SCB and absmax are fp32)
+
+
+# ============================================================================ absmax quantization
+def _matrix(weights) -> list[list[float]]:
+    """Rows of finite numbers, all the same length, or a ValueError."""
+    try:
+        rows = [[float(v) for v in row] for row in weights]
+    except (TypeError, ValueError):
+        raise ValueError("weights must be a matrix: a list of rows of numbers") from None
+    if not rows or not rows[0] or any(len(r) != len(rows[0]) for r in rows):
+        raise ValueError("weights must be a non-empty matrix whose rows all have the same length")
+    if any(not math.isfinite(v) for r in rows for v in r):
+        raise ValueError("weights must be finite numbers (no NaN or infinity)")
+    return rows
+
+
+def _scheme(scheme: str, group_size: int, bits: int) -> tuple[int, int]:
+    _check_choice(scheme, SCHEMES, "quantization scheme")
+    return _count("group_size", group_size, hi=1 << 24), _count("bits", bits, lo=2, hi=8)
+
+
+def _blocks(cols: int, scheme: str, group_size: int) -> list[tuple[int, int]]:
+    """The column ranges one scale covers within a row (per-tensor: the whole row, one scale shared)."""
+    if scheme != "per-group":
+        return [(0, cols)]
+    return [(lo, min(lo + group_size, cols)) for lo in range(0, cols, group_size)]
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """Integers in [-qmax, qmax] (`q`, rows like the input) and their fp32 scales: w ~ q * scale."""
+
+    q: tuple[tuple[int, ...], ...]
+    scales: tuple[float, ...]  # per-tensor: 1; per-row: one a row; per-group: rows x groups, row-major
+    scheme: str
+    bits: int
+    group_size: int
+
+    @property
+    def nbytes(self) -> int:
+        """Storage: the integers packed at `bits` each, plus the scales."""
+        return quant_bytes(len(self.q), len(self.q[0]), scheme=self.scheme, bits=self.bits, group_size=self.group_size)
+
+    def dequantize(self) -> list[list[float]]:
+        cols = len(self.q[0])
+        blocks = _blocks(cols, self.scheme, self.group_size)
+        out = []
+        for i, row in enumerate(self.q):
+            r = []
+            for j, (lo, hi) in enumerate(blocks):
+                s = self.scales[0] if self.scheme == "per-tensor" else self.scales[i * len(blocks) + j]
+                r += [v * s for v in row[lo:hi]]
+            out.append(r)
+        return out
+
+
+def quantize(weights, *, scheme: str = "per-row", bits: int = 8, group_size: int = 128) -> Quantized:
+    """Symmetric absmax quantization (BMInf, LLM.int8()): scale = max|w| / qmax over the tensor, the
+    row or the group, qmax = 2^(bits-1) - 1 (127 for INT8); q = round(w / scale), ties to even as
+    torch.round. An all-zero block gets scale 0 and q = 0."""
+    group_size, bits = _scheme(scheme, group_size, bits)
+    rows = _matrix(weights)
+    qmax = (1 << (bits - 1)) - 1
+    blocks = _blocks(len(rows[0]), scheme, group_size)
+    if scheme == "per-tensor":
+        scales = [max(abs(v) for r in rows for v in r) / qmax]
+    else:
+        scales = [max(abs(v) for v in r[lo:hi]) / qmax for r in rows for lo, hi in blocks]
+    q = []
+    for i, r in enumerate(rows):
+        qr: list[int] = []
+        for j, (lo, hi) in enumerate(blocks):
+            s = scales[0] if scheme == "per-tensor" else scales[i * len(blocks) + j]
+            qr += [max(-qmax, min(qmax, round(v / s))) if s else 0 for v in r[lo:hi]]
+        q.append(tuple(qr))
+    return Quantized(q=tuple(q), scales=tuple(scales), scheme=scheme, bits=bits, group_size=group_size)
+
+
+def quant_bytes(rows: int, cols: int, *, scheme: str = "per-row", bits: int = 8, group_size: int = 128) -> int:
+    """Bytes of a rows x cols matrix quantized to `bits` (packed) with fp32 scales."""
+    group_size, bits = _scheme(scheme, group_size, bits)
+    rows, cols = _count("rows", rows, hi=1 << 40), _count("cols", cols, hi=1 << 40)
+    n_scales = {"per-tensor": 1, "per-row": rows, "per-group": rows * -(-cols // group_size)}[scheme]
+    return -(-rows * cols * bits // 8) + SCALE_BYTES * n_scales
+
+
+@dataclass(frozen=True)
+class QuantError:
+    """Reconstruction error of a quantized matrix: the largest |w - w_hat|, the root mean square
+    error, and that over the weights' own root mean square (relative)."""
+
+    max_abs: float
+    rms: float
+    relative: float
+    nbytes: int
+
+
+def quant_error(weights, *, scheme: str = "per-row", bits: int = 8, group_size: int = 128) -> QuantError:
+    """Quantize `weights`, dequantize, and measure the error against the original."""
+    rows = _matrix(weights)
+    qz = quantize(rows, scheme=scheme, bits=bits, group_size=group_size)
+    back = qz.dequantize()
+    diffs = [a - b for r, s in zip(rows, back) for a, b in zip(r, s)]
+    n = len(diffs)
+    rms = math.sqrt(sum(d * d for d in diffs) / n)
+    w_rms = math.sqrt(sum(v * v for r in rows for v in r) / n)
+    return QuantError(max_abs=max(abs(d) for d in diffs), rms=rms, relative=rms / w_rms if w_rms else 0.0,
+                      nbytes=qz.nbytes)
+
+
+def llm_int8(x, w, *, threshold: float = 6.0) -> dict:
+    """LLM.int8() (Dettmers+22, arXiv:2208.07339) for y = x w^T, x tokens x d_in, w d_out x d_in:
+    the input columns holding any |x| > threshold (the outlier features) are multiplied in 16-bit;
+    the rest in INT8 with vector-wise scales (one per token of x, one per output row of w).
+    Returns the output, the outlier columns, and the bytes: stored (INT8 w + fp32 row scales) and
+    the 16-bit outlier slices the multiply makes (of x and w)."""
+    xs, ws = _matrix(x), _matrix(w)
+    if len(xs[0]) != len(ws[0]):
+        raise ValueError(f"x has {len(xs[0])} columns and w {len(ws[0])}: both must be d_in")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
+        raise ValueError(f"threshold must be a number > 0, got {threshold!r}")
+    d_in = len(xs[0])
+    outliers = [j for j in range(d_in) if any(abs(r[j]) > threshold for r in xs)]
+    keep = [j for j in range(d_in) if j not in set(outliers)]
+
+    def cols(m, idx):
+        return [[r[j] for j in idx] for r in m]
+
+    y = [[0.0] * len(ws) for _ in xs]
+    if keep:
+        qx, qw = quantize(cols(xs, keep), scheme="per-row"), quantize(cols(ws, keep), scheme="per-row")
+        for i, (xr, sx) in enumerate(zip(qx.q, qx.scales)):
+            for k, (wr, sw) in enumerate(zip(qw.q, qw.scales)):
+                y[i][k] += sum(a * b for a, b in zip(xr, wr)) * sx * sw  # int32 accumulate, then rescale
+    if outliers:
+        xo, wo = cols(xs, outliers), cols(ws, outliers)
+        for i, xr in enumerate(xo):
+            for k, wr in enumerate(wo):
+                y[i][k] += sum(a * b for a, b in zip(xr, wr))
+    stored = len(ws) * d_in + SCALE_BYTES * len(ws)
+    return {"y": y, "outlier_columns": outliers, "stored_bytes": stored,
+            "fp16_bytes": 2 * len(outliers) * (len(xs) + len(ws))}
+
+
+# NF4 (Dettmers+23, QLoRA, arXiv:2305.14314): 4-bit codes in blocks of 64 with one absmax each; with
+# double quantization the absmaxes are themselves 8-bit, in blocks of 256 with one fp32 scale
+# each (plus one fp32 mean). bitsandbytes' Params4bit (quant_type="nf4", compress_statistics=True).
+NF4_BLOCK, NF4_BLOCK2 = 64, 256
+
+
+def nf4_bytes(n: int, *, double_quant: bool = True, block_size: int = NF4_BLOCK, block2: int = NF4_BLOCK2) -> int:
+    """Bytes of `n` weights in NF4: n/2 bytes of codes, and each block's absmax: fp32, or, double
+    quantized, one byte with an fp32 scale per `block2` absmaxes and one fp32 offset."""
+    n = _count("n", n, hi=1 << 48)
+    block_size, block2 = _count("block_size", block_size, hi=1 << 20), _count("block2", block2, hi=1 << 20)
+    blocks = -(-n // block_size)
+    consts = blocks + 4 * -(-blocks // block2) + 4 if double_quant else 4 * blocks
+    return -(-n // 2) + consts
+
+
+def nf4_bits_per_param(*, double_quant: bool = True, block_size: int = NF4_BLOCK, block2: int = NF4_BLOCK2) -> float:
+    """Bits per weight in the limit of large tensors: 4 + 32/64 = 4.5 without double quantization,
+    4 + 8/64 + 32/(64 x 256) = 4.127 with it (QLoRA: constants 0.5 -> 0.127 bits)."""
+    c = 8 / block_size + 32 / (block_size * block2) if double_quant else 32 / block_size
+    return 4 + c
+
+
+# ============================================================================ a model's linear layers
+ROLES: tuple[str, ...] = ("qkv", "o", "mlp_in", "mlp_out", "cross_kv", "other")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One nn.Linear (or GPT-2's Conv1D) of a model: its module name as transformers names it,
+    in and out widths, bias, and role (which input it reads, for what LoRA's adapters keep)."""
+
+    name: str
+    d_in: int
+    d_out: int
+    bias: bool
+    role: str
+
+
+def linear_layers(model: ModelSpec | str) -> list[Linear]:
+    """Every linear layer of the model except the LM head (the output layer, which PEFT's
+    "all-linear" and bitsandbytes leave alone), in module order."""
+    s = _resolve(model)
+    h, i, f = s.hidden_size, s.intermediate_size, s.family
+    out: list[Linear] = []
+
+    def mlp(p: str, names: tuple[str, ...]) -> list[Linear]:
+        ins = names[:-1] if s.gated_mlp else names[:1]
+        return ([Linear(p + n, h, i, s.mlp_bias, "mlp_in") for n in ins]
+                + [Linear(p + names[-1], i, h, s.mlp_bias, "mlp_out")])
+
+    if f == "gpt2":
+        for n in range(s.num_layers):
+            p = f"transformer.h.{n}."
+            out += [Linear(p + "attn.c_attn", h, 3 * h, s.qkv_bias, "qkv"), Linear(p + "attn.c_proj", h, h, s.out_bias, "o")]
+            out += mlp(p + "mlp.", ("c_fc", "c_proj"))
+    elif f == "gpt_neox":
+        for n in range(s.num_layers):
+            p = f"gpt_neox.layers.{n}."
+            out += [Linear(p + "attention.query_key_value", h, 3 * h, s.qkv_bias, "qkv"),
+                    Linear(p + "attention.dense", h, h, s.out_bias, "o")]
+            out += mlp(p + "mlp.", ("dense_h_to_4h", "dense_4h_to_h"))
+    elif f == "opt":
+        e = s.word_embed_proj_dim or h
+        if e != h:
+            out += [Linear("model.decoder.project_out", h, e, False, "other"), Linear("model.decoder.project_in", e, h, False, "other")]
+        for n in range(s.num_layers):
+            p = f"model.decoder.layers.{n}."
+            out += [Linear(p + "self_attn." + x, h, h, s.qkv_bias, "qkv") for x in ("k_proj", "v_proj", "q_proj")]
+            out += [Linear(p + "self_attn.out_proj", h, h, s.out_bias, "o")] + mlp(p, ("fc1", "fc2"))
+    elif f == "llama":
+        for n in range(s.num_layers):
+            p = f"model.layers.{n}."
+            out += [Linear(p + "self_attn.q_proj", h, s.q_dim, s.qkv_bias, "qkv"),
+                    Linear(p + "self_attn.k_proj", h, s.kv_dim, s.qkv_bias, "qkv"),
+                    Linear(p + "self_attn.v_proj", h, s.kv_dim, s.qkv_bias, "qkv"),
+                    Linear(p + "self_attn.o_proj", s.q_dim, h, s.out_bias, "o")]
+            out += mlp(p + "mlp.", ("gate_proj", "up_proj", "down_proj"))
+    elif f == "bert":
+        for n in range(s.num_layers):
+            p = f"bert.encoder.layer.{n}."
+            out += [Linear(p + "attention.self." + x, h, h, s.qkv_bias, "qkv") for x in ("query", "key", "value")]
+            out += [Linear(p + "attention.output.dense", h, h, s.out_bias, "o"),
+                    Linear(p + "intermediate.dense", h, i, s.mlp_bias, "mlp_in"),
+                    Linear(p + "output.dense", i, h, s.mlp_bias, "mlp_out")]
+        out.append(Linear("cls.predictions.transform.dense", h, h, True, "other"))
+    elif f == "t5":
+        q = s.q_dim
+        ffn = ("wi_0", "wi_1", "wo") if s.gated_mlp else ("wi", "wo")
+        for stack, depth, dec in (("encoder", s.num_layers, False), ("decoder", s.num_decoder_layers, True)):
+            for n in range(depth):
+                p = f"{stack}.block.{n}.layer."
+                out += [Linear(p + "0.SelfAttention." + x, h, q, False, "qkv") for x in ("q", "k", "v")]
+                out.append(Linear(p + "0.SelfAttention.o", q, h, False, "o"))
+                if dec:
+                    out += [Linear(p + "1.EncDecAttention.q", h, q, False, "qkv")]
+                    out += [Linear(p + "1.EncDecAttention." + x, h, q, False, "cross_kv") for x in ("k", "v")]
+                    out.append(Linear(p + "1.EncDecAttention.o", q, h, False, "o"))
+                out += mlp(p + ("2." if dec else "1.") + "DenseReluDense.", ffn)
+    else:  # pragma: no cover - every family above
+        raise ValueError(f"no linear layers known for family {f!r}")
+    return out
+
+
+# peft's default LoRA targets for each family (peft.utils.constants,
+# TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING: the same for every model type of a family)
+DEFAULT_TARGETS = {"gpt2": ("c_attn",), "gpt_neox": ("query_key_value",), "opt": ("q_proj", "v_proj"),
+                   "llama": ("q_proj", "v_proj"), "bert": ("query", "value"), "t5": ("q", "v")}
+
+
+def lora_targets(model: ModelSpec | str, targets: "str | tuple[str, ...] | list[str]" = "default") -> list[Linear]:
+    """The linear layers LoRA adapts, chosen as peft chooses them: "default" (peft's targets for
+    the model type), "all-linear" (every linear but the output layer), or module names, each
+    matching a module whose name is it or ends with "." + it. A name that matches nothing is an error."""
+    spec = _resolve(model)
+    layers = linear_layers(spec)
+    if targets == "all-linear":
+        return layers
+    names = DEFAULT_TARGETS[spec.family] if targets == "default" else \
+        tuple(t.strip() for t in targets.split(",")) if isinstance(targets, str) else tuple(targets)
+    if not names or any(not isinstance(t, str) or not t for t in names):
+        raise ValueError(f"targets must be 'default', 'all-linear' or module names, got {targets!r}")
+    known = sorted({x.name.rsplit(".", 1)[-1] for x in layers})
+    for t in names:
+        if not any(x.name == t or x.name.endswith("." + t) for x in layers):
+            raise ValueError(f"target {t!r} matches no linear layer of {spec.name}; its layers are named {', '.join(known)}")
+    return [x for x in layers if any(x.name == t or x.name.endswith("." + t) for t in names)]
+
+
+def lora_params(model: ModelSpec | str, *, rank: int = 8, targets="default") -> int:
+    """LoRA's trainable parameters (Hu+21, arXiv:2106.09685): r x (d_in + d_out) per adapted
+    matrix (A is r x d_in, B is d_out x r; no bias), as peft's `print_trainable_parameters` counts."""
+    rank = _count("rank", rank, hi=1 << 20)
+    return sum(rank * (x.d_in + x.d_out) for x in lora_targets(model, targets))
+
+
+# ============================================================================ quantized weights
+WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8-per-tensor", "int4-g128", "nf4", "nf4-dq")
+
+
+def weight_bytes(model: ModelSpec | str, fmt: str = "int8") -> dict[str, int]:
+    """The model's weights for inference with its linear layers (not the LM head) stored in `fmt`
+    and everything else (embeddings, norms, biases, the LM head) in bf16 (fp32 for "fp32"):
+    int8 = LLM.int8()'s per-row INT8 with an fp32 scale per row (bitsandbytes Linear8bitLt);
+    int8-per-tensor = one scale a matrix; int4-g128 = 4-bit absmax in groups of 128 (GPTQ/AWQ-like
+    storage, fp32 scales); nf4 / nf4-dq = QLoRA's NF4 without / with double quantization."""
+    spec = _resolve(model)
+    _check_choice(fmt, WEIGHT_FORMATS, "weight format")
+    lin = linear_layers(spec)
+    matrix = sum(x.d_in * x.d_out for x in lin)
+    rest = spec.params - matrix
+    other = 4 if fmt == "fp32" else 2
+    if fmt in ("fp32", "bf16"):
+        linear = matrix * other
+    elif fmt in ("nf4", "nf4-dq"):
+        linear = sum(nf4_bytes(x.d_in * x.d_out, double_quant=fmt == "nf4-dq") for x in lin)
+    else:
+        scheme, bits = {"int8": ("per-row", 8), "int8-per-tensor": ("per-tensor", 8), "int4-g128": ("per-group", 4)}[fmt]
+        linear = sum(quant_bytes(x.d_out, x.d_in, scheme=scheme, bits=bits) for x in lin)
+    return {"linear": linear, "other": rest * other, "total": linear + rest * other,
+            "linear_params": matrix, "other_params": rest}
+
+
+def quantized_inference(model: ModelSpec | str, *, fmt: str = "int8", batch_size: int = 1, seq_len: int = 512,
+                        new_tokens: int | None = None, device: str = "cuda") -> MemoryBreakdown:
+    """Inference with quantized linear weights: `estimate_inference` in bf16 (activations, KV cache
+    and logits in 16-bit: the quantized layers compute in bf16) with the weights of `weight_bytes`.
+    fmt "fp32" runs everything in fp32."""
+    spec = _resolve(model)
+    w = weight_bytes(spec, fmt)
+    est = estimate_inference(spec, batch_size=batch_size, seq_len=seq_len, dtype="fp32" if fmt == "fp32" else "bf16",
+                             new_tokens=new_tokens, device=device)
+    return dataclasses.replace(est, parameters=w["total"], precision=fmt, label=f"{est.label} weights {fmt}")
+
+
+# ============================================================================ 8-bit optimizer states
+BNB_BLOCK, BNB_MIN_8BIT = 256, 4096
+
+
+def adam8bit_state_bytes(sizes, *, block_size: int = BNB_BLOCK, min_8bit_size: int = BNB_MIN_8BIT) -> int:
+    """bitsandbytes' 8-bit Adam/AdamW states (`Optimizer2State.init_state`, block_wise=True) for
+    parameter tensors of `sizes` elements: a tensor of at least `min_8bit_size` elements keeps m and
+    v in uint8 (1 byte each) with one fp32 absmax per `block_size` values of each; a smaller one
+    keeps both in fp32 (8 bytes an element). The 256-entry quantization maps (2 KiB) are shared.
+    The paper (arXiv:2110.02861) used blocks of 2048: that is `block_size=2048`."""
+    block_size = _count("block_size", block_size, hi=1 << 24)
+    min_8bit_size = _count("min_8bit_size", min_8bit_size, lo=0, hi=1 << 48)
+    total = 0
+    for n in sizes:
+        n = _count("a tensor's size", n, hi=1 << 48)
+        total += 8 * n if n < min_8bit_size else 2 * n + 2 * 4 * -(-n // block_size)
+    return total
+
+
+# ============================================================================ LoRA / QLoRA training
+METHODS: tuple[str, ...] = ("full", "lora", "lora-int8", "qlora")
+_QUANT_BASE = {"lora-int8": "int8", "qlora": "nf4-dq"}  # the base's linear layers, quantized
+# the inputs in `memory.layer_saved` that only a linear's weight gradient needs, by that linear's role
+_SAVED_ROLE = {"attn out (o_proj input)": "o", "o_proj input": "o", "mlp input": "mlp_in", "down input": "mlp_out"}
+# where in a block's ledger the layers of each role begin reading (the first tensor they save)
+_ROLE_START = {"q/k/v input": "qkv", "c_attn input": "qkv", "qkv input": "qkv", "attn out": "o",
+               "attn out (o_proj input)": "o", "mlp input": "mlp_in", "down input": "mlp_out"}
+
+
+def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8, targets="default",
+                  batch_size: int, seq_len: int, precision: str = "fp32", optimizer: str = "adamw",
+                  optimizer_impl: str = "foreach", attention: str = "sdpa", device: str = "cuda",
+                  gpu=None) -> MemoryBreakdown:
+    """Peak memory of one fine-tuning step (PEFT: Houlsby+19; LoRA: Hu+21; QLoRA: Dettmers+23).
+
+    full:  `estimate_training` of the whole model; with optimizer "adamw-8bit", bitsandbytes'
+           states tensor by tensor (`adam8bit_state_bytes`).
+    lora:  the base's K parameters frozen, N = `lora_params` adapters trained: weights K + N,
+           gradients N, optimizer states for N. Activations: the frozen linears keep no input for a
+           weight gradient, except where an adapter reads it (its A matrix saves its input); each
+           adapter also keeps A's output (r values a token); frozen RMSNorms keep no normalised
+           copy; the first block keeps nothing from before its first adapter.
+    lora-int8 / qlora: lora on a base whose linear layers are LLM.int8() per-row INT8 / NF4 with
+           double quantization, the other weights bf16; the step computes in bf16 (activations as
+           pure bf16), adapters and their Adam states in fp32, and one linear layer's bf16 weight
+           dequantized at a time.
+    """
+    spec = _resolve(model)
+    _check_choice(method, METHODS, "fine-tuning method")
+    kw = dict(batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, optimizer_impl=optimizer_impl,
+              attention=attention, device=device, gpu=gpu)
+    if method == "full":
+        phases = training_phases(spec, precision=precision, **kw)
+        if optimizer == "adamw-8bit":
+            bnb = adam8bit_state_bytes(n for _, n in spec.param_tensors())
+            phases = [dataclasses.replace(m, optimizer_states=bnb) for m in phases]
+        return max(phases, key=lambda m: m.total)
+    targets_ = lora_targets(spec, targets)
+    n = lora_params(spec, rank=rank, targets=targets)
+    if n >= spec.params:
+        raise ValueError(f"rank {rank} gives {n:,} adapter parameters, more than {spec.name}'s own {spec.params:,}: "
+                         "that is no longer parameter-efficient; choose a smaller rank")
+    quant = _QUANT_BASE.get(method)
+    if quant:
+        _check_choice(precision, PRECISIONS, "precision")
+        precision = "bf16"  # the base computes in bf16; the adapters stay fp32
+    phases = training_phases(spec, precision=precision, trainable_params=n, **kw)
+    pb = param_bytes(precision)
+    ab = 4 if quant else pb  # the adapters' dtype (peft keeps them fp32 on a quantized base)
+    nb = _dtype_bytes(precision, device)
+    # an adapter keeps A's output (r a token), and one on a layer whose input only that layer's
+    # weight gradient needed (o, the MLP's) keeps that input again: the ledger's for-weight tensors
+    roles = {x.role for x in targets_}
+    b, sq = batch_size, seq_len
+    led = dict(tokens=b * sq, scores=b * spec.num_heads * sq * sq, nbytes=nb)
+    lkw = dict(attention=attention, device=device, precision=precision, batch_size=b)
+    blocks = [(layer_saved(spec, **lkw), spec.num_layers)]
+    if spec.family == "t5":
+        blocks.append((layer_saved(spec, decoder=True, **lkw), spec.num_decoder_layers))
+    reread = sum(n_blocks * _ledger_bytes([x for x in saved if x.for_weight and _SAVED_ROLE.get(x.name) in roles], **led)
+                 for saved, n_blocks in blocks)
+    # the first block of a stack reads a frozen embedding: what it computes before its first adapter
+    # needs no gradient, so autograd saves none of it
+    first = min((i for i, x in enumerate(blocks[0][0]) if _ROLE_START.get(x.name) in roles), default=0)
+    unsaved = len(blocks) * _ledger_bytes([x for x in blocks[0][0][:first] if not x.for_weight], **led)
+    extra_act = len(targets_) * rank * b * sq * nb["half"] + reread - unsaved
+    if quant:
+        base_params = weight_bytes(spec, quant)["total"]
+        dequant = 2 * max(x.d_in * x.d_out for x in linear_layers(spec))
+    else:
+        base_params, dequant = spec.params * pb, 0
+    out = []
+    for m in phases:
+        upd = dict(parameters=base_params + n * ab, precision=method if quant else precision,
+                   label=f"{spec.name} {method} r={rank} b={batch_size} s={seq_len}" + ("" if quant else f" {precision}"))
+        if m.activations:
+            upd["activations"] = m.activations + extra_act
+        if m.gradients:
+            upd["gradients"] = n * ab
+        if quant:  # fp32 adapters: torch.optim keeps fp32 states (Adam: m and v)
+            upd["optimizer_states"] = optimizer_state_bytes(optimizer, n, "fp32")
+            step = m.phase == "optimizer.step()"
+            upd["temporaries"] = (n * 4 if optimizer_impl == "foreach" and optimizer in ("adamw", "adam") else 0) \
+                if step else m.temporaries + dequant
+        out.append(dataclasses.replace(m, **upd))
+    return max(out, key=lambda m: m.total)
+
+
+# ============================================================================ distillation
+def distillation(teacher: ModelSpec | str, student: ModelSpec | str, *, batch_size: int, seq_len: int,
+                 precision: str = "fp32", teacher_dtype: str = "fp32", optimizer: str = "adamw",
+                 device: str = "cuda") -> MemoryBreakdown:
+    """One distillation step (Hinton+15; PKD, Sun+19): the teacher runs a forward without gradients
+    and its soft labels train the student (KL(softmax(t/T) || softmax(s/T)), plus the hard-label
+    loss). Memory: the student's training step, plus the teacher's weights (in `teacher_dtype`),
+    plus, through the student's forward and backward, the teacher's probabilities (fp32, b x s x V)
+    and the student's log-probabilities at temperature T that the KL term saves (fp32, b x s x V).
+    The teacher's own forward (its inference peak) comes before and is rarely the peak."""
+    t, s = _resolve(teacher), _resolve(student)
+    if t.vocab_size != s.vocab_size:
+        raise ValueError(f"teacher and student must share a vocabulary for soft labels ({t.vocab_size:,} vs {s.vocab_size:,})")
+    _check_choice(teacher_dtype, ("fp32", "bf16"), "teacher dtype")
+    phases = training_phases(s, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
+                             device=device)
+    tw = t.params * (4 if teacher_dtype == "fp32" else 2)
+    soft = 2 * batch_size * seq_len * s.vocab_size * 4
+    out = [dataclasses.replace(m, parameters=m.parameters + tw,
+                               activations=m.activations + soft if m.activations else 0,
+                               label=f"distil {t.name} -> {s.name} b={batch_size} s={seq_len}") for m in phases]
+    teacher_fwd = estimate_inference(t, batch_size=batch_size, seq_len=seq_len, dtype=teacher_dtype, device=device)
+    first = phases[0]
+    out.append(MemoryBreakdown(parameters=first.parameters + tw, optimizer_states=first.optimizer_states,
+                               activations=teacher_fwd.activations, inputs=first.inputs, other=first.other,
+                               precision=precision, device=device, label=out[0].label, phase="teacher forward"))
+    return max(out, key=lambda m: m.total)
+
+
+# ============================================================================ pruning, sharing, factorising
+def prune(model: ModelSpec | str, *, heads: int = 0, intermediate: int = 0, layers: int = 0) -> ModelSpec:
+    """Structured pruning (Michel+19 heads; BMCook): remove `heads` attention heads from every
+    layer, `intermediate` MLP neurons from every layer, and `layers` whole blocks (T5: from the
+    encoder and the decoder each). Returns the smaller model as a `ModelSpec`, whose memory every
+    vramlab function computes. With grouped-query attention, only query heads go and the number
+    left must stay a multiple of the KV heads. GPT-2, GPT-NeoX, OPT and BERT tie their attention
+    width to the hidden size in vramlab's specs, so only their MLP width and layers can be pruned."""
+    s = _resolve(model)
+    heads = _count("heads", heads, lo=0, hi=s.num_heads - 1)
+    intermediate = _count("intermediate", intermediate, lo=0, hi=s.intermediate_size - 1)
+    depth = min(s.num_layers, s.num_decoder_layers) if s.family == "t5" else s.num_layers
+    layers = _count("layers", layers, lo=0, hi=depth - 1)
+    changes: dict = {"name": f"{s.name} pruned", "intermediate_size": s.intermediate_size - intermediate,
+                     "num_layers": s.num_layers - layers}
+    if s.family == "t5":
+        changes["num_decoder_layers"] = s.num_decoder_layers - layers
+    if heads:
+        if s.family not in ("llama", "t5"):
+            raise ValueError(f"{s.name}: pruning heads changes the attention width, which a {s.family} spec ties to "
+                             "hidden_size; prune its MLP width (intermediate) or layers instead")
+        a = s.num_heads - heads
+        if s.num_kv_heads == s.num_heads:
+            changes.update(num_heads=a, num_kv_heads=a)
+        elif a % s.num_kv_heads:
+            raise ValueError(f"{s.name} has {s.num_kv_heads} KV heads: the query heads left ({a}) must be a multiple of them")
+        else:
+            changes["num_heads"] = a
+        if s.family == "llama" and s.hidden_size % a:
+            raise ValueError(f"transformers' Llama needs hidden_size ({s.hidden_size}) to be a multiple of the heads "
+                             f"left ({a}); prune a number of heads that leaves a divisor")
+    try:
+        return dataclasses.replace(s, **changes)
+    except SpecError as e:
+        raise ValueError(str(e)) from None
+
+
+def shared_layers_params(model: ModelSpec | str, *, groups: int = 1) -> int:
+    """Cross-layer weight sharing (ALBERT, Lan+19): the blocks split into `groups` groups of
+    consecutive layers that each share one block's weights (groups=1: one block for all).
+    Returns the model's parameters with sharing (embeddings and head unchanged)."""
+    s = _resolve(model)
+    if s.family == "t5":
+        raise ValueError("weight sharing here covers single-stack models (one block type); T5 has two stacks")
+    groups = _count("groups", groups, hi=s.num_layers)
+    g = s.param_groups()
+    return g["embeddings"] + g["head"] + g["layers"] // s.num_layers * groups
+
+
+def low_rank_params(model: ModelSpec | str, *, rank: int, roles: tuple[str, ...] = ("qkv", "o", "mlp_in", "mlp_out")) -> int:
+    """Low-rank factorisation: every linear layer of the given roles, W (d_out x d_in), replaced
+    by U (d_out x k) V (k x d_in) with k = min(rank, d_in, d_out) (a layer where that saves nothing
+    is left whole). Returns the model's parameters after factorising."""
+    s = _resolve(model)
+    rank = _count("rank", rank, hi=1 << 20)
+    for r in roles:
+        _check_choice(r, ROLES, "layer role")
+    saved = 0
+    for x in linear_layers(s):
+        if x.role in roles:
+            k = min(rank, x.d_in, x.d_out)
+            saved += max(0, x.d_in * x.d_out - k * (x.d_in + x.d_out))
+    return s.params - saved
