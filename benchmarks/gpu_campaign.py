@@ -47,7 +47,7 @@ def _use_this_checkout() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *rest])
 STEPS = ("accuracy", "inference", "maxbatch", "labs")
 LABS = ("lab01_where_memory_goes", "lab02_collectives", "lab03_parallelism", "lab04_zero", "lab05_mixed_precision",
-        "lab06_offload", "lab07_checkpointing")
+        "lab06_offload", "lab07_checkpointing", "lab08_compression")
 INFERENCE = [  # (preset, batch, prompt, new tokens or None for a prefill with all logits, dtype)
     ("llama-3.2-1b", 16, 1024, None, "bf16"), ("llama-3.2-1b", 16, 1024, 128, "bf16"),
     ("gpt2", 32, 512, None, "bf16"), ("gpt2", 32, 512, 128, "bf16"),

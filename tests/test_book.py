@@ -150,3 +150,17 @@ def test_chapter6_offload(built):
     measured = page.split('id="predicted-against-measured"')[1]
     assert "not a GPU measurement" in measured and "[0, 1, 2, 3, 4, 5, 6, 7]" in measured
     assert "Traceback" not in page and "Warning" not in page
+
+
+def test_chapter8_compression(built):
+    """Chapter 8: the H100's mT5-base full and LoRA peaks with their provenance, the per-tensor and
+    per-row errors computed at build, the live calculator, and lab 8's stored run labelled as a CPU run."""
+    html, _ = built
+    page = (html / "book" / "08_compression.html").read_text()
+    assert "NVIDIA H100 80GB HBM3, driver 580.159.04" in page and "884,736" in page
+    for measured in ("10.95 GiB", "3.72 GiB"):  # the stored mT5-base peaks: full fine-tune, LoRA r=8 q,v
+        assert measured in page, measured
+    assert 'id="vl-compression"' in page and "nf4-dq" in page
+    measured = page.split('id="predicted-against-measured-lab-8"')[1]
+    assert "not a GPU measurement" in measured and "distillation" in measured
+    assert "Traceback" not in page and "Warning" not in page

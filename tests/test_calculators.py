@@ -112,6 +112,9 @@ def vramlab_preset_params(name):
     ("checkpointing", {"plan": "most"}, "'most' is not one of"),
     ("offload", {"scheme": "nvme"}, "'nvme' is not one of"),
     ("streaming", {"tokens": 3}, "tokens per pass: 3 is not one of"),
+    ("compression", {"rank": 3}, "LoRA rank: 3 is not one of"),
+    ("compression", {"method": "full", "bits": 4}, "full fine-tuning cannot train 4-bit weights"),
+    ("compression", {"model": "gpt2", "seq_len": 4096}, "gpt2 reads at most 1,024 positions"),
     ("offload", {"batch_size": 0}, "batch size: 0 is outside"),
     ("checkpointing", {"model": "gpt2", "seq_len": 2048}, "gpt2 reads at most 1,024 positions"),
     ("zero", {"model": "gpt2", "seq_len": 4096}, "gpt2 reads at most 1,024 positions"),
@@ -170,3 +173,19 @@ def test_widget_recomputes_what_the_page_shows():
     controls["GPU"].value = "a100-80gb"
     expected = C.get("training").run(model="gpt2", batch_size=16, gpu="a100-80gb")
     assert expected.numbers["train_total"][1] in out.value and expected.svg in out.value
+
+
+def test_compression_calculator_is_the_library():
+    """The page's numbers are vramlab.compression's; LoRA's trainable count is peft's (884,736 for
+    the seeds' mT5-base r=8 on q and v, peft's defaults for T5)."""
+    from vramlab import compression as COMP
+
+    r = C.get("compression").run(model="mt5-base", method="lora", rank=8, bits=32, batch_size=32, seq_len=128)
+    assert r.error == "" and r.numbers["trainable"][0] == 884_736
+    est = COMP.peft_training("mt5-base", rank=8, targets="default", batch_size=32, seq_len=128, gpu="h100-80gb")
+    assert r.numbers["peak"][0] == est.total
+    q = C.get("compression").run(model="llama-3.1-8b", method="lora", rank=16, bits=4, seq_len=2048)
+    assert q.numbers["peak"][0] == COMP.peft_training("llama-3.1-8b", method="qlora", rank=16, batch_size=1, seq_len=2048,
+                                                      precision="bf16", gpu="h100-80gb").total
+    inf = C.get("compression").run(model="llama-3.1-8b", method="inference", bits=8, seq_len=512)
+    assert inf.numbers["peak"][0] == COMP.quantized_inference("llama-3.1-8b", fmt="int8", seq_len=512).total

@@ -54,7 +54,7 @@ def _exercises_only(nb):
 
 def test_every_lab_is_released():
     assert LABS == ["lab01_where_memory_goes", "lab02_collectives", "lab03_parallelism", "lab04_zero",
-                    "lab05_mixed_precision", "lab06_offload", "lab07_checkpointing"]
+                    "lab05_mixed_precision", "lab06_offload", "lab07_checkpointing", "lab08_compression"]
     assert sorted(p.name for p in (ROOT / "labs" / "release").iterdir()) == LABS
 
 
@@ -72,6 +72,7 @@ def test_release_is_regenerated_exactly(tmp_path, lab):
     ("lab04_zero", "(4, 48, 2)", "(2, 64, 3)"),  # lab 4: the hidden 4-rank ZeRO-1 check
     ("lab07_checkpointing", "seed=7, n=12", "seed=0"),  # lab 7: the hidden random models
     ("lab06_offload", "seed=11, n=12", "seed=0"),  # lab 6: the hidden random stacks
+    ("lab08_compression", "seed=13, n=12", "seed=0"),  # lab 8: the hidden random matrices
 ])
 def test_released_version_leaks_nothing(lab, hidden, visible):
     nb = nbformat.read(released(lab), as_version=4)
@@ -118,7 +119,7 @@ def test_instructor_version_full_marks_and_cpu_run(tmp_path):
 
 @pytest.mark.parametrize("lab, points", [(LAB, 9), ("lab02_collectives", 8), ("lab03_parallelism", 9),
                                          ("lab04_zero", 8), ("lab05_mixed_precision", 7),
-                                         ("lab06_offload", 8), ("lab07_checkpointing", 8)])
+                                         ("lab06_offload", 8), ("lab07_checkpointing", 8), ("lab08_compression", 8)])
 def test_student_version_scores_zero(lab, points):
     scores = tools.grade(_exercises_only(nbformat.read(released(lab), as_version=4)), lab)
     assert tools.total(scores) == (0, points), scores
@@ -636,3 +637,76 @@ def test_lab6_stored_run():
         assert pred.seconds == pytest.approx(c["predicted_seconds"]) and pred.gpu_bytes == c["gpu_bytes"]
         assert abs(pred.seconds - c["measured_seconds"]) <= 0.10 * c["measured_seconds"], c["streamed"]
         assert c["matches_all_resident"]
+
+
+def _outlier_rows(run, bits):
+    return {r["scheme"]: r for r in run["quantization"]["models"]["outlier channels"]["rows"] if r["bits"] == bits}
+
+
+def test_lab8_instructor_full_marks_and_cpu_run(tmp_path):
+    """Lab 8 in CPU mode: full marks; per-tensor INT8 loses clearly more than per-row on the model
+    with outlier channels (whose rescaling left the fp32 loss unchanged); every fine-tuning step's
+    memory within 5 % of its prediction; peft's trainable count is vramlab's."""
+    saved, executed = _run_instructor("lab08_compression", 8, tmp_path)
+    assert "not a GPU" in saved["note"] and {"date", "torch", "platform"} <= set(saved["provenance"])
+    run = saved["run"]
+    assert abs(run["quantization"]["models"]["outlier channels"]["rescaling_changed_loss_by"]) < 1e-4
+    q8 = _outlier_rows(run, 8)
+    assert q8["per-tensor"]["delta"] > 1e-3 and q8["per-tensor"]["delta"] > 5 * abs(q8["per-row"]["delta"])
+    assert all(abs(c["error_pct"]) < 5 for c in run["memory"]) and len(run["memory"]) == 3
+    assert run["lora"]["lora"]["trainable"] == run["lora"]["lora"]["predicted_trainable"]
+    out = "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
+    assert "per-tensor" in out and "GPU extras" in out
+
+
+WRONG_QUANT = """def quantize_rows(w):
+    s = max(abs(v) for row in w for v in row) / 127  # one scale for the whole matrix
+    return [[round(v / s) if s else 0 for v in row] for row in w], [s] * len(w)
+
+
+def dequantize_rows(q, scales):
+    return [[v * s for v in row] for row, s in zip(q, scales)]
+
+
+def row_int8_bytes(rows, cols):
+    return rows * cols + 4 * rows
+"""
+
+WRONG_LORA = """def lora_trainable(config, r, targets):
+    h = config["hidden_size"]
+    return config["num_hidden_layers"] * len(targets) * r * 2 * h  # every matrix h x h: forgets GQA and the MLP width
+"""
+
+WRONG_INT8 = """def int8_model_bytes(linear_shapes, other_params):
+    return sum(o * i for o, i in linear_shapes) + 2 * other_params  # forgets the scales
+"""
+
+
+def test_lab8_wrong_answers_lose_their_points():
+    scores = _graded_with("lab08_compression", {"ex1-solution": WRONG_QUANT, "ex2-solution": WRONG_LORA,
+                                                "ex3-solution": WRONG_INT8})
+    assert scores["ex1-test"][0] == 0 and "absmax" in scores["ex1-test"][2]
+    assert scores["ex2-test"][0] == 0 and "LoRA r=8" in scores["ex2-test"][2]
+    assert scores["ex3-test"][0] == 0 and "Llama-3.2-1B" in scores["ex3-test"][2]
+
+
+def test_lab8_stored_run():
+    """The committed lab 8 run: per-tensor INT8 clearly worse than per-row on the outlier model,
+    INT4 per-tensor broken; each measured step within 5 % of what vramlab.compression predicts now
+    (recomputed here); the distilled student beats the same student trained on the data."""
+    from vramlab import compression as C
+    from vramlab.complab import teacher_spec
+
+    saved = json.loads((ROOT / "labs" / "results" / "lab08_compression.json").read_text())
+    assert {"date", "torch", "platform"} <= set(saved["provenance"]) and saved["command"].endswith("lab08_compression")
+    run = saved["run"]
+    device = "cuda" if run["mode"] == "cuda" else "cpu"
+    assert (device == "cuda") == ("gpu" in saved["provenance"])
+    q8, q4 = _outlier_rows(run, 8), _outlier_rows(run, 4)
+    assert q8["per-tensor"]["delta"] > 5 * abs(q8["per-row"]["delta"]) and q4["per-tensor"]["delta"] > 1.0 > 100 * q4["per-row"]["delta"]
+    for c in run["memory"]:
+        pred = C.peft_training(teacher_spec(), method=c["method"], targets=c["targets"] if c["method"] != "full" else "default",
+                               batch_size=c["batch_size"], seq_len=c["seq_len"], device=device).total
+        assert abs(pred - c["measured_bytes"]) <= 0.05 * c["measured_bytes"], c["method"]
+    assert run["distillation"]["distilled"] < run["distillation"]["scratch"]
+    assert all(r["params"] == r["predicted_params"] for r in run["pruning"]["rows"])

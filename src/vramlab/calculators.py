@@ -18,6 +18,7 @@ from typing import Any, Callable, Literal
 
 from . import checkpointing as CK
 from . import collectives as C
+from . import compression as COMP
 from . import memory, specs
 from . import offload as OFF
 from . import parallel as PAR
@@ -428,8 +429,61 @@ STREAMING = Calculator(
             Input(name="weights", label="weights", kind="choice", default="int8", choices=("int8", "16-bit", "fp32")),
             Input(name="buffers", label="buffers", kind="choice", default=2, choices=(1, 2, 3, 4))))
 
+# ----------------------------------------------------------------------------- chapter 8
+
+_INFER_FMT = {32: "fp32", 16: "bf16", 8: "int8", 4: "nf4-dq"}
+_TUNE = {("full", 32): ("full", "fp32", "adamw"), ("full", 16): ("full", "bf16-mixed", "adamw"),
+         ("full", 8): ("full", "bf16-mixed", "adamw-8bit"), ("lora", 32): ("lora", "fp32", "adamw"),
+         ("lora", 16): ("lora", "bf16", "adamw"), ("lora", 8): ("lora-int8", "bf16", "adamw"),
+         ("lora", 4): ("qlora", "bf16", "adamw")}
+
+
+def _compression(*, model: str, method: str, rank: int, bits: int, targets: str, batch_size: int, seq_len: int,
+                 gpu: str) -> Result:
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    kw = dict(batch_size=batch_size, seq_len=seq_len, gpu=g)
+
+    def one(m: str, b: int) -> memory.MemoryBreakdown:
+        if m == "inference":
+            return COMP.quantized_inference(spec, fmt=_INFER_FMT[b], batch_size=batch_size, seq_len=seq_len)
+        if (m, b) not in _TUNE:
+            raise ValueError("full fine-tuning cannot train 4-bit weights: choose LoRA at 4 bits (QLoRA)")
+        how, precision, opt = _TUNE[m, b]
+        return COMP.peft_training(spec, method=how, rank=rank, targets=targets, precision=precision, optimizer=opt, **kw)
+
+    mine = one(method, bits)
+    rows = [(f"{m} {b}-bit", one(m, b)) for m in ("full", "lora", "inference") for b in (32, 16, 8, 4)
+            if m == "inference" or (m, b) in _TUNE]
+    bars = [(name, [(c.replace("_", " "), getattr(r, c) / GiB, COLORS[c]) for c in memory.CATEGORIES]) for name, r in rows]
+    usable = g.usable_bytes - g.context_bytes
+    svg = stacked_bars(bars, title=f"{spec.name}, {batch_size} x {seq_len}: the peak of each method",
+                       line=(usable / GiB, f"{g.name} usable"))
+    n = COMP.lora_params(spec, rank=rank, targets=targets) if method == "lora" else spec.params
+    lines = [mine.table(title=f"{method}, {bits}-bit {'base' if method == 'lora' else 'weights'}: {mine.label}"), "",
+             (f"trainable: {n:,} of {spec.params:,} parameters ({100 * n / spec.params:.3f} %; LoRA r={rank} on "
+              f"{len(COMP.lora_targets(spec, targets))} matrices, as peft counts)") if method == "lora" else
+             ("trainable: none (inference)" if method == "inference" else f"trainable: all {spec.params:,} parameters"),
+             f"{'fits' if mine.total <= usable else 'does NOT fit'} in {fmt_bytes(usable)} usable on {g.name}"]
+    return Result(text="\n".join(lines), svg=svg, numbers={
+        "peak": (mine.total, fmt_bytes(mine.total)), "trainable": (n if method != "inference" else 0,
+                                                                   f"{n:,}" if method != "inference" else "0"),
+        "fits": (int(mine.total <= usable), "yes" if mine.total <= usable else "no")})
+
+
+COMPRESSION = Calculator(
+    name="compression", title="Quantization and LoRA: memory by category", compute=_compression,
+    number_labels={"peak": "peak", "trainable": "trainable parameters", "fits": "fits"},
+    inputs=(Input(name="model", label="model", kind="choice", default="llama-3.1-8b", choices=specs.preset_names()),
+            Input(name="method", label="method", kind="choice", default="lora", choices=("full", "lora", "inference")),
+            Input(name="rank", label="LoRA rank", kind="choice", default=16, choices=(1, 2, 4, 8, 16, 32, 64, 128, 256)),
+            Input(name="bits", label="bits of the base weights", kind="choice", default=4, choices=(32, 16, 8, 4)),
+            Input(name="targets", label="LoRA targets", kind="choice", default="default", choices=("default", "all-linear")),
+            Input(name="batch_size", label="batch size", kind="int", default=1, min=1, max=128),
+            Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES)))
+
 CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION, PARALLEL, ZERO,
-                                                           OFFLOAD, STREAMING, CHECKPOINTING)}
+                                                           OFFLOAD, STREAMING, CHECKPOINTING, COMPRESSION)}
 
 
 def get(name: str) -> Calculator:

@@ -646,3 +646,75 @@ def check_fewest_resident(fn: Callable, *, seed: int = 0, n: int = 8) -> None:
             raise AssertionError(f"{want} resident layers hide the copies, you said {got} ({where})"
                                  + (": try every choice of streamed layers, not only evenly spaced ones"
                                     if got > want else ": with that few, some copy makes a layer wait"))
+
+
+# ----------------------------------------------------------------------------- lab 8: compression
+def _int8_cases(seed: int, n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for k in range(n):
+        rows, cols = int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 300, (1,), generator=g))
+        w = torch.randn(rows, cols, generator=g) * float(torch.rand(1, generator=g)) * 0.1
+        if rows > 2:
+            w[int(torch.randint(0, rows, (1,), generator=g))] *= 50  # an outlier row
+            w[int(torch.randint(0, rows, (1,), generator=g))] = 0  # an all-zero row
+        cases.append(w)
+    return cases
+
+
+def check_row_int8(quantize_rows: Callable, dequantize_rows: Callable, row_int8_bytes: Callable, *, seed: int = 0,
+                   n: int = 8) -> None:
+    """Per-row absmax INT8 on plain lists: integer codes in [-127, 127] with 127 reached in every
+    non-zero row, one scale a row, every weight back within half a step of its row's scale, and
+    the storage (int8 codes and fp32 scales) exact to the byte."""
+    for w in _int8_cases(seed, n):
+        rows, cols = w.shape
+        wl = w.tolist()
+        out = quantize_rows(wl)
+        assert isinstance(out, (list, tuple)) and len(out) == 2, "quantize_rows must return (q, scales)"
+        q, s = out
+        assert isinstance(q, (list, tuple)) and len(q) == rows and all(len(r) == cols for r in q), \
+            f"q must have the shape of w ({rows} rows of {cols})"
+        assert all(isinstance(v, int) and not isinstance(v, bool) for r in q for v in r), "q must hold Python ints"
+        assert isinstance(s, (list, tuple)) and len(s) == rows, f"scales: one a row ({rows}), got {len(s) if isinstance(s, (list, tuple)) else s!r}"
+        assert max(abs(v) for r in q for v in r) <= 127, "codes must lie in [-127, 127] (symmetric: -128 is never used)"
+        for r, row in zip(q, wl):
+            if any(row):
+                assert max(abs(v) for v in r) == 127, "each non-zero row's largest weight must map to +-127 (absmax)"
+        back = dequantize_rows(q, s)
+        assert isinstance(back, (list, tuple)) and len(back) == rows, "dequantize_rows must return rows like w"
+        for i, (row, b) in enumerate(zip(wl, back)):
+            worst = max(abs(x - y) for x, y in zip(row, b)) - abs(s[i]) / 2
+            assert worst <= 1e-6 * max(abs(x) for x in row) + 1e-12, \
+                f"row {i} of a {rows} x {cols} matrix comes back {worst:.3g} further than half its step: round, do not truncate"
+        check_int(row_int8_bytes(rows, cols), rows * cols + 4 * rows, what=f"bytes of a {rows} x {cols} matrix in per-row INT8",
+                  hint="one byte a weight and one fp32 scale a row", unit="bytes")
+
+
+def _llama_meta(cfg: dict):
+    import warnings
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        return LlamaForCausalLM(LlamaConfig(vocab_size=1000, **cfg))
+
+
+def check_lora_count(fn: Callable, cases) -> None:
+    """`fn(config, r, targets)` against peft's trainable-parameter count for a Llama model built from
+    `config` on the meta device, LoRA of rank r on `targets`."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    for cfg, r, targets in cases:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = get_peft_model(_llama_meta(cfg), LoraConfig(r=r, target_modules=list(targets)))
+        expected = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        check_int(fn(dict(cfg), r, list(targets)), expected, what=f"LoRA r={r} on {', '.join(targets)} of {cfg}",
+                  hint="each adapted matrix adds A (r x d_in) and B (d_out x r); k and v are num_key_value_heads x head_dim wide")

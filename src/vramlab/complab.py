@@ -1,0 +1,388 @@
+"""Lab 8's experiments: train a small Llama-style model on text it generates, then compress it.
+
+    python -m vramlab.complab --out results.json        # CPU: minutes; a GPU adds its allocator's peaks
+
+Nothing is downloaded: the "language" is an order-1 Markov chain over 512 tokens whose next-token
+table the lab draws from a seed (its entropy is the best loss any model can reach). The lab
+  1. trains the teacher (the model every other step compresses);
+  2. quantizes its linear layers per tensor, per row and per group, in INT8 and INT4, as it is and
+     with outlier channels (a function-preserving rescaling that gives some output rows the large
+     scales trained LLMs have), and measures the loss change;
+  3. fine-tunes it on a second chain with LoRA (peft) and fully, and measures one step's memory
+     (one process per configuration) against `compression.peft_training`;
+  4. distils a student half as wide from it, against the same student trained on the data alone;
+  5. prunes attention heads (structured: whole heads by the norm of their output weights) into
+     the `compression.prune` spec, and measures loss and parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import compression as C
+from .specs import ModelSpec, from_config
+
+VOCAB, SEQ = 512, 64
+TEACHER = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
+           "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 32, "vocab_size": VOCAB,
+           "max_position_embeddings": 256, "tie_word_embeddings": False, "hidden_act": "silu"}
+STUDENT = {**TEACHER, "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 4}
+NEXT_PROBS = (0.5, 0.2, 0.1, 0.08, 0.05, 0.04, 0.02, 0.01)  # the chain's 8 possible successors of a token
+
+
+def teacher_spec() -> ModelSpec:
+    return from_config(TEACHER, name="lab8-teacher")
+
+
+def student_spec() -> ModelSpec:
+    return from_config(STUDENT, name="lab8-student")
+
+
+class Chain:
+    """An order-1 Markov chain: each token has 8 successors with probabilities NEXT_PROBS."""
+
+    def __init__(self, seed: int, *, reorder: int | None = None, sample_seed: int | None = None):
+        g = torch.Generator().manual_seed(seed)
+        self.next = torch.stack([torch.randperm(VOCAB, generator=g)[:len(NEXT_PROBS)] for _ in range(VOCAB)])
+        if reorder is not None:  # the same successors, ranked differently: a related task to adapt to
+            r = torch.Generator().manual_seed(reorder)
+            self.next = torch.stack([row[torch.randperm(len(row), generator=r)] for row in self.next])
+        self.probs = torch.tensor(NEXT_PROBS)
+        self.g = torch.Generator().manual_seed(seed + 1 if sample_seed is None else sample_seed)
+
+    @property
+    def entropy(self) -> float:
+        """Nats a token: the loss of a model that knows the chain."""
+        return -sum(p * math.log(p) for p in NEXT_PROBS)
+
+    def sample(self, batch: int, seq: int = SEQ) -> torch.Tensor:
+        x = torch.empty(batch, seq, dtype=torch.long)
+        x[:, 0] = torch.randint(0, VOCAB, (batch,), generator=self.g)
+        for t in range(1, seq):
+            k = torch.multinomial(self.probs, batch, replacement=True, generator=self.g)
+            x[:, t] = self.next[x[:, t - 1], k]
+        return x
+
+
+def build(spec: ModelSpec, seed: int = 0) -> torch.nn.Module:
+    from .models import build_model
+
+    torch.manual_seed(seed)
+    return build_model(spec)
+
+
+def train(model: torch.nn.Module, chain: Chain, *, steps: int, batch: int = 16, lr: float = 3e-3,
+          loss_fn: Callable | None = None, progress=None, label: str = "") -> list[float]:
+    """AdamW on fresh samples of the chain; `loss_fn(model, x)` replaces the LM loss (distillation)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for i in range(steps):
+        x = chain.sample(batch)
+        loss = loss_fn(model, x) if loss_fn else model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if progress and (i + 1) % max(1, steps // 4) == 0:
+            progress(f"  {label} step {i + 1}/{steps}: loss {loss.item():.3f}")
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, x: torch.Tensor) -> float:
+    model.eval()
+    return model(input_ids=x, labels=x).loss.item()
+
+
+def train_teacher(steps: int = 250, progress=None) -> tuple[torch.nn.Module, Chain]:
+    """The lab's trained model (deterministic: the same weights on every CPU run)."""
+    chain = Chain(seed=1)
+    model = build(teacher_spec())
+    train(model, chain, steps=steps, progress=progress, label="teacher")
+    return model, chain
+
+
+# ----------------------------------------------------------------------------- quantization
+def linear_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights `compression.linear_layers` lists (every linear but the LM head), by name."""
+    return {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n}
+
+
+def fake_quantize(w: torch.Tensor, scheme: str, bits: int, group_size: int = 128) -> torch.Tensor:
+    """Absmax quantize and dequantize in torch (the same arithmetic as `compression.quantize`)."""
+    qmax = 2 ** (bits - 1) - 1
+    if scheme == "per-tensor":
+        s = w.abs().max() / qmax
+        return torch.round(w / s).clamp(-qmax, qmax) * s
+    if scheme == "per-row":
+        s = w.abs().amax(dim=1, keepdim=True) / qmax
+        return torch.where(s > 0, torch.round(w / s.clamp_min(1e-30)).clamp(-qmax, qmax) * s, 0.0)
+    rows, cols = w.shape
+    pad = (-cols) % group_size
+    g = torch.nn.functional.pad(w, (0, pad)).view(rows, -1, group_size)
+    s = g.abs().amax(dim=2, keepdim=True) / qmax
+    q = torch.where(s > 0, torch.round(g / s.clamp_min(1e-30)).clamp(-qmax, qmax) * s, 0.0)
+    return q.view(rows, -1)[:, :cols]
+
+
+def quantized(model: torch.nn.Module, scheme: str, bits: int) -> torch.nn.Module:
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for w in linear_weights(m).values():
+            w.copy_(fake_quantize(w, scheme, bits))
+    return m
+
+
+def with_outliers(model: torch.nn.Module, *, factor: float = 50.0, channels: int = 4, seed: int = 5) -> torch.nn.Module:
+    """The same function with some output rows `factor` times larger: per layer, `channels` rows of
+    v_proj and of up_proj are scaled up and the matching columns of o_proj and down_proj scaled down
+    (exact: attention is linear in v, and the MLP's output is linear in up's). Trained LLMs have
+    output channels this much larger than the rest (Dettmers+22; Xiao+23); a model this small,
+    trained for a minute, does not."""
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            for up, down in ((layer.self_attn.v_proj, layer.self_attn.o_proj), (layer.mlp.up_proj, layer.mlp.down_proj)):
+                idx = torch.randperm(up.weight.shape[0], generator=g)[:channels]
+                up.weight[idx] *= factor
+                down.weight[:, idx] /= factor
+    return m
+
+
+def quantization_study(model: torch.nn.Module, val: torch.Tensor, progress=None) -> dict[str, Any]:
+    base = evaluate(model, val)
+    out: dict[str, Any] = {"fp32_loss": base, "models": {}}
+    for kind, m in (("as trained", model), ("outlier channels", with_outliers(model))):
+        ref = evaluate(m, val)
+        rows = []
+        for bits in (8, 4):
+            for scheme in C.SCHEMES:
+                q = quantized(m, scheme, bits)
+                ws = linear_weights(m)
+                nbytes = sum(C.quant_bytes(w.shape[0], w.shape[1], scheme=scheme, bits=bits) for w in ws.values())
+                err = [((fake_quantize(w, scheme, bits) - w).pow(2).mean() / w.pow(2).mean()).sqrt().item() for w in ws.values()]
+                rows.append({"bits": bits, "scheme": scheme, "loss": evaluate(q, val), "delta": evaluate(q, val) - ref,
+                             "bytes": nbytes, "median_relative_error": sorted(err)[len(err) // 2]})
+                if progress:
+                    progress(f"  {kind:16s} INT{bits} {scheme:10s} loss change {rows[-1]['delta']:+.5f}")
+        out["models"][kind] = {"fp32_loss": ref, "rescaling_changed_loss_by": ref - base, "rows": rows}
+    return out
+
+
+# ----------------------------------------------------------------------------- LoRA
+def _peft(model: torch.nn.Module, targets: str, rank: int = 8) -> torch.nn.Module:
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return get_peft_model(model, LoraConfig(r=rank, target_modules=None if targets == "default" else targets))
+
+
+def lora_study(teacher: torch.nn.Module, *, steps: int, progress=None) -> dict[str, Any]:
+    """Fine-tune on a related chain (the same successors, ranked differently): LoRA r=8 on every
+    linear layer against full fine-tuning, the same steps."""
+    task = Chain(seed=1, reorder=7, sample_seed=70)
+    val = task.sample(64)
+    out: dict[str, Any] = {"before": evaluate(teacher, val), "entropy": task.entropy}
+    for how in ("lora", "full"):
+        m = copy.deepcopy(teacher)
+        if how == "lora":
+            m = _peft(m, "all-linear")
+        trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)
+        t0 = time.perf_counter()
+        train(m, task, steps=steps, lr=3e-3, progress=progress, label=f"{how} fine-tune")
+        out[how] = {"loss": evaluate(m, val), "trainable": trainable, "seconds": time.perf_counter() - t0}
+    out["lora"]["predicted_trainable"] = C.lora_params(teacher_spec(), rank=8, targets="all-linear")
+    return out
+
+
+def _probe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One fine-tuning step's memory, in this process (run by `memory_probes`, one per process)."""
+    from .measure import measure_training
+
+    spec = teacher_spec()
+    hook = None if cfg["method"] == "full" else (lambda m: _peft(m, cfg["targets"]))
+    m = measure_training(spec, batch_size=cfg["batch_size"], seq_len=cfg["seq_len"], mode=cfg["mode"], model_hook=hook)
+    measured = m.peak_allocated if cfg["mode"] == "cuda" else m.breakdown.total
+    return {"measured_bytes": measured, "measured": m.breakdown.to_dict()}
+
+
+def memory_probes(mode: str, progress=None) -> list[dict[str, Any]]:
+    cases = [{"method": "full", "targets": "-"}, {"method": "lora", "targets": "default"},
+             {"method": "lora", "targets": "all-linear"}]
+    rows = []
+    for c in cases:
+        cfg = {**c, "batch_size": 8, "seq_len": 128, "mode": mode}
+        r = subprocess.run([sys.executable, "-m", "vramlab.complab", "--probe", json.dumps(cfg)], capture_output=True,
+                           text=True, timeout=900, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        if r.returncode != 0:
+            raise RuntimeError(f"probe {cfg}: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        est = C.peft_training(teacher_spec(), method=c["method"], targets=c["targets"] if c["method"] != "full" else "default",
+                              batch_size=8, seq_len=128, device="cuda" if mode == "cuda" else "cpu")
+        row = {**cfg, **got, "estimated_bytes": est.total, "estimated": est.to_dict(), "estimated_phase": est.phase,
+               "error_pct": 100 * (est.total - got["measured_bytes"]) / got["measured_bytes"]}
+        rows.append(row)
+        if progress:
+            progress(f"  {c['method']:5s} {c['targets']:10s} measured {got['measured_bytes'] / 2**20:7.1f} MiB, "
+                     f"predicted {est.total / 2**20:7.1f} MiB ({row['error_pct']:+.2f} %)")
+    return rows
+
+
+# ----------------------------------------------------------------------------- distillation
+def distillation_study(teacher: torch.nn.Module, chain: Chain, val: torch.Tensor, *, steps: int,
+                       temperature: float = 2.0, alpha: float = 0.5, progress=None) -> dict[str, Any]:
+    """A student half as wide and half as deep: trained on the data alone, and distilled (Hinton+15:
+    alpha x T^2 x KL(teacher || student at T) + (1 - alpha) x the data's loss)."""
+    import torch.nn.functional as F
+
+    teacher.eval()
+
+    def kd(model, x):
+        with torch.no_grad():
+            t = teacher(input_ids=x).logits
+        out = model(input_ids=x, labels=x)
+        T = temperature
+        soft = F.kl_div(F.log_softmax(out.logits / T, dim=-1), F.softmax(t / T, dim=-1), reduction="batchmean") * T * T
+        return alpha * soft / x.shape[1] + (1 - alpha) * out.loss
+
+    res: dict[str, Any] = {"teacher_loss": evaluate(teacher, val), "teacher_params": teacher_spec().params,
+                           "student_params": student_spec().params, "entropy": chain.entropy}
+    for how in ("scratch", "distilled"):
+        m = build(student_spec(), seed=3)
+        src = Chain(seed=1, sample_seed=30)  # the teacher's chain, fresh samples
+        train(m, src, steps=steps, loss_fn=kd if how == "distilled" else None, progress=progress, label=f"student ({how})")
+        res[how] = evaluate(m, val)
+    res["predicted_step_bytes"] = C.distillation(teacher_spec(), student_spec(), batch_size=16, seq_len=SEQ, device="cpu").total
+    return res
+
+
+# ----------------------------------------------------------------------------- pruning
+def prune_heads(model: torch.nn.Module, heads: int) -> tuple[torch.nn.Module, ModelSpec]:
+    """Remove the `heads` heads of every layer whose output weights (o_proj's columns) have the
+    smallest norm, into a model built from `compression.prune`'s spec."""
+    spec = teacher_spec()
+    small_spec = C.prune(spec, heads=heads)
+    small = build(small_spec)
+    d = spec.head_dim
+    sd = model.state_dict()
+    new = small.state_dict()
+    for i, layer in enumerate(model.model.layers):
+        o = layer.self_attn.o_proj.weight  # h x (a d)
+        norms = o.view(o.shape[0], spec.num_heads, d).pow(2).sum(dim=(0, 2))
+        keep = sorted(norms.argsort(descending=True)[:small_spec.num_heads].tolist())
+        cols = torch.cat([torch.arange(k * d, (k + 1) * d) for k in keep])
+        p = f"model.layers.{i}.self_attn."
+        for n in ("q_proj", "k_proj", "v_proj"):
+            sd[p + n + ".weight"] = sd[p + n + ".weight"][cols]
+        sd[p + "o_proj.weight"] = sd[p + "o_proj.weight"][:, cols]
+    assert set(sd) == set(new)
+    small.load_state_dict(sd)
+    return small, small_spec
+
+
+def pruning_study(model: torch.nn.Module, chain: Chain, val: torch.Tensor, *, recover_steps: int, progress=None) -> dict[str, Any]:
+    rows = []
+    for heads in (2, 4, 6):
+        if teacher_spec().hidden_size % (teacher_spec().num_heads - heads):
+            continue
+        small, spec = prune_heads(model, heads)
+        before = evaluate(small, val)
+        train(small, Chain(seed=1, sample_seed=40), steps=recover_steps, lr=1e-3)  # the teacher's chain
+        rows.append({"heads_removed": heads, "heads_left": spec.num_heads, "params": sum(p.numel() for p in small.parameters()),
+                     "predicted_params": spec.params, "loss_pruned": before, "loss_after_recovery": evaluate(small, val),
+                     "predicted_inference_bytes": C.quantized_inference(spec, fmt="fp32", batch_size=16, seq_len=SEQ,
+                                                                        device="cpu").total})
+        if progress:
+            progress(f"  {heads} heads removed: loss {before:.3f}, after {recover_steps} steps {rows[-1]['loss_after_recovery']:.3f}")
+    return {"teacher_loss": evaluate(model, val), "teacher_params": teacher_spec().params, "rows": rows}
+
+
+# ----------------------------------------------------------------------------- GPU extras
+def gpu_extras() -> dict[str, Any]:
+    """What a GPU run would add and this version does not measure yet: bitsandbytes' 8-bit AdamW
+    and 4-bit QLoRA (CUDA only). Their memory is `compression`'s prediction alone."""
+    import importlib.util
+
+    have = f"bitsandbytes is {'' if importlib.util.find_spec('bitsandbytes') else 'not '}installed"
+    return {"skipped": f"{have}; 8-bit AdamW and QLoRA steps are not measured by this version of the lab "
+                       "(predicted only: compression.peft_training)"}
+
+
+def run(*, mode: str = "auto", steps: int = 250, progress=print) -> dict[str, Any]:
+    from .measure import provenance, resolve_mode
+
+    mode_ = resolve_mode(mode)
+    if mode_ == "trace":
+        mode_ = "cpu"  # peft cannot wrap a model under FakeTensorMode: real CPU steps (small model)
+    t0 = time.perf_counter()
+    progress(f"[1/6] training the teacher ({teacher_spec().params:,} parameters, {steps} steps)")
+    teacher, chain = train_teacher(steps, progress=progress)
+    val = chain.sample(64)
+    progress("[2/6] quantizing its linear layers")
+    quant = quantization_study(teacher, val, progress=progress)
+    progress("[3/6] fine-tuning on a related chain: LoRA and full")
+    lora = lora_study(teacher, steps=max(1, steps // 5), progress=progress)
+    progress("[4/6] one fine-tuning step's memory, one process each")
+    probes = memory_probes(mode_, progress=progress)
+    progress("[5/6] distilling a student")
+    distil = distillation_study(teacher, chain, val, steps=max(1, steps // 4), progress=progress)
+    progress("[6/6] pruning heads")
+    prune = pruning_study(teacher, chain, val, recover_steps=max(1, steps // 10), progress=progress)
+    extras = gpu_extras() if mode_ == "cuda" else {"skipped": "no GPU: bitsandbytes' 8-bit AdamW and 4-bit QLoRA need "
+                                                        "CUDA; their memory here is the prediction only"}
+    return {"experiment": "compression", "mode": mode_, "provenance": provenance("cuda" if mode_ == "cuda" else "cpu"),
+            "teacher": {"params": teacher_spec().params, "steps": steps, "val_loss": evaluate(teacher, val),
+                        "entropy": chain.entropy},
+            "quantization": quant, "lora": lora, "memory": probes, "distillation": distil, "pruning": prune,
+            "gpu_extras": extras, "wall_seconds": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m vramlab.complab", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", default="auto", choices=("auto", "cuda", "cpu"))
+    ap.add_argument("--steps", type=int, default=250, help="teacher training steps (the others scale with it)")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--probe", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.probe:
+        print(json.dumps(_probe(json.loads(a.probe))))
+        return 0
+    if a.steps < 1:
+        print("complab: --steps must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        res = run(mode=a.mode, steps=a.steps, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    except (ValueError, RuntimeError) as e:
+        print(f"complab: {e}", file=sys.stderr)
+        return 2
+    res["command"] = "python -m vramlab.complab " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = json.dumps(res, indent=1)
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
