@@ -13,7 +13,6 @@ the predicted recompute FLOPs over the step's FLOPs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -134,14 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, SpecError, NotImplementedError, RuntimeError) as e:
         print(f"ckptlab: {e}", file=sys.stderr)
         return 2
-    res["command"] = "python -m vramlab.ckptlab " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = json.dumps(res, indent=1)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
-    else:
-        print(text)
-    return 0
+    from .measure import write_results
+
+    return write_results(res, "vramlab.ckptlab", argv, a.out)
 
 
 if __name__ == "__main__":

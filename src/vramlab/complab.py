@@ -170,14 +170,14 @@ def quantization_study(model: torch.nn.Module, val: torch.Tensor, progress=None)
     out: dict[str, Any] = {"fp32_loss": base, "models": {}}
     for kind, m in (("as trained", model), ("outlier channels", with_outliers(model))):
         ref = evaluate(m, val)
+        ws = linear_weights(m)
         rows = []
         for bits in (8, 4):
             for scheme in C.SCHEMES:
-                q = quantized(m, scheme, bits)
-                ws = linear_weights(m)
+                loss = evaluate(quantized(m, scheme, bits), val)
                 nbytes = sum(C.quant_bytes(w.shape[0], w.shape[1], scheme=scheme, bits=bits) for w in ws.values())
                 err = [((fake_quantize(w, scheme, bits) - w).pow(2).mean() / w.pow(2).mean()).sqrt().item() for w in ws.values()]
-                rows.append({"bits": bits, "scheme": scheme, "loss": evaluate(q, val), "delta": evaluate(q, val) - ref,
+                rows.append({"bits": bits, "scheme": scheme, "loss": loss, "delta": loss - ref,
                              "bytes": nbytes, "median_relative_error": sorted(err)[len(err) // 2]})
                 if progress:
                     progress(f"  {kind:16s} INT{bits} {scheme:10s} loss change {rows[-1]['delta']:+.5f}")
@@ -299,7 +299,7 @@ def prune_heads(model: torch.nn.Module, heads: int) -> tuple[torch.nn.Module, Mo
     return small, small_spec
 
 
-def pruning_study(model: torch.nn.Module, chain: Chain, val: torch.Tensor, *, recover_steps: int, progress=None) -> dict[str, Any]:
+def pruning_study(model: torch.nn.Module, val: torch.Tensor, *, recover_steps: int, progress=None) -> dict[str, Any]:
     rows = []
     for heads in (2, 4, 6):
         if teacher_spec().hidden_size % (teacher_spec().num_heads - heads):
@@ -346,7 +346,7 @@ def run(*, mode: str = "auto", steps: int = 250, progress=print) -> dict[str, An
     progress("[5/6] distilling a student")
     distil = distillation_study(teacher, chain, val, steps=max(1, steps // 4), progress=progress)
     progress("[6/6] pruning heads")
-    prune = pruning_study(teacher, chain, val, recover_steps=max(1, steps // 10), progress=progress)
+    prune = pruning_study(teacher, val, recover_steps=max(1, steps // 10), progress=progress)
     extras = gpu_extras() if mode_ == "cuda" else {"skipped": "no GPU: bitsandbytes' 8-bit AdamW and 4-bit QLoRA need "
                                                         "CUDA; their memory here is the prediction only"}
     return {"experiment": "compression", "mode": mode_, "provenance": provenance("cuda" if mode_ == "cuda" else "cpu"),
@@ -374,14 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"complab: {e}", file=sys.stderr)
         return 2
-    res["command"] = "python -m vramlab.complab " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = json.dumps(res, indent=1)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
-    else:
-        print(text)
-    return 0
+    from .measure import write_results
+
+    return write_results(res, "vramlab.complab", argv, a.out)
 
 
 if __name__ == "__main__":

@@ -65,16 +65,14 @@ class Quantized:
         return quant_bytes(len(self.q), len(self.q[0]), scheme=self.scheme, bits=self.bits, group_size=self.group_size)
 
     def dequantize(self) -> list[list[float]]:
-        cols = len(self.q[0])
-        blocks = _blocks(cols, self.scheme, self.group_size)
-        out = []
-        for i, row in enumerate(self.q):
-            r = []
-            for j, (lo, hi) in enumerate(blocks):
-                s = self.scales[0] if self.scheme == "per-tensor" else self.scales[i * len(blocks) + j]
-                r += [v * s for v in row[lo:hi]]
-            out.append(r)
-        return out
+        blocks = _blocks(len(self.q[0]), self.scheme, self.group_size)
+        return [[v * _scale(self.scales, self.scheme, i, j, len(blocks)) for j, (lo, hi) in enumerate(blocks)
+                 for v in row[lo:hi]] for i, row in enumerate(self.q)]
+
+
+def _scale(scales, scheme: str, row: int, block: int, n_blocks: int) -> float:
+    """The scale of block `block` of row `row` (per-tensor: the one scale)."""
+    return scales[0] if scheme == "per-tensor" else scales[row * n_blocks + block]
 
 
 def quantize(weights, *, scheme: str = "per-row", bits: int = 8, group_size: int = 128) -> Quantized:
@@ -93,7 +91,7 @@ def quantize(weights, *, scheme: str = "per-row", bits: int = 8, group_size: int
     for i, r in enumerate(rows):
         qr: list[int] = []
         for j, (lo, hi) in enumerate(blocks):
-            s = scales[0] if scheme == "per-tensor" else scales[i * len(blocks) + j]
+            s = _scale(scales, scheme, i, j, len(blocks))
             qr += [max(-qmax, min(qmax, round(v / s))) if s else 0 for v in r[lo:hi]]
         q.append(tuple(qr))
     return Quantized(q=tuple(q), scales=tuple(scales), scheme=scheme, bits=bits, group_size=group_size)
@@ -144,7 +142,8 @@ def llm_int8(x, w, *, threshold: float = 6.0) -> dict:
         raise ValueError(f"threshold must be a number > 0, got {threshold!r}")
     d_in = len(xs[0])
     outliers = [j for j in range(d_in) if any(abs(r[j]) > threshold for r in xs)]
-    keep = [j for j in range(d_in) if j not in set(outliers)]
+    out_set = set(outliers)
+    keep = [j for j in range(d_in) if j not in out_set]
 
     def cols(m, idx):
         return [[r[j] for j in idx] for r in m]

@@ -103,6 +103,19 @@ def provenance(device: str | None = None) -> dict[str, Any]:
     return info
 
 
+def write_results(res: dict[str, Any], prog: str, argv: list[str] | None, out: Path | None) -> int:
+    """A lab runner's ending: record the command line in `res` and write it as JSON to `out` (its
+    folder made), or print it. Returns the exit status, 0."""
+    res["command"] = f"python -m {prog} " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = json.dumps(res, indent=1)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
 def _nvidia_driver() -> str:
     import subprocess
 
