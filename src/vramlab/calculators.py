@@ -452,7 +452,7 @@ def _compression(*, model: str, method: str, rank: int, bits: int, targets: str,
         return COMP.peft_training(spec, method=how, rank=rank, targets=targets, precision=precision, optimizer=opt, **kw)
 
     mine = one(method, bits)
-    rows = [(f"{m} {b}-bit", mine if (m, b) == (method, bits) else one(m, b))
+    rows = [(f"{'infer' if m == 'inference' else m} {b}-bit", mine if (m, b) == (method, bits) else one(m, b))
             for m in ("full", "lora", "inference") for b in (32, 16, 8, 4) if m == "inference" or (m, b) in _TUNE]
     bars = [(name, [(c.replace("_", " "), getattr(r, c) / GiB, COLORS[c]) for c in memory.CATEGORIES]) for name, r in rows]
     usable = g.usable_bytes - g.context_bytes
