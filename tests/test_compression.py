@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import warnings
 from pathlib import Path
 
@@ -164,8 +165,26 @@ def test_nf4_matches_qlora():
     assert C.nf4_bits_per_param(double_quant=False) == 4.5
     assert C.nf4_bits_per_param() == pytest.approx(4.127, abs=5e-4)
     n = 64 * 256 * 10
-    assert C.nf4_bytes(n) == n // 2 + n // 64 + 4 * 10 + 4
-    assert C.nf4_bytes(n, double_quant=False) == n // 2 + 4 * n // 64
+    tables = 16 * 4  # the NF4 levels, fp32
+    assert C.nf4_bytes(n) == n // 2 + n // 64 + 4 * 10 + 4 + 256 * 4 + tables
+    assert C.nf4_bytes(n, double_quant=False) == n // 2 + 4 * n // 64 + tables
+    assert C.nf4_bits_per_param() == pytest.approx(8 * C.nf4_bytes(10**11) / 10**11, abs=1e-6)
+
+
+@pytest.mark.parametrize("double_quant", [True, False])
+def test_nf4_bytes_equal_bitsandbytes_params4bit(double_quant):
+    """What bitsandbytes' Params4bit really stores (CPU backend): its packed codes and every tensor
+    of its quantization state, storage by storage, for a tensor that is not a whole number of blocks."""
+    bnb = pytest.importorskip("bitsandbytes")
+    w = torch.randn(300, 1000, dtype=torch.bfloat16)
+    p = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=double_quant).to("cpu")
+    seen, real = set(), 0
+    for t in [p.data] + [getattr(qs, a) for qs in (p.quant_state, p.quant_state.state2) if qs is not None
+                         for a in ("absmax", "code", "offset")]:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            real += t.untyped_storage().nbytes()
+    assert real == C.nf4_bytes(300 * 1000, double_quant=double_quant)
 
 
 def test_weight_bytes_of_llama_8b_in_nf4_is_about_qlora_figure():
@@ -179,13 +198,34 @@ def test_weight_bytes_of_llama_8b_in_nf4_is_about_qlora_figure():
 
 # ---------------------------------------------------------------------------- 8-bit optimizer
 def test_adam8bit_layout_as_bitsandbytes():
-    """Optimizer2State.init_state: uint8 m and v, one fp32 absmax a 256-value block each; tensors under
-    4096 elements keep fp32 states."""
-    assert C.adam8bit_state_bytes([1_000_000]) == 2_000_000 + 2 * 4 * 3907
+    """Optimizer2State.init_state: uint8 m and v, one fp32 absmax a 256-value block each, and one pair
+    of 256-entry fp32 quantization maps for the optimizer; tensors under 4096 elements keep fp32
+    states."""
+    maps = 2 * 256 * 4
+    assert C.adam8bit_state_bytes([1_000_000]) == 2_000_000 + 2 * 4 * 3907 + maps
     assert C.adam8bit_state_bytes([4095]) == 8 * 4095
-    assert C.adam8bit_state_bytes([4096]) == 2 * 4096 + 2 * 4 * 16
+    assert C.adam8bit_state_bytes([4096]) == 2 * 4096 + 2 * 4 * 16 + maps
+    assert C.adam8bit_state_bytes([4096, 4096]) == 2 * (2 * 4096 + 2 * 4 * 16) + maps
     # the paper's blocks of 2048: ~2.004 bytes a parameter (REFERENCES.md)
-    assert C.adam8bit_state_bytes([2048 * 1000], block_size=2048) / (2048 * 1000) == pytest.approx(2.0039, abs=1e-4)
+    assert C.adam8bit_state_bytes([2048 * 100_000], block_size=2048) / (2048 * 100_000) == pytest.approx(2.0039, abs=1e-4)
+
+
+def test_adam8bit_layout_equals_bitsandbytes_states():
+    """The states bitsandbytes' AdamW8bit really allocates (CPU backend), storage by storage, for a
+    model with tensors on both sides of min_8bit_size."""
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 1000), torch.nn.LayerNorm(1000), torch.nn.Linear(1000, 7))
+    opt = bnb.optim.AdamW8bit(model.parameters())
+    model(torch.randn(2, 300)).sum().backward()
+    opt.step()
+    seen, real = set(), 0
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in seen:
+                seen.add(v.untyped_storage().data_ptr())
+                real += v.untyped_storage().nbytes()
+    assert real == C.adam8bit_state_bytes(p.numel() for p in model.parameters())
 
 
 def test_full_finetune_with_8bit_adam_counts_small_tensors_in_fp32():
@@ -194,7 +234,7 @@ def test_full_finetune_with_8bit_adam_counts_small_tensors_in_fp32():
     sizes = [n for _, n in spec.param_tensors()]
     small = sum(n for n in sizes if n < 4096)  # GPT-2's biases and LayerNorms
     assert small > 0
-    assert m.optimizer_states == 8 * small + sum(2 * n + 8 * -(-n // 256) for n in sizes if n >= 4096)
+    assert m.optimizer_states == 8 * small + sum(2 * n + 8 * -(-n // 256) for n in sizes if n >= 4096) + 2048
 
 
 # ---------------------------------------------------------------------------- LoRA memory, measured
@@ -299,3 +339,16 @@ def test_quantized_inference_weights_and_bad_format():
     assert bf16.parameters == 2 * preset("llama-3.1-8b").params
     with pytest.raises(ValueError, match="unknown weight format 'int3'"):
         C.weight_bytes("gpt2", "int3")
+
+
+def test_measuring_8bit_adamw_says_what_it_needs(monkeypatch):
+    """measure_training with bitsandbytes' 8-bit AdamW: refused on fake tensors (its step reads
+    values), and a one-line reason when bitsandbytes is missing."""
+    from vramlab import measure
+
+    spec = from_config(LAB, name="lab")
+    with pytest.raises(NotImplementedError, match="mode='cpu'"):
+        measure.measure_training(spec, batch_size=1, seq_len=8, mode="trace", optimizer="adamw-8bit")
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails as if not installed
+    with pytest.raises(NotImplementedError, match="needs bitsandbytes"):
+        measure.make_optimizer([torch.nn.Parameter(torch.zeros(3))], optimizer="adamw-8bit", optimizer_impl="foreach")

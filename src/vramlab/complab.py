@@ -9,7 +9,8 @@ table the lab draws from a seed (its entropy is the best loss any model can reac
      with outlier channels (a function-preserving rescaling that gives some output rows the large
      scales trained LLMs have), and measures the loss change;
   3. fine-tunes it on a second chain with LoRA (peft) and fully, and measures one step's memory
-     (one process per configuration) against `compression.peft_training`;
+     (one process per configuration) against `compression.peft_training`: full, LoRA, and with
+     bitsandbytes (CUDA, or its CPU backend) full with 8-bit AdamW and QLoRA on an NF4 base;
   4. distils a student half as wide from it, against the same student trained on the data alone;
   5. prunes attention heads (structured: whole heads by the norm of their output weights) into
      the `compression.prune` spec, and measures loss and parameters.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -214,37 +216,125 @@ def lora_study(teacher: torch.nn.Module, *, steps: int, progress=None) -> dict[s
     return out
 
 
+def _qlora(model: torch.nn.Module, targets: str, rank: int = 8) -> torch.nn.Module:
+    """QLoRA (Dettmers+23) as `compression.peft_training(method="qlora")` counts it: the model in
+    bf16, every linear layer but the LM head in bitsandbytes' NF4 with double quantization
+    (`Linear4bit`, bf16 compute), then fp32 LoRA adapters (peft). Runs on CUDA and, with bitsandbytes'
+    CPU backend, on the CPU."""
+    import bitsandbytes as bnb
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    model = model.to(torch.bfloat16)
+    for mod in list(model.modules()):
+        for name, lin in list(mod.named_children()):
+            if not isinstance(lin, torch.nn.Linear) or name == "lm_head":
+                continue
+            q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta",
+                                  compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4")
+            q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4")
+            if lin.bias is not None:
+                q.bias = torch.nn.Parameter(lin.bias.data, requires_grad=False)
+            setattr(mod, name, q.to(lin.weight.device))  # quantized on the move
+    model = _peft(model, targets, rank)
+    # peft casts each adapter's input to the adapter's fp32 unless `torch.is_autocast_enabled()`,
+    # which sees CUDA's autocast only: under the CPU's it would add a copy a CUDA step never makes
+    for mod in model.modules():
+        if isinstance(mod, BaseTunerLayer):
+            mod.cast_input_dtype_enabled = False
+    return model
+
+
+def _quant_state_bytes(model: torch.nn.Module) -> int:
+    """NF4 weights' quantization state (absmax codes, their fp32 second-level scales, the code
+    tables): tensors held outside the module's parameters and buffers, which the CPU tracker
+    cannot see (a GPU's allocator does)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        qs = getattr(p, "quant_state", None)
+        while qs is not None:
+            for t in (qs.absmax, qs.code, getattr(qs, "offset", None)):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().nbytes()
+            qs = getattr(qs, "state2", None)
+    return total
+
+
 def _probe(cfg: dict[str, Any]) -> dict[str, Any]:
     """One fine-tuning step's memory, in this process (run by `memory_probes`, one per process)."""
     from .measure import measure_training
 
-    spec = teacher_spec()
-    hook = None if cfg["method"] == "full" else (lambda m: _peft(m, cfg["targets"]))
-    m = measure_training(spec, batch_size=cfg["batch_size"], seq_len=cfg["seq_len"], mode=cfg["mode"], model_hook=hook)
-    measured = m.peak_allocated if cfg["mode"] == "cuda" else m.breakdown.total
-    return {"measured_bytes": measured, "measured": m.breakdown.to_dict()}
+    spec, method = teacher_spec(), cfg["method"]
+    held: list[torch.nn.Module] = []
+
+    def hook(m: torch.nn.Module) -> torch.nn.Module:
+        held.append(_qlora(m, cfg["targets"]) if method == "qlora" else m if method == "full" else _peft(m, cfg["targets"]))
+        return held[-1]
+
+    m = measure_training(spec, batch_size=cfg["batch_size"], seq_len=cfg["seq_len"], mode=cfg["mode"], model_hook=hook,
+                         optimizer=cfg.get("optimizer", "adamw"), precision="bf16-mixed" if method == "qlora" else "fp32")
+    bd = m.breakdown
+    if method == "qlora" and cfg["mode"] != "cuda":
+        bd = dataclasses.replace(bd, parameters=bd.parameters + _quant_state_bytes(held[0]))
+    return {"measured_bytes": m.peak_allocated if cfg["mode"] == "cuda" else bd.total, "measured": bd.to_dict()}
+
+
+PROBES: tuple[dict[str, str], ...] = (
+    {"method": "full", "targets": "-", "optimizer": "adamw"},
+    {"method": "lora", "targets": "default", "optimizer": "adamw"},
+    {"method": "lora", "targets": "all-linear", "optimizer": "adamw"},
+    {"method": "full", "targets": "-", "optimizer": "adamw-8bit"},  # bitsandbytes
+    {"method": "qlora", "targets": "all-linear", "optimizer": "adamw"},  # bitsandbytes
+)
 
 
 def memory_probes(mode: str, progress=None) -> list[dict[str, Any]]:
-    cases = [{"method": "full", "targets": "-"}, {"method": "lora", "targets": "default"},
-             {"method": "lora", "targets": "all-linear"}]
-    rows = []
-    for c in cases:
-        cfg = {**c, "batch_size": 8, "seq_len": 128, "mode": mode}
+    """One fine-tuning step of each of `PROBES` (batch 8 x 128 tokens), each in its own process,
+    against `compression.peft_training`. Without bitsandbytes its two rows say so instead. On the
+    CPU two processes run at a time (the tracker counts each process's tensors, not the machine's
+    memory); on a GPU one at a time."""
+    import importlib.util
+    from concurrent.futures import ThreadPoolExecutor
+
+    have_bnb = importlib.util.find_spec("bitsandbytes") is not None
+    cfgs = [{**c, "batch_size": 8, "seq_len": 128, "mode": mode} for c in PROBES]
+
+    def one(cfg: dict[str, Any]) -> dict[str, Any]:
+        if not have_bnb and (cfg["method"] == "qlora" or cfg["optimizer"] == "adamw-8bit"):
+            return {**cfg, "skipped": "bitsandbytes is not installed (pip install bitsandbytes)"}
         r = subprocess.run([sys.executable, "-m", "vramlab.complab", "--probe", json.dumps(cfg)], capture_output=True,
                            text=True, timeout=900, env={**os.environ, "PYTHONWARNINGS": "ignore"})
         if r.returncode != 0:
-            raise RuntimeError(f"probe {cfg}: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
+            raise RuntimeError(f"probe {probe_label(cfg)}: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
         got = json.loads(r.stdout.strip().splitlines()[-1])
-        est = C.peft_training(teacher_spec(), method=c["method"], targets=c["targets"] if c["method"] != "full" else "default",
+        est = C.peft_training(teacher_spec(), method=cfg["method"], optimizer=cfg["optimizer"],
+                              targets=cfg["targets"] if cfg["method"] != "full" else "default",
                               batch_size=8, seq_len=128, device="cuda" if mode == "cuda" else "cpu")
-        row = {**cfg, **got, "estimated_bytes": est.total, "estimated": est.to_dict(), "estimated_phase": est.phase,
-               "error_pct": 100 * (est.total - got["measured_bytes"]) / got["measured_bytes"]}
-        rows.append(row)
-        if progress:
-            progress(f"  {c['method']:5s} {c['targets']:10s} measured {got['measured_bytes'] / 2**20:7.1f} MiB, "
-                     f"predicted {est.total / 2**20:7.1f} MiB ({row['error_pct']:+.2f} %)")
+        return {**cfg, **got, "estimated_bytes": est.total, "estimated": est.to_dict(), "estimated_phase": est.phase,
+                "error_pct": 100 * (est.total - got["measured_bytes"]) / got["measured_bytes"]}
+
+    rows = []
+    with ThreadPoolExecutor(max_workers=1 if mode == "cuda" else 2) as pool:
+        for row in pool.map(one, cfgs):
+            rows.append(row)
+            if progress:
+                report_probe(row, progress)
     return rows
+
+
+def report_probe(row: dict[str, Any], progress: Callable[[str], Any]) -> None:
+    if "skipped" in row:
+        progress(f"  {probe_label(row):22s} skipped: {row['skipped']}")
+    else:
+        progress(f"  {probe_label(row):22s} measured {row['measured_bytes'] / 2**20:7.1f} MiB, "
+                 f"predicted {row['estimated_bytes'] / 2**20:7.1f} MiB ({row['error_pct']:+.2f} %)")
+
+
+def probe_label(row: dict[str, Any]) -> str:
+    """'full', 'lora default', 'full adamw-8bit', 'qlora all-linear': a probe row's name."""
+    parts = [row["method"], "" if row["targets"] == "-" else row["targets"],
+             "" if row.get("optimizer", "adamw") == "adamw" else row["optimizer"]]
+    return " ".join(p for p in parts if p)
 
 
 # ----------------------------------------------------------------------------- distillation
@@ -316,15 +406,14 @@ def pruning_study(model: torch.nn.Module, val: torch.Tensor, *, recover_steps: i
     return {"teacher_loss": evaluate(model, val), "teacher_params": teacher_spec().params, "rows": rows}
 
 
-# ----------------------------------------------------------------------------- GPU extras
-def gpu_extras() -> dict[str, Any]:
-    """What a GPU run would add and this version does not measure yet: bitsandbytes' 8-bit AdamW
-    and 4-bit QLoRA (CUDA only). Their memory is `compression`'s prediction alone."""
-    import importlib.util
+def _bnb_version() -> str | None:
+    """bitsandbytes' version, or None; without importing it (its import prints a warning on CPUs)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    have = f"bitsandbytes is {'' if importlib.util.find_spec('bitsandbytes') else 'not '}installed"
-    return {"skipped": f"{have}; 8-bit AdamW and QLoRA steps are not measured by this version of the lab "
-                       "(predicted only: compression.peft_training)"}
+    try:
+        return version("bitsandbytes")
+    except PackageNotFoundError:
+        return None
 
 
 def run(*, mode: str = "auto", steps: int = 250, progress=print) -> dict[str, Any]:
@@ -347,13 +436,11 @@ def run(*, mode: str = "auto", steps: int = 250, progress=print) -> dict[str, An
     distil = distillation_study(teacher, chain, val, steps=max(1, steps // 4), progress=progress)
     progress("[6/6] pruning heads")
     prune = pruning_study(teacher, val, recover_steps=max(1, steps // 10), progress=progress)
-    extras = gpu_extras() if mode_ == "cuda" else {"skipped": "no GPU: bitsandbytes' 8-bit AdamW and 4-bit QLoRA need "
-                                                        "CUDA; their memory here is the prediction only"}
     return {"experiment": "compression", "mode": mode_, "provenance": provenance("cuda" if mode_ == "cuda" else "cpu"),
             "teacher": {"params": teacher_spec().params, "steps": steps, "val_loss": evaluate(teacher, val),
                         "entropy": chain.entropy},
             "quantization": quant, "lora": lora, "memory": probes, "distillation": distil, "pruning": prune,
-            "gpu_extras": extras, "wall_seconds": round(time.perf_counter() - t0, 1)}
+            "bitsandbytes": _bnb_version(), "wall_seconds": round(time.perf_counter() - t0, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,13 +171,15 @@ NF4_BLOCK, NF4_BLOCK2 = 64, 256
 
 
 def nf4_bytes(n: int, *, double_quant: bool = True, block_size: int = NF4_BLOCK, block2: int = NF4_BLOCK2) -> int:
-    """Bytes of `n` weights in NF4: n/2 bytes of codes, and each block's absmax: fp32, or, double
-    quantized, one byte with an fp32 scale per `block2` absmaxes and one fp32 offset."""
+    """Bytes of a tensor of `n` weights in NF4: n/2 bytes of codes, and each block's absmax: fp32,
+    or, double quantized, one byte with an fp32 scale per `block2` absmaxes and one fp32 offset.
+    bitsandbytes also keeps, per tensor, the 16 NF4 levels (fp32) and, double quantized, the
+    256-entry fp32 map the absmaxes are coded with (`QuantState.code`: 64 B and 1 KiB)."""
     n = _count("n", n, hi=1 << 48)
     block_size, block2 = _count("block_size", block_size, hi=1 << 20), _count("block2", block2, hi=1 << 20)
     blocks = -(-n // block_size)
-    consts = blocks + 4 * -(-blocks // block2) + 4 if double_quant else 4 * blocks
-    return -(-n // 2) + consts
+    consts = blocks + 4 * -(-blocks // block2) + 4 + 256 * 4 if double_quant else 4 * blocks
+    return -(-n // 2) + consts + 16 * 4
 
 
 def nf4_bits_per_param(*, double_quant: bool = True, block_size: int = NF4_BLOCK, block2: int = NF4_BLOCK2) -> float:
@@ -347,15 +349,20 @@ def adam8bit_state_bytes(sizes, *, block_size: int = BNB_BLOCK, min_8bit_size: i
     """bitsandbytes' 8-bit Adam/AdamW states (`Optimizer2State.init_state`, block_wise=True) for
     parameter tensors of `sizes` elements: a tensor of at least `min_8bit_size` elements keeps m and
     v in uint8 (1 byte each) with one fp32 absmax per `block_size` values of each; a smaller one
-    keeps both in fp32 (8 bytes an element). The 256-entry quantization maps (2 KiB) are shared.
+    keeps both in fp32 (8 bytes an element). The two 256-entry fp32 quantization maps (m's signed,
+    v's unsigned: 2 KiB) are one pair per optimizer, shared by every 8-bit tensor.
     The paper (arXiv:2110.02861) used blocks of 2048: that is `block_size=2048`."""
     block_size = _count("block_size", block_size, hi=1 << 24)
     min_8bit_size = _count("min_8bit_size", min_8bit_size, lo=0, hi=1 << 48)
-    total = 0
+    total = maps = 0
     for n in sizes:
         n = _count("a tensor's size", n, hi=1 << 48)
-        total += 8 * n if n < min_8bit_size else 2 * n + 2 * 4 * -(-n // block_size)
-    return total
+        if n < min_8bit_size:
+            total += 8 * n
+        else:
+            total += 2 * n + 2 * 4 * -(-n // block_size)
+            maps = 2 * 256 * 4
+    return total + maps
 
 
 # ============================================================================ LoRA / QLoRA training

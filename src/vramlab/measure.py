@@ -266,7 +266,13 @@ def make_optimizer(params, *, optimizer: Optimizer, optimizer_impl: OptimizerImp
         return cls(params, lr=lr, **kw)
     if optimizer in ("sgd", "sgd-momentum"):
         return torch.optim.SGD(params, lr=lr, momentum=0.9 if optimizer == "sgd-momentum" else 0.0, **kw)
-    raise NotImplementedError(f"measuring optimizer {optimizer!r} is not supported (needs bitsandbytes on a GPU)")
+    if optimizer == "adamw-8bit":  # block-wise, 256-value blocks (compression.adam8bit_state_bytes)
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise NotImplementedError("measuring 'adamw-8bit' needs bitsandbytes (pip install bitsandbytes)") from None
+        return bnb.optim.AdamW8bit(params, lr=lr)
+    raise NotImplementedError(f"measuring optimizer {optimizer!r} is not supported")
 
 
 @contextlib.contextmanager
@@ -433,6 +439,9 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
         raise NotImplementedError(f"measuring precision {precision!r} needs an optimizer with fp32 states (or master "
                                   "weights) for 16-bit parameters, which torch.optim does not provide")
     mode_ = resolve_mode(mode)
+    if mode_ == "trace" and optimizer == "adamw-8bit":
+        raise NotImplementedError("bitsandbytes' 8-bit AdamW cannot run on fake tensors: measure it with mode='cpu' "
+                                  "or 'cuda'")
     dev = device or ("cuda" if mode_ == "cuda" else "cpu")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     with _fake_mode(mode_ == "trace"):
