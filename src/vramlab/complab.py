@@ -216,7 +216,7 @@ def lora_study(teacher: torch.nn.Module, *, steps: int, progress=None) -> dict[s
     return out
 
 
-def _qlora(model: torch.nn.Module, targets: str, rank: int = 8) -> torch.nn.Module:
+def _qlora(model: torch.nn.Module, targets: str, rank: int = 8, *, autocast: bool = True) -> torch.nn.Module:
     """QLoRA (Dettmers+23) as `compression.peft_training(method="qlora")` counts it: the model in
     bf16, every linear layer but the LM head in bitsandbytes' NF4 with double quantization
     (`Linear4bit`, bf16 compute), then fp32 LoRA adapters (peft). Runs on CUDA and, with bitsandbytes'
@@ -240,7 +240,7 @@ def _qlora(model: torch.nn.Module, targets: str, rank: int = 8) -> torch.nn.Modu
     # which sees CUDA's autocast only: under the CPU's it would add a copy a CUDA step never makes
     for mod in model.modules():
         if isinstance(mod, BaseTunerLayer):
-            mod.cast_input_dtype_enabled = False
+            mod.cast_input_dtype_enabled = not autocast
     return model
 
 
@@ -268,11 +268,14 @@ def _probe(cfg: dict[str, Any]) -> dict[str, Any]:
     held: list[torch.nn.Module] = []
 
     def hook(m: torch.nn.Module) -> torch.nn.Module:
-        held.append(_qlora(m, cfg["targets"]) if method == "qlora" else m if method == "full" else _peft(m, cfg["targets"]))
+        held.append(_qlora(m, cfg["targets"], autocast=autocast) if method == "qlora"
+                    else m if method == "full" else _peft(m, cfg["targets"]))
         return held[-1]
 
+    autocast = cfg.get("autocast", True)  # QLoRA: a bf16 step under autocast, or pure bf16 without
+    precision = ("bf16-mixed" if autocast else "bf16") if method == "qlora" else "fp32"
     m = measure_training(spec, batch_size=cfg["batch_size"], seq_len=cfg["seq_len"], mode=cfg["mode"], model_hook=hook,
-                         optimizer=cfg.get("optimizer", "adamw"), precision="bf16-mixed" if method == "qlora" else "fp32")
+                         optimizer=cfg.get("optimizer", "adamw"), precision=precision)
     bd = m.breakdown
     if method == "qlora" and cfg["mode"] != "cuda":
         bd = dataclasses.replace(bd, parameters=bd.parameters + _quant_state_bytes(held[0]))

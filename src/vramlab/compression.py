@@ -378,7 +378,7 @@ _ROLE_START = {"q/k/v input": "qkv", "c_attn input": "qkv", "qkv input": "qkv", 
 def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8, targets="default",
                   batch_size: int, seq_len: int, precision: str = "fp32", optimizer: str = "adamw",
                   optimizer_impl: str = "foreach", attention: str = "sdpa", device: str = "cuda",
-                  gpu=None) -> MemoryBreakdown:
+                  gpu=None, autocast: bool = True) -> MemoryBreakdown:
     """Peak memory of one fine-tuning step (PEFT: Houlsby+19; LoRA: Hu+21; QLoRA: Dettmers+23).
 
     full:  `estimate_training` of the whole model; with optimizer "adamw-8bit", bitsandbytes'
@@ -391,10 +391,14 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
     lora-int8 / qlora: lora on a base whose linear layers are LLM.int8() per-row INT8 / NF4 with
            double quantization, the other weights bf16; the step computes in bf16 (activations as
            pure bf16), adapters and their Adam states in fp32, and one linear layer's bf16 weight
-           dequantized at a time.
+           dequantized at a time. That is a step under autocast; with `autocast=False` peft casts
+           each adapter's input to the adapters' fp32, so every adapter keeps its own fp32 copy
+           of its input (and A's output in fp32) where autocast shares the bf16 one.
     """
     spec = _resolve(model)
     _check_choice(method, METHODS, "fine-tuning method")
+    if not isinstance(autocast, bool):
+        raise ValueError(f"autocast must be True or False, not {autocast!r}")
     kw = dict(batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, optimizer_impl=optimizer_impl,
               attention=attention, device=device, gpu=gpu)
     if method == "full":
@@ -432,6 +436,11 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
     first = min((i for i, x in enumerate(blocks[0][0]) if _ROLE_START.get(x.name) in roles), default=0)
     unsaved = len(blocks) * _ledger_bytes([x for x in blocks[0][0][:first] if not x.for_weight], **led)
     extra_act = len(targets_) * rank * b * sq * nb["half"] + reread - unsaved
+    if quant and not autocast:  # each adapter's own fp32 input and A output replace the shared bf16 inputs
+        shared = sum(n_blocks * _ledger_bytes([x for x in saved if not x.for_weight and _ROLE_START.get(x.name) in roles
+                                               and x.kind == "half"], **led) for saved, n_blocks in blocks)
+        extra_act += sum(b * sq * (x.d_in + rank) * 4 for x in targets_) - shared - reread \
+            - len(targets_) * rank * b * sq * nb["half"]
     if quant:
         base_params = weight_bytes(spec, quant)["total"]
         dequant = 2 * max(x.d_in * x.d_out for x in linear_layers(spec))
