@@ -178,13 +178,15 @@ def test_nf4_bytes_equal_bitsandbytes_params4bit(double_quant):
     bnb = pytest.importorskip("bitsandbytes")
     w = torch.randn(300, 1000, dtype=torch.bfloat16)
     p = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=double_quant).to("cpu")
-    seen, real = set(), 0
-    for t in [p.data] + [getattr(qs, a) for qs in (p.quant_state, p.quant_state.state2) if qs is not None
-                         for a in ("absmax", "code", "offset")]:
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            real += t.untyped_storage().nbytes()
+    real = _distinct_storage_bytes([p.data] + [getattr(qs, a) for qs in (p.quant_state, p.quant_state.state2)
+                                               if qs is not None for a in ("absmax", "code", "offset")])
     assert real == C.nf4_bytes(300 * 1000, double_quant=double_quant)
+
+
+def _distinct_storage_bytes(tensors) -> int:
+    """What a set of tensors occupies: each storage once, by its address (None entries skipped)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
 
 
 def test_weight_bytes_of_llama_8b_in_nf4_is_about_qlora_figure():
@@ -219,12 +221,7 @@ def test_adam8bit_layout_equals_bitsandbytes_states():
     opt = bnb.optim.AdamW8bit(model.parameters())
     model(torch.randn(2, 300)).sum().backward()
     opt.step()
-    seen, real = set(), 0
-    for state in opt.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() not in seen:
-                seen.add(v.untyped_storage().data_ptr())
-                real += v.untyped_storage().nbytes()
+    real = _distinct_storage_bytes(v for state in opt.state.values() for v in state.values())
     assert real == C.adam8bit_state_bytes(p.numel() for p in model.parameters())
 
 

@@ -248,16 +248,15 @@ def _quant_state_bytes(model: torch.nn.Module) -> int:
     """NF4 weights' quantization state (absmax codes, their fp32 second-level scales, the code
     tables): tensors held outside the module's parameters and buffers, which the CPU tracker
     cannot see (a GPU's allocator does)."""
-    seen, total = set(), 0
+    from .measure import storage_bytes
+
+    tensors = []
     for p in model.parameters():
         qs = getattr(p, "quant_state", None)
         while qs is not None:
-            for t in (qs.absmax, qs.code, getattr(qs, "offset", None)):
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    total += t.untyped_storage().nbytes()
+            tensors += [qs.absmax, qs.code, getattr(qs, "offset", None)]
             qs = getattr(qs, "state2", None)
-    return total
+    return storage_bytes(tensors)
 
 
 def _probe(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -265,6 +264,8 @@ def _probe(cfg: dict[str, Any]) -> dict[str, Any]:
     from .measure import measure_training
 
     spec, method = teacher_spec(), cfg["method"]
+    autocast = cfg.get("autocast", True)  # QLoRA: a bf16 step under autocast, or pure bf16 without
+    precision = ("bf16-mixed" if autocast else "bf16") if method == "qlora" else "fp32"
     held: list[torch.nn.Module] = []
 
     def hook(m: torch.nn.Module) -> torch.nn.Module:
@@ -272,8 +273,6 @@ def _probe(cfg: dict[str, Any]) -> dict[str, Any]:
                     else m if method == "full" else _peft(m, cfg["targets"]))
         return held[-1]
 
-    autocast = cfg.get("autocast", True)  # QLoRA: a bf16 step under autocast, or pure bf16 without
-    precision = ("bf16-mixed" if autocast else "bf16") if method == "qlora" else "fp32"
     m = measure_training(spec, batch_size=cfg["batch_size"], seq_len=cfg["seq_len"], mode=cfg["mode"], model_hook=hook,
                          optimizer=cfg.get("optimizer", "adamw"), precision=precision)
     bd = m.breakdown

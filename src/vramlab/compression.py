@@ -435,12 +435,13 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
     # needs no gradient, so autograd saves none of it
     first = min((i for i, x in enumerate(blocks[0][0]) if _ROLE_START.get(x.name) in roles), default=0)
     unsaved = len(blocks) * _ledger_bytes([x for x in blocks[0][0][:first] if not x.for_weight], **led)
-    extra_act = len(targets_) * rank * b * sq * nb["half"] + reread - unsaved
     if quant and not autocast:  # each adapter's own fp32 input and A output replace the shared bf16 inputs
         shared = sum(n_blocks * _ledger_bytes([x for x in saved if not x.for_weight and _ROLE_START.get(x.name) in roles
                                                and x.kind == "half"], **led) for saved, n_blocks in blocks)
-        extra_act += sum(b * sq * (x.d_in + rank) * 4 for x in targets_) - shared - reread \
-            - len(targets_) * rank * b * sq * nb["half"]
+        adapters = sum(b * sq * (x.d_in + rank) * 4 for x in targets_) - shared
+    else:
+        adapters = len(targets_) * rank * b * sq * nb["half"] + reread
+    extra_act = adapters - unsaved
     if quant:
         base_params = weight_bytes(spec, quant)["total"]
         dequant = 2 * max(x.d_in * x.d_out for x in linear_layers(spec))

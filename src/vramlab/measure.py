@@ -156,18 +156,23 @@ def _ignore_frozen(tracker, model: torch.nn.Module) -> None:
             tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (anything else in the iterable is skipped):
+    views and tensors shared between entries count once."""
+    seen, total = set(), 0
+    for v in tensors:
+        if isinstance(v, torch.Tensor):
+            key = id(v.untyped_storage()) if v.device.type != "meta" else id(v)
+            if key not in seen:
+                seen.add(key)
+                total += v.untyped_storage().nbytes()
+    return total
+
+
 def _state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     if optimizer is None:
         return 0
-    seen, total = set(), 0
-    for state in optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor):
-                key = id(v.untyped_storage()) if v.device.type != "meta" else id(v)
-                if key not in seen:
-                    seen.add(key)
-                    total += v.untyped_storage().nbytes()
-    return total
+    return storage_bytes(v for state in optimizer.state.values() for v in state.values())
 
 
 def _to_breakdown(snap: dict[str, int], *, opt_state_bytes: int, label: str, precision: str = "",
