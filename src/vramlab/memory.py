@@ -14,6 +14,7 @@ import itertools
 import math
 import operator
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Callable, Iterable, Literal
 
 from .specs import GPUSpec, ModelSpec, gpu as _gpu
@@ -139,15 +140,16 @@ def optimizer_state_bytes(optimizer: Optimizer, n_params: int, precision: Precis
     raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
 
 
-def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: ModelSpec, n_params: int,
-                               precision: Precision) -> int:
+def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: "ModelSpec | Iterable[int]",
+                               n_params: int, precision: Precision) -> int:
     """Transient memory inside optimizer.step() (PyTorch 2.x implementations):
     - foreach (the CUDA default): each _foreach_ op over the whole parameter list returns a full new
       list, so AdamW briefly holds one extra copy of all parameters (the denominator sqrt(v)+eps);
     - for-loop: the same ops one tensor at a time: sqrt(v) and sqrt(v)/c make two copies of the
       tensor being updated, while the previous tensor's denominator is still referenced (Python frees
       it only when the name is rebound): max over neighbours of size[i-1] + 2 size[i];
-    - fused: one kernel updates in place: ~0. SGD (no momentum) updates in place."""
+    - fused: one kernel updates in place: ~0. SGD (no momentum) updates in place.
+    `spec`: the model, or the element counts of the tensors stepped (one device's share)."""
     pb = param_bytes(precision)
     if impl == "fused" or optimizer in ("sgd", "sgd-momentum"):  # SGD updates buffers and params in place
         return 0
@@ -181,8 +183,9 @@ def model_states(model: ModelSpec | str, *, precision: Precision = "fp32", optim
                            label=f"{spec.name} model states ({precision}, {optimizer})")
 
 
-def _for_loop_peak(spec: ModelSpec) -> int:
-    sizes = [0] + [n for _, n in spec.param_tensors()]
+def _for_loop_peak(spec: "ModelSpec | Iterable[int]") -> int:
+    """The for-loop AdamW's largest moment in elements: a tensor's two copies beside its predecessor's."""
+    sizes = [0] + ([n for _, n in spec.param_tensors()] if isinstance(spec, ModelSpec) else list(spec))
     return max(a + 2 * b for a, b in zip(sizes, sizes[1:]))
 
 
@@ -205,6 +208,7 @@ class Saved:
     # saved only for a weight's gradient: a linear's input. Autograd saves what the gradients it
     # must compute need, so a frozen linear (PEFT's base) keeps no copy of its input
     for_weight: bool = False
+    stage: str = "last"  # outside the blocks: "first" (embeddings) or "last" (final norm, head, loss)
 
 
 # elements per token the activation function saves: transformers' gelu_new is written out
@@ -301,10 +305,10 @@ def _mlp_saved(spec: ModelSpec, *, dropout_inside: bool, amp: bool) -> list[Save
     return saved
 
 
-def _drop(spec: ModelSpec, name: str, n: int = 1) -> list[Saved]:
+def _drop(spec: ModelSpec, name: str, n: int = 1, stage: str = "last") -> list[Saved]:
     if spec.hidden_dropout <= 0:
         return []
-    return [Saved(name=f"{name} dropout mask", width=spec.hidden_size, kind="mask")] * n
+    return [Saved(name=f"{name} dropout mask", width=spec.hidden_size, kind="mask", stage=stage)] * n
 
 
 def _qkv_separate(spec: ModelSpec, *, gqa_native: bool = False) -> list[Saved]:
@@ -384,7 +388,7 @@ def model_saved(spec: ModelSpec) -> list[Saved]:
     f = spec.family
     saved: list[Saved] = []
     if f == "gpt2":
-        saved += _drop(spec, "embedding")
+        saved += _drop(spec, "embedding", stage="first")
     elif f == "bert":
         saved += _norm(spec, "embedding LayerNorm") + _drop(spec, "embedding")
     elif f == "t5":  # encoder and decoder: embedding dropout, final norm, final dropout
@@ -410,8 +414,35 @@ def _saved_bytes(s: Saved, *, tokens: int, scores: int, nbytes: dict[str, int]) 
     return s.width * nbytes[s.kind] * (scores if s.per_score else tokens)
 
 
-def _ledger_bytes(saved: list[Saved], *, tokens: int, scores: int, nbytes: dict[str, int]) -> int:
-    return sum(_saved_bytes(s, tokens=tokens, scores=scores, nbytes=nbytes) for s in saved)
+# saved tensors inside the heads or the MLP's width, by name (with as many query heads as h/d, q, k
+# and v are as wide as the replicated h-wide tensors: the width alone cannot tell them apart)
+_SPLIT_NAMES = ("attn out", "o_proj input", "down input", "logsumexp", "q ", "k (", "v (", "scaled q", "c_attn out",
+                "qkv out", "projection outputs (split)", "probs @ V", "attention out")
+_SPLIT_EXACT = ("q", "k", "v")
+
+
+def tp_split(x: Saved, spec: ModelSpec) -> bool:
+    """Does Megatron's tensor parallelism split this saved tensor by t? Everything inside the heads
+    and the MLP width (q, k, v, scores, attention output before the row-parallel projection, the
+    MLP's inner tensors) and the vocabulary (the logits' log-softmax under a vocabulary-parallel
+    loss) is split; the h-wide tensors around them (norm inputs, the column-parallel linears' input,
+    dropout masks on the residual, the head's input) and norm statistics are replicated."""
+    if x.per_score or x.name in _SPLIT_EXACT or any(x.name.startswith(n) for n in _SPLIT_NAMES):
+        return True
+    if x.width == spec.vocab_size:
+        return True
+    return x.width not in (spec.hidden_size, spec.word_embed_proj_dim or spec.hidden_size, 1, 2)
+
+
+def _ledger_bytes(saved: list[Saved], *, tokens: int, scores: int, nbytes: dict[str, int],
+                  spec: ModelSpec | None = None, tp: int = 1, sp: bool = False) -> int:
+    """Bytes of saved tensors on one tensor-parallel rank (`tp_split`; with sequence parallelism the
+    replicated tensors are split along the sequence too), rounded up once."""
+    if tp == 1:
+        return sum(_saved_bytes(s, tokens=tokens, scores=scores, nbytes=nbytes) for s in saved)
+    return math.ceil(sum(Fraction(_saved_bytes(s, tokens=tokens, scores=scores, nbytes=nbytes), tp)
+                         if sp or tp_split(s, spec) else _saved_bytes(s, tokens=tokens, scores=scores, nbytes=nbytes)
+                         for s in saved))
 
 
 def _linear_weight_params(spec: ModelSpec) -> int:
@@ -529,8 +560,8 @@ def _matmul_outputs(spec: ModelSpec, *, attention: AttentionImpl, device: str, p
     h, i, qd, kv = spec.hidden_size, spec.intermediate_size, spec.q_dim, spec.kv_dim
     if spec.family == "gpt2":  # one fused c_attn projection
         kv = h
-    proj = qd + 2 * kv + h + i * (2 if spec.gated_mlp else 1) + h
-    saved = [Saved(name="projection outputs", width=proj, kind="half")]
+    saved = [Saved(name="projection outputs (split)", width=qd + 2 * kv + i * (2 if spec.gated_mlp else 1), kind="half"),
+             Saved(name="projection outputs (h wide)", width=2 * h, kind="half")]  # o/down: after the all-reduce
     if _math_path(spec, attention, device):  # QK^T and probs @ V are bmm: both outputs saved
         f32 = device == "cpu" and attention == "sdpa" and precision != "fp32"
         saved += [Saved(name="QK^T", width=1, kind="f32" if f32 else "half", per_score=True),
@@ -540,9 +571,51 @@ def _matmul_outputs(spec: ModelSpec, *, attention: AttentionImpl, device: str, p
     return saved
 
 
+@dataclass(frozen=True, kw_only=True)
+class DeviceShare:
+    """One device's part of a training step, for `training_phases`: the default is the whole model on
+    one device (`estimate_training`); `parallel.estimate_layout` builds one per pipeline stage.
+
+    blocks          [start, end) of the blocks this device runs (None: all). Under the interleaved
+                    schedule, the largest of its chunks (`in_flight` counts micro-batch-chunk pairs)
+    first, last     it runs the embeddings (and holds the input ids); the final norm, head and loss
+    tp, sp          tensor-parallel degree (Megatron's split, `tp_split`); sequence parallelism
+    param_tensors   element counts of the parameter tensors it holds (None: the model's)
+    in_flight       micro-batches whose saved activations are alive at once (a pipeline schedule's)
+    stage_output    a non-last stage keeps each in-flight micro-batch's output (b x s x h) until its
+                    backward (torch.distributed.pipelining, DeepSpeed; Megatron-LM frees it)
+    keep_gradients  gradients stay allocated between steps (Megatron's contiguous buffer, DDP with
+                    zero_grad(set_to_none=False)); False: set_to_none=True, they exist from the backward on
+    gradient_copies 2 with DDP's flat buckets beside the gradients (gradient_as_bucket_view=False)
+    optimizer_shards  optimizer states (and their step) split over this many data-parallel ranks
+                    (ZeRO-1, Megatron's distributed optimizer)
+    embedding_grad  "sharded": the vocabulary-parallel embedding's gradient is V/t x e (Megatron);
+                    "dense": DTensor's embedding backward builds the full V x e gradient first"""
+
+    blocks: tuple[int, int] | None = None
+    first: bool = True
+    last: bool = True
+    tp: int = 1
+    sp: bool = False
+    param_tensors: tuple[int, ...] | None = None
+    in_flight: int = 1
+    stage_output: bool = False
+    keep_gradients: bool = False
+    gradient_copies: int = 1
+    optimizer_shards: int = 1
+    embedding_grad: str = "sharded"
+
+    @property
+    def whole(self) -> bool:
+        return self == WHOLE_MODEL
+
+
+WHOLE_MODEL = DeviceShare()
+
+
 def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
                      attention: AttentionImpl = "sdpa", recompute: "Recompute | Plan" = "none", device: str = "cuda",
-                     frozen_base: bool = False) -> dict:
+                     frozen_base: bool = False, share: DeviceShare = WHOLE_MODEL) -> dict:
     """Bytes saved for backward at the end of the forward pass, split into 'layers' (all blocks),
     'one_layer' (the largest block), 'outside' (embeddings, head, loss) and 'weight_copies'
     (autocast's half-precision weights). `recompute` is a plan (`recompute_plan`): a checkpointed
@@ -550,7 +623,9 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     recompute) and 'kept' (what it keeps under the plan); 'backward': for each block, last first,
     (block, activations of the blocks alive during its backward).
     `frozen_base`: PEFT with adapters on the attention projections (LoRA's default targets): the
-    frozen linears save no input (checked on mT5-base LoRA r=8 q,v on an H100)."""
+    frozen linears save no input (checked on mT5-base LoRA r=8 q,v on an H100).
+    `share`: one device's part (its blocks, first/last stage, tensor and sequence parallelism):
+    everything above is then that device's, per micro-batch."""
     spec = _resolve(spec)
     _check_positive(batch_size=batch_size, seq_len=seq_len)
     _check_choice(precision, PRECISIONS, "precision")
@@ -560,37 +635,43 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     nb = _dtype_bytes(precision, device)
     b, s, a = batch_size, seq_len, spec.num_heads
     tokens, scores = b * s, b * a * s * s
+    t, sp = share.tp, share.sp
     kw = dict(attention=attention, device=device, precision=precision, batch_size=b)
+    sizes = dict(tokens=tokens, scores=scores, nbytes=nb, spec=spec, tp=t, sp=sp)
+    seq_split = t if sp else 1  # h-wide tensors are split along the sequence under SP
 
     def keep(saved: list[Saved]) -> list[Saved]:
         return [x for x in saved if not (frozen_base and x.for_weight)]
 
     enc_saved = keep(layer_saved(spec, **kw))
     block = keep(layer_saved(spec, decoder=True, **kw)) if spec.family == "t5" else enc_saved  # the larger block
-    enc = _ledger_bytes(enc_saved, tokens=tokens, scores=scores, nbytes=nb)
-    dec = _ledger_bytes(block, tokens=tokens, scores=scores, nbytes=nb) if spec.family == "t5" else 0
-    mlp_part = _ledger_bytes([x for x in block if x.part == "mlp"], tokens=tokens, scores=scores, nbytes=nb)
+    enc = _ledger_bytes(enc_saved, **sizes)
+    dec = _ledger_bytes(block, **sizes) if spec.family == "t5" else 0
+    mlp_part = _ledger_bytes([x for x in block if x.part == "mlp"], **sizes)
     n_enc, n_dec = spec.num_layers, spec.num_decoder_layers
-    one = max(enc, dec)
+    lo_dev, hi_dev = share.blocks or (0, n_enc + n_dec)
+    mine = range(lo_dev, hi_dev)
     # per block, in forward order: all it saves, and what it keeps under the plan
     full = [enc] * n_enc + [dec] * n_dec
-    scores_of = [_ledger_bytes([x for x in blk if x.per_score], tokens=tokens, scores=scores, nbytes=nb)
-                 for blk in (enc_saved, block)]
+    one = max((full[i] for i in mine), default=0)
+    scores_of = [_ledger_bytes([x for x in blk if x.per_score], **sizes) for blk in (enc_saved, block)]
     per_score = [scores_of[0]] * n_enc + [scores_of[1]] * n_dec
-    block_in = tokens * spec.hidden_size * nb["x"]  # a checkpoint: the block's input (Korthikanti+22: 2sbh in 16-bit)
-    matmuls = _ledger_bytes(_matmul_outputs(spec, attention=attention, device=device, precision=precision),
-                            tokens=tokens, scores=scores, nbytes=nb)
+    block_in = -(-tokens * spec.hidden_size * nb["x"] // seq_split)  # a checkpoint: the block's input (Korthikanti+22: 2sbh in 16-bit)
+    matmuls = _ledger_bytes(_matmul_outputs(spec, attention=attention, device=device, precision=precision), **sizes)
     kept = [f - p if plan.attention_core else f for f, p in zip(full, per_score)]
     for lo, hi in plan.segments:  # (not `a`: that is the number of heads here)
         for i in range(lo, hi):
             kept[i] = (block_in + matmuls) if plan.keep == "matmuls" else 0
         if plan.keep == "input":
             kept[lo] = 0 if plan.offload else block_in
+    for i in range(len(kept)):  # blocks that run on other devices keep nothing here
+        if i not in mine:
+            kept[i] = full[i] = 0
     kept_before = list(itertools.accumulate(kept, initial=0))  # kept_before[i]: what blocks 0..i-1 keep
     full_before = list(itertools.accumulate(full, initial=0))
     seg_of = {i: (lo, hi) for lo, hi in plan.segments for i in range(lo, hi)}
     backward = []  # (block, activations of the blocks alive in its backward), in backward order
-    for i in reversed(range(n_enc + n_dec)):
+    for i in reversed(mine):
         if i in seg_of:  # the whole segment is recomputed when its last block's backward begins, then freed block by block
             lo, hi = seg_of[i]
             # SAC's saved outputs stay beside the recomputed tensors until the block's backward ends
@@ -599,10 +680,19 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
         else:
             backward.append((i, kept_before[i] + full[i]))
     layers = sum(kept)
-    plain = n_enc + n_dec - len(plan.checkpointed())  # blocks run once: autocast keeps their weights' casts
-    copies = (2 * _linear_weight_params(spec) * plain // max(n_enc + n_dec, 1)
-              if precision in ("bf16-mixed", "fp16-mixed") else 0)
-    outside = _ledger_bytes(keep(model_saved(spec)), tokens=tokens, scores=scores, nbytes=nb)
+    n_mine = len(mine)
+    plain = n_mine - len(plan.checkpointed() & set(mine))  # blocks run once: autocast keeps their weights' casts
+    if precision in ("bf16-mixed", "fp16-mixed") and n_mine:
+        if share.whole:
+            copies = 2 * _linear_weight_params(spec) * plain // n_mine
+        else:  # this device's blocks' matrices (and the head on the last stage), split by t
+            lm = spec.vocab_size * (spec.word_embed_proj_dim or spec.hidden_size)
+            blocks_w = Fraction(_linear_weight_params(spec) - lm, n_enc + n_dec) * n_mine
+            copies = math.floor(2 * (blocks_w + (lm if share.last else 0)) / t * plain / n_mine)
+    else:
+        copies = 0
+    outside_saved = [x for x in keep(model_saved(spec)) if (share.first if x.stage == "first" else share.last)]
+    outside = _ledger_bytes(outside_saved, **sizes)
     if spec.family == "t5":
         # relative-position buckets: an (s, s) int64 index per stack, kept by the bias embedding
         outside += 2 * s * s * nb["i64"]
@@ -613,13 +703,14 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
             outside += a * s * s * nb["x"]
     # A block's backward runs the MLP first (all the block's tensors still saved, plus the MLP's
     # d(hidden)s), then attention (the MLP's tensors freed; with the scores materialised, d(probs)
-    # and d(scores), b * a * s^2 each). The extra over the block's saved tensors at its worst:
-    math = _math_path(spec, attention, device) or spec.family == "t5"
+    # and d(scores), b * a * s^2 each). The extra over the block's saved tensors at its worst
+    # (inside the heads and the MLP width: split by t):
+    math_path = _math_path(spec, attention, device) or spec.family == "t5"
     mlp_grads = (3 if spec.gated_mlp else 2) * tokens * spec.intermediate_size * nb["half"]
-    attn_grads = 2 * scores * nb["f32"] if math else 3 * tokens * spec.q_dim * nb["half"]
-    transient = max(mlp_grads, attn_grads - mlp_part, 0)
+    attn_grads = 2 * scores * nb["f32"] if math_path else 3 * tokens * spec.q_dim * nb["half"]
+    transient = max(-(-mlp_grads // t), -(-attn_grads // t) - mlp_part, 0)
     return {"layers": layers, "one_layer": one, "outside": outside, "weight_copies": copies,
-            "block_backward": transient, "block_grad_in": 2 * tokens * spec.hidden_size * nb["x"],
+            "block_backward": transient, "block_grad_in": -(-2 * tokens * spec.hidden_size * nb["x"] // seq_split),
             "full": tuple(full), "kept": tuple(kept), "backward": tuple(backward), "block_in": block_in}
 
 
@@ -691,7 +782,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
                     optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
                     attention: AttentionImpl = "sdpa", recompute: Recompute = "none",
                     device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None,
-                      gpu: GPUSpec | str | None = None) -> list[MemoryBreakdown]:
+                    gpu: GPUSpec | str | None = None, share: DeviceShare = WHOLE_MODEL) -> list[MemoryBreakdown]:
     """Memory, in bytes, at each candidate peak of one steady-state training step, in step order
     (`.phase` names each); `estimate_training` returns the largest.
 
@@ -707,6 +798,8 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     trainable_params  fewer than all for frozen-base fine-tuning (PEFT): gradients and optimizer
                 states cover only these (activations are still those of the full model)
     gpu         on CUDA, sets the cuBLAS workspaces' size (default: Hopper's 32 MiB per handle)
+    share       one device's part of a parallel layout (`DeviceShare`; `parallel.estimate_layout`
+                builds them): the default, the whole model on one device, is `estimate_training`
 
     The step's phases are forward end, backward start (the logits' gradient), the LM head's
     backward, a recomputed block's backward, and optimizer.step(); the peak is their maximum.
@@ -733,25 +826,45 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     _check_choice(optimizer_impl, OPTIMIZER_IMPLS, "optimizer implementation")
     _check_choice(attention, ATTENTIONS, "attention implementation")
     _check_choice(device, ("cuda", "cpu"), "device")
+    if not isinstance(share, DeviceShare):
+        raise ValueError(f"share must be a vramlab.memory.DeviceShare, got {share!r}")
+    if not share.whole and trainable_params is not None:
+        raise ValueError("trainable_params (frozen-base fine-tuning) is modelled on one device only")
     plan = recompute_plan(recompute, spec)
     # cuBLAS workspaces, held by the caching allocator for the process's life: one per handle, and
     # the forward (Python thread) and backward (autograd's device thread) use different handles
     workspaces = 2 * cublas_workspace_bytes(gpu) if device == "cuda" else 0
-    states = model_states(spec, precision=precision, optimizer=optimizer, trainable_params=trainable_params)
-    P, G, O = states.parameters, states.gradients, states.optimizer_states
-    n_all = spec.params
-    n_train = n_all if trainable_params is None else operator.index(trainable_params)  # checked by model_states
+    pb = param_bytes(precision)
+    if share.whole:
+        states = model_states(spec, precision=precision, optimizer=optimizer, trainable_params=trainable_params)
+        P, G, O = states.parameters, states.gradients, states.optimizer_states
+        n_all = spec.params
+        n_train = n_all if trainable_params is None else operator.index(trainable_params)  # checked by model_states
+        tensors: "ModelSpec | tuple[int, ...]" = spec
+    else:
+        tensors = share.param_tensors or tuple(n for _, n in spec.param_tensors())
+        n_all = n_train = sum(tensors)
+        shard = -(-n_all // share.optimizer_shards)
+        P, G, O = n_all * pb, n_all * pb, optimizer_state_bytes(optimizer, shard, precision)
+        if share.optimizer_shards > 1:  # the optimizer steps its flat shard
+            tensors = (shard,)
+    T_opt = optimizer_step_temporaries(optimizer, optimizer_impl, tensors, -(-n_train // share.optimizer_shards), precision)
 
     b, s, V = batch_size, seq_len, spec.vocab_size
-    pb = param_bytes(precision)
-    T_opt = optimizer_step_temporaries(optimizer, optimizer_impl, spec, n_train, precision)
-    inputs = b * s * 8 * (2 if spec.family == "t5" else 1)  # int64 ids (+ T5's separate labels)
+    t, first, last = share.tp, share.first, share.last
+    ids = b * s * 8 * (2 if spec.family == "t5" else 1)  # int64 ids (+ T5's separate labels)
+    inputs = (ids if first else 0) + (b * s * 8 if last and not first else 0)  # a last stage gets the labels
     act = activation_bytes(spec, batch_size=b, seq_len=s, precision=precision, attention=attention,
-                           recompute=plan, device=device, frozen_base=n_train < n_all)
+                           recompute=plan, device=device, frozen_base=n_train < n_all, share=share)
     A = act["layers"] + act["outside"] + act["weight_copies"]
+    nb = _dtype_bytes(precision, device)
+    # a non-last pipeline stage keeps the output it sent until that micro-batch's backward
+    boundary = -(-b * s * spec.hidden_size * nb["x"] // (t if share.sp else 1)) if share.stage_output and not last else 0
+    others = (share.in_flight - 1) * (A + boundary)  # the other micro-batches in flight on this device
     amp = _cuda_amp(precision, device)
-    logits32 = b * s * V * 4  # the loss works on fp32 logits
-    logits16 = b * s * V * 2 if precision != "fp32" else 0  # the half logits under AMP
+    vocab = -(-V // t)  # a vocabulary-parallel head and loss: V/t columns per rank
+    logits32 = b * s * vocab * 4 if last else 0  # the loss works on fp32 logits
+    logits16 = b * s * vocab * 2 if precision != "fp32" and last else 0  # the half logits under AMP
     # transformers' causal-LM loss upcasts (logits.float()), so log_softmax's input and gradient are
     # fp32. BERT and T5 hand the half logits to CrossEntropyLoss: CUDA autocast runs log_softmax
     # with dtype=fp32 (no fp32 copy of the input), and its backward returns d(logits) in half.
@@ -759,47 +872,70 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     logits_alive = logits16 + (logits32 if upcast else 0)
     d_logits = logits32 if upcast else logits16
     e = spec.word_embed_proj_dim or spec.hidden_size
-    head_grad = V * e * pb if n_train == n_all else 0  # the (tied) embedding's gradient, made first
+    trained = n_train == n_all
+    head_grad = vocab * e * pb if trained and last else 0  # the head's (or tied embedding's) gradient, made first
+    # gradients: kept between steps (all of them, in every phase), or made during the backward;
+    # DDP's flat buckets (gradient_copies = 2) exist all the time
+    buckets = G * (share.gradient_copies - 1)
+    kept_grads = G if share.keep_gradients else 0
+
+    def grads(made: int) -> int:
+        return buckets + (kept_grads or made)
 
     base = dict(parameters=P, optimizer_states=O, inputs=inputs, other=workspaces, precision=precision, device=device,
                 label=f"{spec.name} train b={b} s={s} {precision}")
-    phases = [
-        MemoryBreakdown(**base, activations=A + logits_alive, phase="forward end (loss computed)"),
-        # nll_loss backward makes d(log_softmax) (fp32) and log_softmax backward makes d(logits)
-        MemoryBreakdown(**base, activations=A, temporaries=logits32 + d_logits, phase="backward start (logits gradient)"),
-        MemoryBreakdown(**base, activations=A - b * s * V * 4, temporaries=d_logits, gradients=head_grad,
-                        phase="LM head backward"),
-    ]
-    half = _dtype_bytes(precision, device)["half"]
-    loss_side = b * s * (V * 4 + e * half + (8 if spec.is_causal_lm else 0))  # freed by now
+    phases = [MemoryBreakdown(**base, activations=others + A + boundary + logits_alive, gradients=grads(0),
+                              phase="forward end (loss computed)" if last else "forward end (micro-batches in flight)")]
+    if last:
+        phases += [
+            # nll_loss backward makes d(log_softmax) (fp32) and log_softmax backward makes d(logits)
+            MemoryBreakdown(**base, activations=others + A, temporaries=logits32 + d_logits, gradients=grads(0),
+                            phase="backward start (logits gradient)"),
+            MemoryBreakdown(**base, activations=others + A - b * s * vocab * 4, temporaries=d_logits,
+                            gradients=grads(head_grad), phase="LM head backward"),
+        ]
+    half = nb["half"]
+    # freed by now on the last stage: the loss's log-softmax, the head's input and the shifted labels
+    loss_side = b * s * (vocab * 4 + -(-e * half // (t if share.sp else 1)) + (8 if spec.is_causal_lm else 0)) if last else 0
     n_blocks = spec.num_layers + spec.num_decoder_layers
-    block_grads = spec.param_groups()["layers"] * pb // n_blocks if n_train == n_all else 0
+    block_grads = spec.param_groups()["layers"] * pb // n_blocks // t if trained else 0
     # each block's backward that may peak: a recomputed segment (all it saves, at once, while its
-    # gradients flow: the blocks after it have made theirs) or the last block (its gradients in
-    # flight; small vocabularies peak here)
+    # gradients flow: the blocks after it have made theirs) or the device's last block (its gradients
+    # in flight; small vocabularies peak here)
     segment_ends = {e - 1 for _, e in plan.segments}
+    last_block = (share.blocks or (0, n_blocks))[1] - 1
     block_phases = []
     for i, alive in act["backward"]:
         if i in segment_ends:
             block_phases.append(MemoryBreakdown(
-                **base, activations=alive + act["outside"] - loss_side, temporaries=act["block_grad_in"],
-                gradients=head_grad + (n_blocks - i) * block_grads,
+                **base, activations=others + boundary + alive + act["outside"] - loss_side,
+                temporaries=act["block_grad_in"], gradients=grads(head_grad + (last_block + 1 - i) * block_grads),
                 phase=f"backward of a recomputed block (block {i})"))
-        elif i == n_blocks - 1:
+        elif i == last_block:
             block_phases.append(MemoryBreakdown(
-                **base, activations=alive + act["outside"] + act["weight_copies"] - loss_side, gradients=head_grad,
-                temporaries=act["block_backward"] + act["block_grad_in"], phase="backward of the last block"))
-    phases.append(max(block_phases, key=lambda m: m.total))
-    # the embedding's backward makes a dense V x e gradient; tied to the LM head, autograd adds it to
-    # the head's gradient. In fp32 the head's gradient is a transposed view (mm's backward), which
-    # autograd cannot add to in place: old, new and sum coexist for a moment (measured on CPU and
-    # CUDA). Under CUDA autocast it is a fresh fp32 tensor (the cast's backward) and the sum is in
-    # place: old and new only (measured on an H100; fake tensors never add in place).
-    emb = V * e * pb if n_train == n_all else 0
-    accumulate = (2 if amp else 3) if spec.tie_word_embeddings else 1
-    phases.append(MemoryBreakdown(**base, gradients=G - emb, temporaries=emb * accumulate,
-                                  phase="embedding backward (gradient accumulation)"))
-    phases.append(MemoryBreakdown(**base, gradients=G, temporaries=T_opt, phase="optimizer.step()"))
+                **base, activations=others + boundary + alive + act["outside"] + act["weight_copies"] - loss_side,
+                gradients=grads(head_grad), temporaries=act["block_backward"] + act["block_grad_in"],
+                phase="backward of the last block"))
+    if block_phases:
+        phases.append(max(block_phases, key=lambda m: m.total))
+    if first:
+        # the embedding's backward makes a dense V x e gradient; tied to the LM head, autograd adds it
+        # to the head's gradient. In fp32 the head's gradient is a transposed view (mm's backward),
+        # which autograd cannot add to in place: old, new and sum coexist for a moment (measured on
+        # CPU and CUDA). Under CUDA autocast it is a fresh fp32 tensor (the cast's backward) and the
+        # sum is in place: old and new only (measured on an H100; fake tensors never add in place).
+        # DTensor's vocabulary-parallel embedding builds the full V x e gradient before sharding it.
+        emb = vocab * e * pb if trained else 0
+        dense = V * e * pb if trained and share.embedding_grad == "dense" and t > 1 else 0
+        accumulate = (2 if amp else 3) if spec.tie_word_embeddings and last else 1
+        if share.keep_gradients:  # the new gradient beside the kept one, then added in place
+            phases.append(MemoryBreakdown(**base, activations=others, gradients=grads(0), temporaries=dense or emb,
+                                          phase="embedding backward (gradient accumulation)"))
+        else:
+            phases.append(MemoryBreakdown(**base, activations=others, gradients=grads(G - emb),
+                                          temporaries=emb * accumulate + dense,
+                                          phase="embedding backward (gradient accumulation)"))
+    phases.append(MemoryBreakdown(**base, gradients=buckets + G, temporaries=T_opt, phase="optimizer.step()"))
     return phases
 
 

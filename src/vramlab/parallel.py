@@ -20,6 +20,7 @@ A layout is `dp` data-parallel replicas x `tp` tensor-parallel ranks x `pp` pipe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import operator
@@ -61,6 +62,7 @@ class Layout:
     micro_batches: int = 1
     schedule: Schedule = "1f1b"
     chunks: int = 1
+    zero: int = 0  # 1: the optimizer states sharded over the dp replicas (ZeRO-1, Megatron's distributed optimizer)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
@@ -73,6 +75,10 @@ class Layout:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
         if self.sp and self.tp == 1:
             raise ValueError("sequence parallelism splits along the tensor-parallel group: it needs tp > 1")
+        if isinstance(self.zero, bool) or self.zero not in (0, 1):
+            raise ValueError(f"zero must be 0 or 1 (ZeRO-1: optimizer states sharded over dp), got {self.zero!r}")
+        if self.zero and self.dp == 1:
+            raise ValueError("ZeRO-1 shards the optimizer states over the data-parallel replicas: it needs dp > 1")
         if self.schedule == "interleaved":
             if self.pp == 1:
                 raise ValueError("the interleaved schedule needs pp > 1")
@@ -329,152 +335,113 @@ def _check_layout_model(spec: ModelSpec, layout: Layout) -> None:
 def rank_params(model: ModelSpec | str, layout: Layout, stage: int) -> int:
     """Parameters held by one tensor-parallel rank of pipeline stage `stage` (the largest rank
     when the vocabulary does not divide by t). Interleaved: the device's v chunks."""
+    return sum(stage_tensors(model, layout, stage))
+
+
+def stage_tensors(model: ModelSpec | str, layout: Layout, stage: int) -> tuple[int, ...]:
+    """Element counts of the parameter tensors one tensor-parallel rank of pipeline stage `stage`
+    holds, in the model's order: its blocks' shares, the embeddings on the first stage, the final
+    norm and head on the last (and, tied, its own copy of the embedding)."""
     spec = _mem._resolve(model)
     _check_layout_model(spec, layout)
     stage = _count("stage", stage, lo=0, hi=layout.pp - 1)
-    v = layout.chunks
-    chunks = stage_layers(spec.num_layers, layout.pp * v)
-    mine = {i for c in range(v) for i in chunks[c * layout.pp + stage]}
-    layers, first_part, last_part, tied = _shares(spec, layout.tp)
-    total = sum(layers[i] for i in mine)
-    if stage == 0:
-        total += first_part
-    elif stage == layout.pp - 1:
-        total += tied  # the last stage's copy of a tied embedding
-    if stage == layout.pp - 1:
-        total += last_part
-    return total
+    return _stage_tensors(spec, layout.tp, layout.pp, layout.chunks, stage)
 
 
-@functools.lru_cache(maxsize=32)
-def _shares(spec: ModelSpec, t: int) -> tuple[tuple[int, ...], int, int, int]:
-    """One tensor-parallel rank's parameters: per block, on the first stage (embeddings), on the last
-    (final norm, untied head), and the tied embedding the last stage copies."""
-    layers = [0] * spec.num_layers
-    first = last = tied = 0
+@functools.lru_cache(maxsize=256)
+def _stage_tensors(spec: ModelSpec, t: int, p: int, v: int, stage: int) -> tuple[int, ...]:
+    chunks = stage_layers(spec.num_layers, p * v)
+    mine = {i for c in range(v) for i in chunks[c * p + stage]}
+    out = []
     for name, numel in spec.param_tensors():
         n = _tp_numel(name, numel, t, spec.vocab_size)
         i = _layer_index(name)
         if i is not None:
-            layers[i] += n
+            if i in mine:
+                out.append(n)
         elif any(name.startswith(k) for k in _FIRST):
-            first += n
-            if spec.tie_word_embeddings and name.split(".")[0] in _VOCAB:
-                tied += n
-        else:
-            last += n
-    return tuple(layers), first, last, tied
+            if stage == 0:
+                out.append(n)
+            if stage == p - 1 and p > 1 and spec.tie_word_embeddings and name.split(".")[0] in _VOCAB:
+                out.append(n)  # the last stage's copy of a tied embedding
+        elif stage == p - 1:
+            out.append(n)
+    return tuple(out)
 
 
 # ============================================================================ activations per device
-_SPLIT_NAMES = ("attn out", "o_proj input", "down input", "logsumexp", "q ", "k (", "v (", "scaled q", "c_attn out",
-                "qkv out")
-_SPLIT_EXACT = ("q", "k", "v")
-
-
-def _tp_split(x: _mem.Saved, h: int) -> bool:
-    """Does tensor parallelism split this saved tensor by t? Everything inside the heads and the MLP
-    width (q, k, v, scores, attention output before the row-parallel projection, the MLP's inner
-    tensors) is split; the h-wide tensors around them (norm inputs, the column-parallel linears'
-    input, dropout masks on the residual) and norm statistics are replicated. Names first: with as
-    many query heads as h/d, q, k and v are h wide, as the replicated tensors are."""
-    if x.per_score or x.name in _SPLIT_EXACT or any(x.name.startswith(n) for n in _SPLIT_NAMES):
-        return True
-    return x.width not in (h, 1, 2)
-
-
 def layer_activation_bytes(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, tp: int = 1, sp: bool = False,
                            precision: str = "fp32", attention: str = "sdpa", device: str = "cuda") -> int:
     """One block's saved tensors on one tensor-parallel rank, from `memory`'s ledger (the tensors
-    PyTorch really saves for this model), split as Megatron splits them; with sequence parallelism
-    the replicated part is split along the sequence too."""
+    PyTorch really saves for this model), split as Megatron splits them (`memory.tp_split`); with
+    sequence parallelism the replicated part is split along the sequence too."""
     spec = _mem._resolve(spec)
-    b, s = _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
     tp = _count("tp", tp)
     if not isinstance(sp, bool):
         raise ValueError(f"sp must be True or False, got {sp!r}")
-    _mem._check_choice(precision, _mem.PRECISIONS, "precision")
-    _mem._check_choice(attention, _mem.ATTENTIONS, "attention implementation")
-    _mem._check_choice(device, ("cuda", "cpu"), "device")
-    nb = _mem._dtype_bytes(precision, device)
-    a = spec.num_heads
-    tokens, scores = b * s, b * a * s * s
-    total = Fraction(0)
-    for x in _mem.layer_saved(spec, attention=attention, device=device, precision=precision, batch_size=b):
-        n = x.width * nb[x.kind] * (scores if x.per_score else tokens)
-        total += Fraction(n, tp) if (_tp_split(x, spec.hidden_size) or sp) else n
-    return math.ceil(total)
+    share = _mem.DeviceShare(tp=tp, sp=sp, blocks=(0, 1), first=False, last=False)
+    return _mem.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len, precision=precision,
+                                 attention=attention, device=device, share=share)["one_layer"]
+
+
+IMPLEMENTATIONS: tuple[str, ...] = ("megatron", "dtensor")
 
 
 def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size: int, seq_len: int,
-                    precision: str = "bf16-mixed", optimizer: str = "adamw", attention: str = "sdpa",
-                    recompute: str = "none", device: str = "cuda", gradient_as_bucket_view: bool = False,
-                    keep_stage_output: bool = True) -> list[_mem.MemoryBreakdown]:
-    """Peak memory of one device of each pipeline stage (index = stage), without ZeRO, with the
-    gradients kept allocated between steps (as Megatron-LM's contiguous gradient buffer, DDP's
-    buckets or `zero_grad(set_to_none=False)` keep them): parameters, gradients and optimizer states
-    of the device's share, and the activations of the micro-batches the schedule holds in flight on
-    it (from `simulate`), at the larger of two moments: the end of the last forward pass in flight,
-    and the backward of the stage's last block just after it (one block's gradient transients on
-    top; on the last stage the loss's tensors of that micro-batch already freed).
+                    precision: str = "bf16-mixed", optimizer: str = "adamw", optimizer_impl: str = "foreach",
+                    attention: str = "sdpa", recompute: str = "none", device: str = "cuda",
+                    gradient_as_bucket_view: bool = False, keep_stage_output: bool = True,
+                    keep_gradients: bool = True, implementation: str = "megatron",
+                    gpu=None) -> list[_mem.MemoryBreakdown]:
+    """Peak memory of one device of each pipeline stage (index = stage): the largest of
+    `memory.training_phases` for that device's share (`memory.DeviceShare`) -- its parameters,
+    gradients and optimizer states, the activations of the micro-batches the schedule holds in
+    flight on it (from `simulate`), the logits and loss on the last stage, the embedding's backward
+    on the first, the optimizer's step. A 1 x 1 x 1 layout with keep_gradients=False is
+    `memory.estimate_training` exactly.
 
-    - Each micro-batch in flight holds its activations on every stage; the last stage also its
-      logits and loss tensors (`memory.model_saved`), split by t (a vocabulary-parallel loss).
-    - `keep_stage_output`: a stage keeps the output it sent to the next stage (b x s x h) until that
+    - keep_gradients: the gradients stay allocated between steps (Megatron-LM's contiguous gradient
+      buffer, `zero_grad(set_to_none=False)`); False: set_to_none=True, as `estimate_training`.
+    - keep_stage_output: a stage keeps the output it sent to the next stage (b x s x h) until that
       micro-batch's backward, as torch.distributed.pipelining and DeepSpeed do; Megatron-LM frees
       its storage once sent (`deallocate_output_tensor`): pass False for it.
     - With dp > 1, DDP's buckets: a flat copy of the gradients (counted with them) unless
-      `gradient_as_bucket_view=True` makes the gradients views into the buckets.
-
-    The same categories as `memory.estimate_training` (whose single-device estimate this equals
-    for a 1 x 1 x 1 layout except that the gradients are counted as kept)."""
+      `gradient_as_bucket_view=True` makes the gradients views into the buckets. `layout.zero = 1`
+      shards the optimizer states (and their step) over the dp replicas.
+    - recompute: none, selective (Korthikanti+22: the attention core) or full (every block keeps its input).
+    - implementation: "megatron" (vocabulary-parallel embedding, V/t x e gradient) or "dtensor"
+      (PyTorch's `parallelize_module`, whose vocabulary-parallel embedding's backward builds the full
+      V x e gradient on every rank before keeping its shard)."""
     spec = _mem._resolve(model)
     _check_layout_model(spec, layout)
     b, s = _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
     _mem._check_positions(spec, s)
-    _mem._check_choice(precision, _mem.PRECISIONS, "precision")
-    _mem._check_choice(optimizer, _mem.OPTIMIZERS, "optimizer")
-    _mem._check_choice(attention, _mem.ATTENTIONS, "attention implementation")
-    _mem._check_choice(recompute, ("none", "full"), "recompute")
-    _mem._check_choice(device, ("cuda", "cpu"), "device")
-    for name, flag in (("gradient_as_bucket_view", gradient_as_bucket_view), ("keep_stage_output", keep_stage_output)):
+    _mem._check_choice(recompute, RECOMPUTE, "recompute")
+    _mem._check_choice(implementation, IMPLEMENTATIONS, "tensor-parallel implementation")
+    for name, flag in (("gradient_as_bucket_view", gradient_as_bucket_view), ("keep_stage_output", keep_stage_output),
+                       ("keep_gradients", keep_gradients)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be True or False, got {flag!r}")
     p, v, t = layout.pp, layout.chunks, layout.tp
     run = simulate(p, layout.micro_batches, layout.schedule, chunks=v) if p > 1 else None
-    pb = _mem.param_bytes(precision)
-    nb = _mem._dtype_bytes(precision, device)
     chunks = stage_layers(spec.num_layers, p * v)
-    per_layer = layer_activation_bytes(spec, micro_batch_size=b, seq_len=s, tp=t, sp=layout.sp,
-                                       precision=precision, attention=attention, device=device)
-    seq_split = t if layout.sp else 1  # h-wide tensors are split along the sequence under SP
-    if recompute == "full":  # each block keeps its input
-        per_layer = -(-b * s * spec.hidden_size * nb["x"] // seq_split)
-    act = _mem.activation_bytes(spec, batch_size=b, seq_len=s, precision=precision, attention=attention,
-                                recompute=recompute, device=device)
-    grad_in = -(-act["block_grad_in"] // seq_split)
-    # a block's backward: its inner gradients (split by t), or under full recompute the whole block
-    # recomputed at once
-    transient = -(-(act["one_layer"] if recompute == "full" else act["block_backward"]) // t) + grad_in
-    outside = math.ceil(Fraction(act["outside"], t))
-    e = spec.word_embed_proj_dim or spec.hidden_size
-    loss_side = math.ceil(Fraction(b * s * (spec.vocab_size * 4 + e * nb["half"] + 8), t))
-    boundary = -(-b * s * spec.hidden_size * nb["x"] // seq_split) if keep_stage_output else 0
     out = []
     for stage in range(p):
-        n = rank_params(spec, layout, stage)
-        layers = max(len(chunks[c * p + stage]) for c in range(v))
-        held = run.in_flight[stage] if run else 1  # (micro-batch, chunk) pairs in flight
-        last = stage == p - 1
-        acts = held * (layers * per_layer + (outside if last else 0) + (0 if last and v == 1 else boundary))
-        base = dict(parameters=n * pb, gradients=n * pb * (2 if layout.dp > 1 and not gradient_as_bucket_view else 1),
-                    optimizer_states=_mem.optimizer_state_bytes(optimizer, n, precision), precision=precision,
-                    device=device, label=f"{spec.name} stage {stage} of {p}, tp {t}" + (" + sp" if layout.sp else "")
-                    + f", {layout.schedule} m={layout.micro_batches}")
-        phases = [_mem.MemoryBreakdown(**base, activations=acts, phase="end of the forward passes in flight"),
-                  _mem.MemoryBreakdown(**base, activations=acts - (loss_side if last else 0), temporaries=transient,
-                                       phase="backward of the stage's last block, micro-batches in flight")]
-        out.append(max(phases, key=lambda x: x.total))
+        mine = [chunks[c * p + stage] for c in range(v)]
+        largest = max(mine, key=len)
+        share = _mem.DeviceShare(
+            blocks=(largest.start, largest.stop), first=stage == 0, last=stage == p - 1, tp=t, sp=layout.sp,
+            param_tensors=_stage_tensors(spec, t, p, v, stage), in_flight=run.in_flight[stage] if run else 1,
+            stage_output=keep_stage_output and p > 1, keep_gradients=keep_gradients,
+            gradient_copies=2 if layout.dp > 1 and not gradient_as_bucket_view else 1,
+            optimizer_shards=layout.dp if layout.zero else 1, embedding_grad="dense" if implementation == "dtensor" else "sharded")
+        phases = _mem.training_phases(spec, batch_size=b, seq_len=s, precision=precision, optimizer=optimizer,
+                                      optimizer_impl=optimizer_impl, attention=attention, recompute=recompute,
+                                      device=device, gpu=gpu, share=share)
+        peak = max(phases, key=lambda x: x.total)
+        label = (f"{spec.name} stage {stage} of {p}, tp {t}" + (" + sp" if layout.sp else "")
+                 + (" + ZeRO-1" if layout.zero else "") + f", {layout.schedule} m={layout.micro_batches}")
+        out.append(dataclasses.replace(peak, label=label))
     return out
 
 
