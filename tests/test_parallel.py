@@ -208,9 +208,16 @@ def test_layouts_the_model_cannot_take():
     (lambda: P.ddp_overlap([1.5], n=2, backward_seconds=1, link="nvlink4"), "bucket's bytes"),
     (lambda: P.communication("gpt2", "dp=2", micro_batch_size=1, seq_len=8), "Layout"),
     (lambda: P.rank_params("gpt2", {"tp": 2}, 0), "Layout"),
-    (lambda: P.device_need([], "h200"), "non-empty list"),
+    (lambda: P.fits("gpt2", P.Layout(), "h200", micro_batch_size=0, seq_len=8), "micro_batch_size"),
+    (lambda: P.fits("gpt2", P.Layout(), "h200", micro_batch_size=1, seq_len=8, device="cpu"), "GPU"),
+    (lambda: P.estimate_layout("gpt2", P.Layout(tp=2), micro_batch_size=1, seq_len=8, implementation="nemo"),
+     "tensor-parallel implementation"),
+    (lambda: P.estimate_layout("gpt2", P.Layout(), micro_batch_size=1, seq_len=8, keep_gradients=1), "keep_gradients"),
+    (lambda: P.Layout(dp=2, zero=2), "zero must be 0 or 1"),
+    (lambda: P.Layout(zero=1), "needs dp > 1"),
 ], ids=["negative-batch", "tp-0", "unknown-precision", "sp-string", "korthikanti-sp-string", "buckets-string",
-        "bucket-fraction", "layout-string", "layout-dict", "no-stages"])
+        "bucket-fraction", "layout-string", "layout-dict", "fits-batch-0", "fits-cpu", "tp-implementation",
+        "keep-gradients-int", "zero-2", "zero-without-dp"])
 def test_bad_arguments_are_one_line_value_errors(call, msg):
     with pytest.raises(ValueError, match=msg):
         call()
@@ -245,3 +252,59 @@ def test_stage_output_kept_per_micro_batch_in_flight():
     assert kept[1].activations == freed[1].activations
     with pytest.raises(ValueError, match="keep_stage_output"):
         P.estimate_layout(spec, layout, keep_stage_output="yes", **kw)
+
+
+# ----------------------------------------------------------------------------- one device = estimate_training
+@pytest.mark.parametrize("name, b, s, precision, recompute", [
+    ("opt-125m", 280, 512, "bf16-mixed", "none"), ("llama-3.2-1b", 30, 512, "fp32", "none"),
+    ("gpt2", 8, 1024, "bf16-mixed", "full"), ("pythia-160m", 4, 1024, "fp16-mixed", "selective"),
+    ("llama-3.2-1b", 2, 2048, "bf16", "none")])
+def test_one_device_layout_is_estimate_training(name, b, s, precision, recompute):
+    """A 1 x 1 x 1 layout with the gradients freed between steps is the single-device estimate, phase
+    for phase: it used to miss the logits gradient and the tied embedding's backward (opt-125m,
+    micro-batch 280 x 512, bf16-mixed: 71.3 GiB against 124.8 GiB)."""
+    kw = dict(seq_len=s, precision=precision, recompute=recompute)
+    (one,) = P.estimate_layout(name, P.Layout(), micro_batch_size=b, keep_gradients=False, **kw)
+    single = vramlab.estimate_training(name, batch_size=b, **kw)
+    assert (one.to_dict(), one.phase) == (single.to_dict(), single.phase)
+    # kept gradients (Megatron's buffer, set_to_none=False) can only add
+    (kept,) = P.estimate_layout(name, P.Layout(), micro_batch_size=b, **kw)
+    assert kept.total >= single.total
+
+
+def test_layout_fits_is_memory_fit():
+    """One definition of "fits" (memory.device_fit): llama-3.2-1b at 1024 tokens, bf16-mixed, on an H100:
+    the training calculator, a 1 x 1 x 1 layout, the checkpointing calculator's plan "none" and
+    zero's one-rank check all use it. Before, a 1 x 1 x 1 layout said 23 and llama-3.2-1b fp32 at
+    micro-batch 30 x 512 "fitted" an H100 where estimate_training alone is 85 GiB."""
+    from vramlab import checkpointing as CK
+
+    kw = dict(seq_len=1024, precision="bf16-mixed")
+    largest = vramlab.fit("llama-3.2-1b", "h100", **kw).max_batch_size
+    layout = P.fits("llama-3.2-1b", P.Layout(), "h100", micro_batch_size=1, keep_gradients=False, **kw)
+    assert layout.max_batch_size == largest
+    for b, ok in ((largest, True), (largest + 1, False)):
+        assert CK.evaluate("llama-3.2-1b", "none", batch_size=b, gpu="h100", **kw).fit.fits is ok
+        assert P.fits("llama-3.2-1b", P.Layout(), "h100", micro_batch_size=b, keep_gradients=False, **kw).fits is ok
+    assert not P.fits("llama-3.2-1b", P.Layout(), "h100", micro_batch_size=30, seq_len=512, precision="fp32").fits
+
+
+def test_dtensor_embedding_gradient_is_dense():
+    """PyTorch's DTensor vocabulary-parallel embedding builds the full V x e gradient on every rank in
+    its backward (Megatron's keeps V/t rows): the first stage's embedding backward holds it."""
+    kw = dict(micro_batch_size=1, seq_len=128, precision="fp32", device="cpu", keep_gradients=False)
+    spec = vramlab.preset("llama-3.2-1b")
+    layout = P.Layout(tp=4, pp=2, micro_batches=2)
+    meg = P.estimate_layout(spec, layout, **kw)[0]
+    dt = P.estimate_layout(spec, layout, implementation="dtensor", **kw)[0]
+    V, h = spec.vocab_size, spec.hidden_size
+    assert dt.phase == "embedding backward (gradient accumulation)" and dt.total > meg.total
+    assert dt.temporaries == V * h * 4 + V // 4 * h * 4  # the dense gradient beside the rank's shard
+
+
+def test_zero1_axis_shards_the_optimizer_states():
+    kw = dict(micro_batch_size=1, seq_len=2048, recompute="full")
+    plain = P.estimate_layout("llama-3.1-8b", P.Layout(dp=8, tp=2), **kw)[0]
+    z1 = P.estimate_layout("llama-3.1-8b", P.Layout(dp=8, tp=2, zero=1), **kw)[0]
+    assert abs(z1.optimizer_states * 8 - plain.optimizer_states) <= 8 * 8  # 8 B/param of AdamW, one shard of 8
+    assert z1.parameters == plain.parameters and z1.total < plain.total

@@ -206,8 +206,9 @@ def _parallel(*, model: str, dp: int, tp: int, pp: int, sp: str, schedule: str, 
     layout = PAR.Layout(dp=dp, tp=tp, pp=pp, sp=sp == "yes", micro_batches=micro_batches, schedule=schedule,
                         chunks=chunks)
     kw = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision)
-    stages = PAR.estimate_layout(spec, layout, **kw)
-    ok, need, usable = PAR.device_need(stages, g)
+    stages = PAR.estimate_layout(spec, layout, gpu=g, **kw)
+    verdict = PAR.fits(spec, layout, g, **kw)
+    ok = verdict.fits
     comm = PAR.communication(spec, layout, dp_link=link, pp_link=link, tp_link="nvlink4", **kw)
     bubble = PAR.bubble_fraction(pp, micro_batches, schedule, chunks=chunks) if pp > 1 else 0
     shown = list(enumerate(stages))
@@ -222,8 +223,7 @@ def _parallel(*, model: str, dp: int, tp: int, pp: int, sp: str, schedule: str, 
                           title=f"{schedule}, {pp} stages, {micro_batches} micro-batches: bubble {float(bubble):.1%} of the step"))
     worst = max(stages, key=lambda b: b.total)
     lines = [worst.table(title=f"fullest device: {worst.label}"), "",
-             f"{'fits' if ok else 'does NOT fit'} on {g.name}: needs {fmt_bytes(need)} of {fmt_bytes(usable)} usable "
-             f"(estimate + 3 % + CUDA context)",
+             str(verdict), verdict.explain(),
              f"pipeline bubble: {float(bubble):.1%} of the step's time"
              + (f" ({float(PAR.bubble_fraction(pp, micro_batches, schedule, chunks=chunks, of='ideal')):.1%} of the ideal time)"
                 if pp > 1 else " (no pipeline)"), "",
@@ -265,7 +265,8 @@ def _zero(*, model: str, setup: str, ranks: int, recipe: str, micro_batch_size: 
     rows = [(f"ZeRO-{s}", Z.estimate_rank(spec, ranks, s, **kw)) for s in Z.STAGES]
     rows.append(("FSDP2", Z.estimate_rank(spec, ranks, 3, implementation="fsdp2", **kw)))
     mine = Z.estimate_rank(spec, ranks, stage, implementation=impl, **kw)
-    ok, need, usable = PAR.device_need([mine], g)
+    verdict = Z.fits(spec, ranks, stage, g, implementation=impl, **{k: v for k, v in kw.items() if k != "gpu"})
+    ok = verdict.fits
     pb, gb, k = Z.RECIPES[recipe]
     comm = Z.communication(spec.params, ranks, stage, bytes_per_value=gb, link=link)
     bars = [(label, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
@@ -274,7 +275,7 @@ def _zero(*, model: str, setup: str, ranks: int, recipe: str, micro_batch_size: 
                        line=(g.usable_bytes / GiB, f"{g.name} usable"))
     paper = Z.paper_per_rank(spec.params, ranks, stage, k=k, param_bytes=pb, grad_bytes=gb)
     lines = [mine.table(title=mine.label), "",
-             f"{'fits' if ok else 'does NOT fit'} on {g.name}: needs {fmt_bytes(need)} of {fmt_bytes(usable)} usable",
+             str(verdict), verdict.explain(),
              f"the paper's model states alone: {fmt_bytes(paper.total)} per rank",
              f"communication per step: {fmt_bytes(comm['bytes_sent_per_rank'])} sent per rank "
              f"({comm['volume_in_psi']:.0f} Psi), {comm['seconds'] * 1e3:.1f} ms over {link}",
@@ -313,12 +314,12 @@ def _checkpointing(*, model: str, plan: str, batch_size: int, seq_len: int, prec
             for p, r in results.items()]
     svg = stacked_bars(bars, title=f"{spec.name}, b={batch_size}, s={seq_len}, {precision}: peak by plan "
                                    "(extra FLOPs in brackets)", line=(g.usable_bytes / GiB, f"{g.name} usable"))
-    best = CK.cheapest_plan(spec, g.usable_bytes, **kw)
-    fits = mine.peak.total <= g.usable_bytes
+    best = CK.cheapest_plan(spec, None, **kw)
+    fits = mine.fit.fits
     lines = [mine.peak.table(title=f"plan {plan}: peak at {mine.peak.phase}"), "",
              f"recompute: {100 * mine.recompute_fraction:.1f} % of the step's FLOPs; step ≈ {1e3 * mine.step_seconds:,.0f} ms "
              f"on {g.name} at {100 * CK.MFU:.0f} % of its peak FLOP/s",
-             f"{'fits' if fits else 'does NOT fit'} in {fmt_bytes(g.usable_bytes)} usable",
+             str(mine.fit), mine.fit.explain(),
              ("least recompute that fits: " + best.plan.name + f" ({fmt_bytes(best.peak.total)}, "
               f"+{100 * best.recompute_fraction:.1f} % FLOPs)") if best else "no plan fits: fewer tokens per step"]
     return Result(text="\n".join(lines), svg=svg, numbers={
@@ -351,25 +352,26 @@ def _offload(*, model: str, scheme: str, batch_size: int, seq_len: int, gpu: str
                                                        act.step_seconds),
             ("zero-offload", zo.gpu_peak, zo.host_bytes, zo.moved_bytes, zo.step_seconds),
             ("fsdp2-cpu", fs.gpu_peak, fs.host_bytes, fs.moved_bytes, fs.step_seconds)]
-    usable = g.usable_bytes - g.context_bytes
+    largest = memory.largest_tensor_bytes(spec, precision="bf16-mixed", **kw)
+    verdicts = {name: memory.device_fit(b, g, largest_tensor=largest) for name, b, *_ in rows}
     bars = [(name, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
             for name, b, *_ in rows]
     svg = stacked_bars(bars, title=f"{spec.name}, {batch_size} x {seq_len}, bf16: the GPU's peak with each offload",
-                       line=(usable / GiB, f"{g.name} usable"))
+                       line=(g.usable_bytes / GiB, f"{g.name} usable"))
     link = OFF.host_link_GBps(g)
     lines = [f"{'scheme':>13}{'GPU peak':>12}{'host':>12}{'over PCIe':>12}{'step':>10}   fits",
              *(f"{name:>13}{fmt_bytes(b.total):>12}{fmt_bytes(h):>12}{fmt_bytes(m):>12}{1e3 * t:>8.0f}ms   "
-               f"{'yes' if b.total <= usable else 'NO'}" for name, b, h, m, t in rows), "",
+               f"{'yes' if verdicts[name].fits else 'NO'}" for name, b, h, m, t in rows), "",
              f"host link: PCIe {OFF.pcie_generation(g)}.0 x16, {link:.1f} GB/s each way (nominal); copies counted at "
              f"{OFF.SAVE_ON_CPU_EFFICIENCY:.2f} of it, not overlapped",
              f"GPU step without offload: {1e3 * gpu_s:.0f} ms at {100 * CK.MFU:.0f} % of the GPU's peak; the CPU's Adam "
              f"step: {OFF.CPU_ADAM_SECONDS_PER_PARAM * 1e9:.2f} ns a parameter (torch AdamW, an H100 host's 16 cores)", ""]
     mine = dict((r[0], r) for r in rows)[scheme]
-    lines.append(mine[1].table(title=f"{scheme}: {mine[1].label}"))
+    lines += [mine[1].table(title=f"{scheme}: {mine[1].label}"), "", str(verdicts[scheme]), verdicts[scheme].explain()]
     return Result(text="\n".join(lines), svg=svg, numbers={
         "gpu_peak": (mine[1].total, fmt_bytes(mine[1].total)), "host": (mine[2], fmt_bytes(mine[2])),
-        "step_ms": (mine[4] * 1e3, f"{mine[4] * 1e3:.0f} ms"), "fits": (int(mine[1].total <= usable),
-                                                                       "yes" if mine[1].total <= usable else "no")})
+        "step_ms": (mine[4] * 1e3, f"{mine[4] * 1e3:.0f} ms"), "fits": (int(verdicts[scheme].fits),
+                                                                       "yes" if verdicts[scheme].fits else "no")})
 
 
 OFFLOAD = Calculator(
@@ -455,19 +457,22 @@ def _compression(*, model: str, method: str, rank: int, bits: int, targets: str,
     rows = [(f"{'infer' if m == 'inference' else m} {b}-bit", mine if (m, b) == (method, bits) else one(m, b))
             for m in ("full", "lora", "inference") for b in (32, 16, 8, 4) if m == "inference" or (m, b) in _TUNE]
     bars = [(name, [(c.replace("_", " "), getattr(r, c) / GiB, COLORS[c]) for c in memory.CATEGORIES]) for name, r in rows]
-    usable = g.usable_bytes - g.context_bytes
+    infer = method == "inference"
+    verdict = memory.device_fit(mine, g, largest_tensor=memory.largest_tensor_bytes(
+        spec, batch_size=batch_size, seq_len=seq_len, mode="infer" if infer else "train",
+        precision="bf16-mixed", dtype="int8" if bits == 8 else "bf16"))
     svg = stacked_bars(bars, title=f"{spec.name}, {batch_size} x {seq_len}: the peak of each method",
-                       line=(usable / GiB, f"{g.name} usable"))
+                       line=(g.usable_bytes / GiB, f"{g.name} usable"))
     n = COMP.lora_params(spec, rank=rank, targets=targets) if method == "lora" else spec.params
     lines = [mine.table(title=f"{method}, {bits}-bit {'base' if method == 'lora' else 'weights'}: {mine.label}"), "",
              (f"trainable: {n:,} of {spec.params:,} parameters ({100 * n / spec.params:.3f} %; LoRA r={rank} on "
               f"{len(COMP.lora_targets(spec, targets))} matrices, as peft counts)") if method == "lora" else
              ("trainable: none (inference)" if method == "inference" else f"trainable: all {spec.params:,} parameters"),
-             f"{'fits' if mine.total <= usable else 'does NOT fit'} in {fmt_bytes(usable)} usable on {g.name}"]
+             str(verdict), verdict.explain()]
     return Result(text="\n".join(lines), svg=svg, numbers={
         "peak": (mine.total, fmt_bytes(mine.total)), "trainable": (n if method != "inference" else 0,
                                                                    f"{n:,}" if method != "inference" else "0"),
-        "fits": (int(mine.total <= usable), "yes" if mine.total <= usable else "no")})
+        "fits": (int(verdict.fits), "yes" if verdict.fits else "no")})
 
 
 COMPRESSION = Calculator(

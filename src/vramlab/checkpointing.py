@@ -75,6 +75,7 @@ class PlanResult:
     recompute_flops: int
     offload_bytes: int  # each way, per step
     step_seconds: float | None = None  # with a GPU: FLOPs at its achievable rate, plus offload not hidden
+    fit: "_mem.Fit | None" = None  # with a GPU: `memory.device_fit` of the peak (the one definition of "fits")
 
     @property
     def recompute_fraction(self) -> float:
@@ -104,17 +105,21 @@ def evaluate(model: ModelSpec | str, recompute: "str | Plan" = "none", *, batch_
     extra = _recomputed(plan, f)
     x = _mem._dtype_bytes(precision, device)["x"]
     moved = len(plan.segments) * batch_size * seq_len * spec.hidden_size * x if plan.offload else 0
-    seconds = None
+    seconds = fit = None
+    top = max(phases, key=lambda m: m.total)
     if gpu is not None:
         g = _gpu(gpu)
+        if device == "cuda":
+            fit = _mem.device_fit(top, g, largest_tensor=_mem.largest_tensor_bytes(
+                spec, batch_size=batch_size, seq_len=seq_len, precision=precision, attention=attention))
         peak = g.peak_tflops_fp32 if precision == "fp32" else g.peak_tflops_16
         if peak <= 0:
             raise ValueError(f"{g.name} has no FLOP/s figure: pass a GPU preset")
         compute = (f["step"] + extra) / (peak * 1e12 * mfu)
         transfer = 2 * moved / (g.host_link_GBps * 1e9) if moved and g.host_link_GBps > 0 else 0.0
         seconds = max(compute, transfer)
-    return PlanResult(plan=plan, peak=max(phases, key=lambda m: m.total), phases=tuple(phases), step_flops=f["step"],
-                      recompute_flops=extra, offload_bytes=moved, step_seconds=seconds)
+    return PlanResult(plan=plan, peak=top, phases=tuple(phases), step_flops=f["step"],
+                      recompute_flops=extra, offload_bytes=moved, step_seconds=seconds, fit=fit)
 
 
 def candidate_plans(model: ModelSpec | str) -> list[str]:
@@ -127,16 +132,29 @@ def candidate_plans(model: ModelSpec | str) -> list[str]:
             + [f"segments-{k}" for k in range(2, n + 1)] + ["offload"])
 
 
-def cheapest_plan(model: ModelSpec | str, budget_bytes: int, *, batch_size: int, seq_len: int,
-                  plans: "list[str | Plan] | None" = None, **kw) -> PlanResult | None:
-    """The plan whose step fits in `budget_bytes` with the least recompute (ties: the smaller peak;
-    offload last, its cost is transfer time). None when nothing fits. `plans` defaults to
-    `candidate_plans`; the other arguments are `evaluate`'s."""
-    if not isinstance(budget_bytes, (int, float)) or isinstance(budget_bytes, bool) or not budget_bytes > 0:
+def _fits(r: PlanResult, budget_bytes: "int | None") -> bool:
+    return r.fit.fits if budget_bytes is None else r.peak.total <= budget_bytes
+
+
+def _budget(budget_bytes, kw: dict) -> None:
+    if budget_bytes is None:
+        if kw.get("gpu") is None or kw.get("device", "cuda") != "cuda":
+            raise ValueError("without budget_bytes, give a gpu: a plan then fits by memory.device_fit")
+    elif not isinstance(budget_bytes, (int, float)) or isinstance(budget_bytes, bool) or not budget_bytes > 0:
         raise ValueError(f"budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
+
+
+def cheapest_plan(model: ModelSpec | str, budget_bytes: "int | None", *, batch_size: int, seq_len: int,
+                  plans: "list[str | Plan] | None" = None, **kw) -> PlanResult | None:
+    """The plan whose step fits with the least recompute (ties: the smaller peak; offload last, its
+    cost is transfer time). None when nothing fits. Fits: its peak within `budget_bytes`, or, with
+    budget_bytes=None and a `gpu`, `memory.device_fit` (estimate + margin + fragmentation + context
+    within the GPU, as every calculator decides). `plans` defaults to `candidate_plans`; the other
+    arguments are `evaluate`'s."""
+    _budget(budget_bytes, kw)
     results = [evaluate(model, p, batch_size=batch_size, seq_len=seq_len, **kw)
                for p in (plans if plans is not None else candidate_plans(model))]
-    fitting = [r for r in results if r.peak.total <= budget_bytes]
+    fitting = [r for r in results if _fits(r, budget_bytes)]
     if not fitting:
         return None
     return min(fitting, key=lambda r: (r.plan.offload, r.recompute_flops, _recomputes(r.plan), r.peak.total))
@@ -147,9 +165,10 @@ def _recomputes(plan: Plan) -> bool:
     return bool(plan.segments) or plan.attention_core
 
 
-def brute_force_blocks(model: ModelSpec | str, budget_bytes: int, *, batch_size: int, seq_len: int, **kw):
+def brute_force_blocks(model: ModelSpec | str, budget_bytes: "int | None", *, batch_size: int, seq_len: int, **kw):
     """Every set of blocks checkpointed one by one (2^L plans: small models only), the one that fits
     with the least recompute (ties: smaller peak). The reference `cheapest_plan` is tested against."""
+    _budget(budget_bytes, kw)
     spec = _mem._resolve(model)
     n = spec.num_layers + spec.num_decoder_layers
     if n > 12:
@@ -158,7 +177,7 @@ def brute_force_blocks(model: ModelSpec | str, budget_bytes: int, *, batch_size:
     for k in range(n + 1):
         for blocks in itertools.combinations(range(n), k):
             r = evaluate(spec, blocks, batch_size=batch_size, seq_len=seq_len, **kw)
-            if r.peak.total <= budget_bytes and (best is None or (r.recompute_flops, r.peak.total)
+            if _fits(r, budget_bytes) and (best is None or (r.recompute_flops, r.peak.total)
                                                  < (best.recompute_flops, best.peak.total)):
                 best = r
     return best

@@ -1053,7 +1053,7 @@ class Fit:
     needed: int  # bytes at the given batch size: estimate + margin + fragmentation + context
     available: int  # what cudaMemGetInfo calls total
     fits: bool
-    max_batch_size: int  # 0: not even batch size 1 fits
+    max_batch_size: int | None  # 0: not even batch size 1 fits; None: not searched (`device_fit`)
     estimate: int  # the estimate at the given batch size (max_memory_allocated)
     margin: int  # ESTIMATE_MARGIN of the estimate
     fragmentation: int  # the caching allocator's headroom at the given batch size
@@ -1078,19 +1078,55 @@ class Fit:
 
     def __str__(self) -> str:
         verdict = "fits" if self.fits else "does NOT fit"
+        line = (f"{verdict} on {self.gpu.name} ({fmt_bytes(self.needed)} needed incl. {fmt_bytes(self.reserve)} "
+                f"reserve, {fmt_bytes(self.available)} available)")
+        if self.max_batch_size is None:
+            return line
         largest = (f"more than {self.max_batch_size:,} (the search stops there)" if self.capped
                    else f"{self.max_batch_size}")
-        return (f"{verdict} on {self.gpu.name} ({fmt_bytes(self.needed)} needed incl. {fmt_bytes(self.reserve)} "
-                f"reserve, {fmt_bytes(self.available)} available); largest batch size that fits: {largest}")
+        return f"{line}; largest batch size that fits: {largest}"
+
+
+def device_fit(estimate: "MemoryBreakdown | int", gpu: GPUSpec | str, *, largest_tensor: int,
+               expandable_segments: bool = False, max_batch_size: int | None = None, capped: bool = False) -> Fit:
+    """The one definition of "fits" that every calculator uses: the estimate (`max_memory_allocated`)
+    + ESTIMATE_MARGIN of it + the caching allocator's fragmentation (one more block of the step's
+    largest tensor, `largest_tensor` bytes; with expandable segments, one 2 MiB page) + the CUDA
+    context (`gpu.context_bytes`) <= what cudaMemGetInfo calls total (`gpu.usable_bytes`).
+    `fit` searches the largest batch size with it; `parallel.fits` and `zero.fits` apply it to the
+    fullest device of a layout."""
+    g = _gpu(gpu)
+    total = estimate.total if isinstance(estimate, MemoryBreakdown) else estimate
+    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+        raise ValueError(f"estimate must be a MemoryBreakdown or a whole number of bytes, got {estimate!r}")
+    if isinstance(largest_tensor, bool) or not isinstance(largest_tensor, int) or largest_tensor < 0:
+        raise ValueError(f"largest_tensor must be a whole number of bytes, got {largest_tensor!r}")
+    if not isinstance(expandable_segments, bool):
+        raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
+    margin = int(total * ESTIMATE_MARGIN)
+    frag = _PAGE if expandable_segments else largest_tensor
+    needed = total + margin + frag + g.context_bytes
+    return Fit(gpu=g, needed=needed, available=g.usable_bytes, fits=needed <= g.usable_bytes,
+               max_batch_size=max_batch_size, estimate=total, margin=margin, fragmentation=frag,
+               context=g.context_bytes, expandable_segments=expandable_segments, capped=capped)
 
 
 def largest_tensor_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: int, mode: Literal["train", "infer"] = "train",
                          precision: str = "fp32", attention: AttentionImpl = "sdpa", dtype: str = "bf16",
-                         new_tokens: int | None = None, all_logits: bool = True, **_ignored) -> int:
+                         new_tokens: int | None = None, all_logits: bool = True, share: DeviceShare = WHOLE_MODEL,
+                         **_ignored) -> int:
     """The largest single allocation of a step: the fp32 logits (or their gradient), the
-    embedding's gradient, or eager attention's scores."""
+    embedding's gradient, or eager attention's scores. `share`: on one device of a layout (the
+    logits on the last stage, the embedding's gradient on the first, both split by t; DTensor's
+    dense embedding gradient whole)."""
     spec = _resolve(model)
     b, s, V = batch_size, seq_len, spec.vocab_size
+    if not share.whole:
+        t, e = share.tp, spec.word_embed_proj_dim or spec.hidden_size
+        vocab = -(-V // t)
+        emb = (V if share.embedding_grad == "dense" and t > 1 else vocab) * e * param_bytes(precision)
+        scores = -(-b * spec.num_heads * s * s * 4 // t) if attention == "eager" else 0
+        return max(b * s * vocab * 4 if share.last else 0, emb if share.first or share.last else 0, scores)
     e = spec.word_embed_proj_dim or spec.hidden_size
     if mode == "infer":
         nb = 2 if dtype == "int8" else _INFER_BYTES.get(dtype, 2)
@@ -1157,18 +1193,9 @@ def fit(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: int = 1, mode
     if unknown:
         raise ValueError(f"fit(mode={mode!r}) does not take {', '.join(unknown)}; it takes {', '.join(sorted(allowed))}")
 
-    def terms(bs: int) -> tuple[int, int, int]:
-        e = est(model, batch_size=bs, gpu=g, **options).total
-        frag = _PAGE if expandable_segments else largest_tensor_bytes(model, batch_size=bs, mode=mode, **options)
-        return e, int(e * ESTIMATE_MARGIN), frag
+    def verdict(bs: int, **found) -> Fit:
+        return device_fit(est(model, batch_size=bs, gpu=g, **options), g, expandable_segments=expandable_segments,
+                          largest_tensor=largest_tensor_bytes(model, batch_size=bs, mode=mode, **options), **found)
 
-    def need(bs: int) -> int:
-        return sum(terms(bs)) + g.context_bytes
-
-    available = g.usable_bytes
-    lo = largest_true(lambda bs: need(bs) <= available, limit=max_search)
-    e, margin, frag = terms(batch_size)
-    needed = e + margin + frag + g.context_bytes
-    return Fit(gpu=g, needed=needed, available=available, fits=needed <= available, max_batch_size=lo, estimate=e,
-               margin=margin, fragmentation=frag, context=g.context_bytes, expandable_segments=expandable_segments,
-               capped=lo >= max_search)
+    lo = largest_true(lambda bs: verdict(bs).fits, limit=max_search)
+    return verdict(batch_size, max_batch_size=lo, capped=lo >= max_search)

@@ -523,24 +523,41 @@ def ddp_overlap(buckets: list[int], *, n: int, backward_seconds: float, link: st
     return {"communication_s": comm, "exposed_s": exposed, "hidden_share": 1 - exposed / comm if comm else 1.0}
 
 
-def device_need(stages: list[_mem.MemoryBreakdown], gpu) -> tuple[bool, int, int]:
-    """(fits, bytes needed on the fullest device, usable bytes of the GPU) for `estimate_layout`'s
-    stages: the fullest stage's estimate plus 3 % (the estimator's tested bound) and the CUDA context.
-    (Unlike `memory.fit`, no fragmentation block is added.)"""
+def _stage_fit(spec: ModelSpec, layout: Layout, gpu, *, micro_batch_size: int, seq_len: int,
+               expandable_segments: bool, kw: dict) -> "_mem.Fit":
+    """`memory.device_fit` of the layout's fullest device at this micro-batch size."""
+    stages = estimate_layout(spec, layout, micro_batch_size=micro_batch_size, seq_len=seq_len, gpu=gpu, **kw)
+    k = max(range(len(stages)), key=lambda i: stages[i].total)
+    t, dense = layout.tp, kw.get("implementation", "megatron") == "dtensor"
+    share = _mem.DeviceShare(first=k == 0, last=k == layout.pp - 1, tp=t, embedding_grad="dense" if dense else "sharded",
+                             blocks=(0, 1))
+    largest = _mem.largest_tensor_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len, share=share,
+                                        precision=kw.get("precision", "bf16-mixed"), attention=kw.get("attention", "sdpa"))
+    return _mem.device_fit(stages[k], gpu, largest_tensor=largest, expandable_segments=expandable_segments)
+
+
+def fits(model: ModelSpec | str, layout: Layout, gpu, *, micro_batch_size: int, seq_len: int,
+         expandable_segments: bool = False, max_search: int = 1 << 12, **kw) -> "_mem.Fit":
+    """Does the layout fit on GPUs of type `gpu`, and what is the largest micro-batch size that does?
+    `memory.fit`'s definition (`memory.device_fit`) applied to the fullest device of `estimate_layout`
+    (whose keyword arguments `kw` are): estimate + margin + fragmentation + CUDA context <= usable."""
     from .specs import gpu as _gpu
 
-    if not isinstance(stages, (list, tuple)) or not stages or not all(isinstance(x, _mem.MemoryBreakdown) for x in stages):
-        raise ValueError("stages must be estimate_layout's non-empty list of MemoryBreakdowns")
+    spec = _mem._resolve(model)
     g = _gpu(gpu)
-    need = math.ceil(max(x.total for x in stages) * 1.03) + g.context_bytes
-    return need <= g.usable_bytes, need, g.usable_bytes
+    _mem._check_positive(micro_batch_size=micro_batch_size, max_search=max_search)
+    if kw.get("device", "cuda") != "cuda":
+        raise ValueError("fits() answers for a GPU: leave device at 'cuda'")
 
+    def verdict(b: int, **found) -> "_mem.Fit":
+        return dataclasses.replace(_stage_fit(spec, layout, g, micro_batch_size=b, seq_len=seq_len,
+                                              expandable_segments=expandable_segments, kw=kw), **found)
 
-def fits(model: ModelSpec | str, layout: Layout, gpu, *, micro_batch_size: int, seq_len: int, **kw) -> tuple[bool, int, int]:
-    """Does a layout without ZeRO fit on GPUs of type `gpu`? `device_need` of `estimate_layout`."""
-    return device_need(estimate_layout(model, layout, micro_batch_size=micro_batch_size, seq_len=seq_len, **kw), gpu)
+    here = verdict(micro_batch_size)  # checks every argument before the search
+    lo = _mem.largest_true(lambda b: verdict(b).fits, limit=max_search, start=micro_batch_size)
+    return dataclasses.replace(here, max_batch_size=lo, capped=lo >= max_search)
 
 
 __all__ = ["Layout", "SCHEDULES", "korthikanti_layer_activations", "bubble_fraction", "simulate", "PipelineRun",
            "rank_params", "stage_layers", "layer_activation_bytes", "estimate_layout", "communication",
-           "ddp_buckets", "ddp_overlap", "device_need", "fits"]
+           "ddp_buckets", "ddp_overlap", "fits", "stage_tensors"]

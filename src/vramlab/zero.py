@@ -25,6 +25,7 @@ What is here:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from . import collectives as _coll
@@ -340,3 +341,29 @@ def communication(n_params: int, n_ranks: int, stage: Stage, *, bytes_per_value:
              "seconds": _coll.collective_time(op, n, size, link)} for op, what in ops]
     return {"bytes_sent_per_rank": sum(r["bytes_sent"] for r in rows), "seconds": sum(r["seconds"] for r in rows),
             "volume_in_psi": 2.0 if s < 3 else 3.0, "collectives": rows}
+
+
+# ----------------------------------------------------------------------------- does it fit
+def fits(model: ModelSpec | str, n_ranks: int, stage: Stage, gpu, *, micro_batch_size: int, seq_len: int,
+         expandable_segments: bool = False, max_search: int = 1 << 12, **kw) -> _mem.Fit:
+    """Does one rank's step fit on `gpu`, and what is the largest micro-batch size that does?
+    `memory.fit`'s definition (`memory.device_fit`: estimate + margin + fragmentation + CUDA context
+    <= usable) applied to `estimate_rank` (whose keyword arguments `kw` are)."""
+    from .specs import gpu as _gpu
+
+    spec = _mem._resolve(model)
+    g = _gpu(gpu)
+    _mem._check_positive(micro_batch_size=micro_batch_size, max_search=max_search)
+    if kw.get("device", "cuda") != "cuda":
+        raise ValueError("fits() answers for a GPU: leave device at 'cuda'")
+
+    def verdict(b: int, **found) -> _mem.Fit:
+        est = estimate_rank(spec, n_ranks, stage, micro_batch_size=b, seq_len=seq_len, gpu=g, **kw)  # checks kw
+        largest = _mem.largest_tensor_bytes(spec, batch_size=b, seq_len=seq_len,
+                                            precision=_ACT_PRECISION[kw.get("recipe", "mixed-adam")],
+                                            attention=kw.get("attention", "sdpa"))
+        return _mem.device_fit(est, g, largest_tensor=largest, expandable_segments=expandable_segments, **found)
+
+    here = verdict(micro_batch_size)
+    lo = _mem.largest_true(lambda b: verdict(b).fits, limit=max_search, start=micro_batch_size)
+    return dataclasses.replace(here, max_batch_size=lo, capped=lo >= max_search)
