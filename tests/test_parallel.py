@@ -154,7 +154,7 @@ def test_layout_memory_composes_with_memory():
 
 
 def test_1f1b_needs_less_than_gpipe_on_the_first_stage():
-    kw = dict(micro_batch_size=1, seq_len=1024)
+    kw = dict(micro_batch_size=4, seq_len=1024, precision="bf16")  # pure bf16: no autocast copies shared by all
     gpipe = P.estimate_layout("llama-3.2-1b", P.Layout(pp=4, micro_batches=16, schedule="gpipe"), **kw)
     one = P.estimate_layout("llama-3.2-1b", P.Layout(pp=4, micro_batches=16, schedule="1f1b"), **kw)
     assert one[0].activations * 4 == gpipe[0].activations  # 4 micro-batches in flight instead of 16
@@ -308,3 +308,50 @@ def test_zero1_axis_shards_the_optimizer_states():
     z1 = P.estimate_layout("llama-3.1-8b", P.Layout(dp=8, tp=2, zero=1), **kw)[0]
     assert abs(z1.optimizer_states * 8 - plain.optimizer_states) <= 8 * 8  # 8 B/param of AdamW, one shard of 8
     assert z1.parameters == plain.parameters and z1.total < plain.total
+
+
+def test_in_flight_closed_forms_are_the_simulation():
+    for p, m in ((4, 8), (8, 4), (3, 9)):
+        for schedule in ("gpipe", "1f1b"):
+            assert P.in_flight(P.Layout(pp=p, micro_batches=m, schedule=schedule)) == P.simulate(p, m, schedule).in_flight
+
+
+def test_first_1f1b_stage_holds_about_all_layers():
+    """Korthikanti+22 (section 4.2.3): under 1F1B the first stage holds p micro-batches of L/p layers,
+    about L layers' activations whatever p is: without recompute, pipelining does not shrink them."""
+    spec = vramlab.preset("llama-3.1-8b")
+    kw = dict(micro_batch_size=1, seq_len=4096, keep_stage_output=False, precision="bf16")  # Megatron: no autocast copies
+    layer = P.layer_activation_bytes(spec, micro_batch_size=1, seq_len=4096, tp=8, sp=True, precision="bf16")
+    for p in (2, 4, 8):
+        first = P.estimate_layout(spec, P.Layout(tp=8, sp=True, pp=p, micro_batches=4 * p), **kw)[0]
+        assert P.in_flight(P.Layout(pp=p, micro_batches=4 * p))[0] == p
+        assert spec.num_layers * layer <= first.activations <= 1.1 * spec.num_layers * layer
+
+
+def test_planner_finds_what_fits_llama_70b_and_405b():
+    """The layouts chapter 3 reports: Llama-3.1-70B does not fit 8 H100s in any dp x tp x pp layout
+    (16 B/param of model states over 8 GPUs is 140 GB each), fits 64 with tensor parallelism inside
+    the node; Llama-3.1-405B fits 512. Each plan's
+    verdict is parallel.fits's."""
+    none = P.plan_layouts("llama-3.1-70b", 8, "h100", seq_len=4096, global_batch=64)
+    assert none and not any(p.fit.fits for p in none)
+    plans = P.plan_layouts("llama-3.1-70b", 64, "h100", seq_len=4096, global_batch=512)
+    best = plans[0]
+    assert best.fit.fits and best.layout.tp > 1 and best.layout.devices == 64
+    again = P.fits("llama-3.1-70b", best.layout, "h100", micro_batch_size=1, seq_len=4096, recompute=best.recompute)
+    assert again.fits and again.needed == best.fit.needed
+    fitting = [p for p in plans if p.fit.fits]
+    assert all(a.tokens_per_s >= b.tokens_per_s for a, b in zip(fitting, fitting[1:]))
+    # split over 8 GPUs or fewer (tp x pp <= 8), 16 B/param of model states leave no room, ZeRO-1 or not
+    assert not any(p.fit.fits for p in plans if p.layout.tp * p.layout.pp <= 8)
+    big = P.plan_layouts("llama-3.1-405b", 512, "h100", seq_len=4096, global_batch=1024)
+    assert big[0].fit.fits and big[0].layout.tp > 1
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(gpus=0), "gpus must be"), (dict(global_batch=0), "global_batch"),
+                                     (dict(mfu=1.5), "mfu"), (dict(recomputes=("sometimes",)), "recompute"),
+                                     (dict(gpu="nope"), "GPU|gpu")])
+def test_planner_bad_input(kw, msg):
+    args = dict(gpus=8, gpu="h100", seq_len=1024, global_batch=16) | kw
+    with pytest.raises(ValueError, match=msg):
+        P.plan_layouts("llama-3.2-1b", **args)

@@ -860,7 +860,9 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     nb = _dtype_bytes(precision, device)
     # a non-last pipeline stage keeps the output it sent until that micro-batch's backward
     boundary = -(-b * s * spec.hidden_size * nb["x"] // (t if share.sp else 1)) if share.stage_output and not last else 0
-    others = (share.in_flight - 1) * (A + boundary)  # the other micro-batches in flight on this device
+    # the other micro-batches in flight on this device: their saved tensors and stage outputs (autocast's
+    # weight casts are cached once for all of them, inside one autocast region around the schedule)
+    others = (share.in_flight - 1) * (A - act["weight_copies"] + boundary)
     amp = _cuda_amp(precision, device)
     vocab = -(-V // t)  # a vocabulary-parallel head and loss: V/t columns per rank
     logits32 = b * s * vocab * 4 if last else 0  # the loss works on fp32 logits

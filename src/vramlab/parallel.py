@@ -348,21 +348,32 @@ def stage_tensors(model: ModelSpec | str, layout: Layout, stage: int) -> tuple[i
     return _stage_tensors(spec, layout.tp, layout.pp, layout.chunks, stage)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
+def _tensor_table(spec: ModelSpec, t: int) -> tuple[tuple[int, int, bool], ...]:
+    """Per parameter tensor: (its block, or -1 before the blocks, -2 after them; one tensor-parallel
+    rank's elements; whether it is a tied vocabulary matrix)."""
+    out = []
+    for name, numel in spec.param_tensors():
+        i = _layer_index(name)
+        where = i if i is not None else (-1 if any(name.startswith(k) for k in _FIRST) else -2)
+        tied = where == -1 and spec.tie_word_embeddings and name.split(".")[0] in _VOCAB
+        out.append((where, _tp_numel(name, numel, t, spec.vocab_size), tied))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
 def _stage_tensors(spec: ModelSpec, t: int, p: int, v: int, stage: int) -> tuple[int, ...]:
     chunks = stage_layers(spec.num_layers, p * v)
     mine = {i for c in range(v) for i in chunks[c * p + stage]}
     out = []
-    for name, numel in spec.param_tensors():
-        n = _tp_numel(name, numel, t, spec.vocab_size)
-        i = _layer_index(name)
-        if i is not None:
-            if i in mine:
+    for where, n, tied in _tensor_table(spec, t):
+        if where >= 0:
+            if where in mine:
                 out.append(n)
-        elif any(name.startswith(k) for k in _FIRST):
+        elif where == -1:
             if stage == 0:
                 out.append(n)
-            if stage == p - 1 and p > 1 and spec.tie_word_embeddings and name.split(".")[0] in _VOCAB:
+            if stage == p - 1 and p > 1 and tied:
                 out.append(n)  # the last stage's copy of a tied embedding
         elif stage == p - 1:
             out.append(n)
@@ -387,12 +398,25 @@ def layer_activation_bytes(spec: ModelSpec, *, micro_batch_size: int, seq_len: i
 IMPLEMENTATIONS: tuple[str, ...] = ("megatron", "dtensor")
 
 
+def in_flight(layout: Layout) -> tuple[int, ...]:
+    """Per stage, the most (micro-batch, chunk) activations held at once: GPipe m on every stage,
+    1F1B min(p - s, m) on stage s (Narayanan+21), the interleaved schedule by `simulate`."""
+    p, m = layout.pp, layout.micro_batches
+    if p == 1:
+        return (1,)
+    if layout.schedule == "gpipe":
+        return (m,) * p
+    if layout.schedule == "1f1b":
+        return tuple(min(p - s, m) for s in range(p))
+    return simulate(p, m, layout.schedule, chunks=layout.chunks).in_flight
+
+
 def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size: int, seq_len: int,
                     precision: str = "bf16-mixed", optimizer: str = "adamw", optimizer_impl: str = "foreach",
                     attention: str = "sdpa", recompute: str = "none", device: str = "cuda",
                     gradient_as_bucket_view: bool = False, keep_stage_output: bool = True,
                     keep_gradients: bool = True, implementation: str = "megatron",
-                    gpu=None) -> list[_mem.MemoryBreakdown]:
+                    gpu=None, stages: "tuple[int, ...] | None" = None) -> list[_mem.MemoryBreakdown]:
     """Peak memory of one device of each pipeline stage (index = stage): the largest of
     `memory.training_phases` for that device's share (`memory.DeviceShare`) -- its parameters,
     gradients and optimizer states, the activations of the micro-batches the schedule holds in
@@ -411,7 +435,9 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
     - recompute: none, selective (Korthikanti+22: the attention core) or full (every block keeps its input).
     - implementation: "megatron" (vocabulary-parallel embedding, V/t x e gradient) or "dtensor"
       (PyTorch's `parallelize_module`, whose vocabulary-parallel embedding's backward builds the full
-      V x e gradient on every rank before keeping its shard)."""
+      V x e gradient on every rank before keeping its shard).
+    - stages: only these stages (the list then holds theirs, in this order): the first and the last
+      are the fullest (the most micro-batches in flight; the logits), which a planner needs."""
     spec = _mem._resolve(model)
     _check_layout_model(spec, layout)
     b, s = _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
@@ -423,15 +449,15 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be True or False, got {flag!r}")
     p, v, t = layout.pp, layout.chunks, layout.tp
-    run = simulate(p, layout.micro_batches, layout.schedule, chunks=v) if p > 1 else None
     chunks = stage_layers(spec.num_layers, p * v)
+    held = in_flight(layout)
     out = []
-    for stage in range(p):
+    for stage in (range(p) if stages is None else [_count("stage", k, lo=0, hi=p - 1) for k in stages]):
         mine = [chunks[c * p + stage] for c in range(v)]
         largest = max(mine, key=len)
         share = _mem.DeviceShare(
             blocks=(largest.start, largest.stop), first=stage == 0, last=stage == p - 1, tp=t, sp=layout.sp,
-            param_tensors=_stage_tensors(spec, t, p, v, stage), in_flight=run.in_flight[stage] if run else 1,
+            param_tensors=_stage_tensors(spec, t, p, v, stage), in_flight=held[stage],
             stage_output=keep_stage_output and p > 1, keep_gradients=keep_gradients,
             gradient_copies=2 if layout.dp > 1 and not gradient_as_bucket_view else 1,
             optimizer_shards=layout.dp if layout.zero else 1, embedding_grad="dense" if implementation == "dtensor" else "sharded")
@@ -462,7 +488,7 @@ def communication(model: ModelSpec | str, layout: Layout, *, micro_batch_size: i
     b, s = _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
     _mem._check_choice(precision, _mem.PRECISIONS, "precision")
     links = {k: _coll.link(v) for k, v in (("dp", dp_link), ("tp", tp_link), ("pp", pp_link))}
-    grad = max(rank_params(spec, layout, k) for k in range(layout.pp)) * _mem.param_bytes(precision)
+    grad = max(rank_params(spec, layout, k) for k in {0, layout.pp - 1}) * _mem.param_bytes(precision)  # the fullest stages
     act = b * s * spec.hidden_size * _mem._dtype_bytes(precision, "cuda")["half"]
     m, L = layout.micro_batches, spec.num_layers
     per_stage_layers = -(-L // layout.pp)
@@ -524,16 +550,17 @@ def ddp_overlap(buckets: list[int], *, n: int, backward_seconds: float, link: st
 
 
 def _stage_fit(spec: ModelSpec, layout: Layout, gpu, *, micro_batch_size: int, seq_len: int,
-               expandable_segments: bool, kw: dict) -> "_mem.Fit":
-    """`memory.device_fit` of the layout's fullest device at this micro-batch size."""
-    stages = estimate_layout(spec, layout, micro_batch_size=micro_batch_size, seq_len=seq_len, gpu=gpu, **kw)
-    k = max(range(len(stages)), key=lambda i: stages[i].total)
-    t, dense = layout.tp, kw.get("implementation", "megatron") == "dtensor"
+               expandable_segments: bool, kw: dict) -> "tuple[_mem.Fit, _mem.MemoryBreakdown]":
+    """`memory.device_fit` of the layout's fullest device at this micro-batch size, and that device's peak."""
+    ends = tuple(sorted({0, layout.pp - 1}))  # the fullest stages: the most in flight, and the logits
+    stages = estimate_layout(spec, layout, micro_batch_size=micro_batch_size, seq_len=seq_len, gpu=gpu, stages=ends, **kw)
+    i = max(range(len(stages)), key=lambda j: stages[j].total)
+    k, t, dense = ends[i], layout.tp, kw.get("implementation", "megatron") == "dtensor"
     share = _mem.DeviceShare(first=k == 0, last=k == layout.pp - 1, tp=t, embedding_grad="dense" if dense else "sharded",
                              blocks=(0, 1))
     largest = _mem.largest_tensor_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len, share=share,
                                         precision=kw.get("precision", "bf16-mixed"), attention=kw.get("attention", "sdpa"))
-    return _mem.device_fit(stages[k], gpu, largest_tensor=largest, expandable_segments=expandable_segments)
+    return _mem.device_fit(stages[i], gpu, largest_tensor=largest, expandable_segments=expandable_segments), stages[i]
 
 
 def fits(model: ModelSpec | str, layout: Layout, gpu, *, micro_batch_size: int, seq_len: int,
@@ -551,13 +578,102 @@ def fits(model: ModelSpec | str, layout: Layout, gpu, *, micro_batch_size: int, 
 
     def verdict(b: int, **found) -> "_mem.Fit":
         return dataclasses.replace(_stage_fit(spec, layout, g, micro_batch_size=b, seq_len=seq_len,
-                                              expandable_segments=expandable_segments, kw=kw), **found)
+                                              expandable_segments=expandable_segments, kw=kw)[0], **found)
 
     here = verdict(micro_batch_size)  # checks every argument before the search
     lo = _mem.largest_true(lambda b: verdict(b).fits, limit=max_search, start=micro_batch_size)
     return dataclasses.replace(here, max_batch_size=lo, capped=lo >= max_search)
 
 
+# ============================================================================ planning a cluster
+@dataclass(frozen=True)
+class LayoutPlan:
+    """One candidate layout for `plan_layouts`: its fullest device (`peak`), `memory.device_fit`'s
+    verdict, and the step's estimated time and throughput."""
+
+    layout: Layout
+    recompute: str
+    peak: _mem.MemoryBreakdown
+    fit: "_mem.Fit"
+    bubble: Fraction  # of the ideal time (Megatron's convention)
+    recompute_fraction: float  # extra FLOPs over the step's
+    step_seconds: float
+    tokens_per_s: float
+
+    @property
+    def name(self) -> str:
+        L = self.layout
+        extras = [x for x, on in (("SP", L.sp), ("ZeRO-1", L.zero), (f"recompute {self.recompute}", self.recompute != "none"))
+                  if on]
+        return f"dp {L.dp} x tp {L.tp} x pp {L.pp}" + (" + " + ", ".join(extras) if extras else "")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan_layouts(model: ModelSpec | str, gpus: int, gpu, *, seq_len: int, global_batch: int, micro_batch_size: int = 1,
+                 gpus_per_node: int = 8, precision: str = "bf16-mixed", mfu: float = 0.4,
+                 recomputes: tuple[str, ...] = RECOMPUTE) -> list[LayoutPlan]:
+    """Every dp x tp x pp layout of `gpus` GPUs (tp within a node: at most `gpus_per_node`, dividing
+    the heads, KV heads and MLP width; pp at most the blocks), with and without sequence parallelism
+    and ZeRO-1 over dp, under each recompute plan in `recomputes`, for a global batch of
+    `global_batch` sequences of `seq_len` tokens (m = global_batch / (dp x micro_batch_size)
+    micro-batches, 1F1B). Each is checked with `fits` (the fullest device by `memory.device_fit`) and
+    timed (with a fused optimizer step, as Megatron-LM's FusedAdam): the step's FLOPs plus the
+    recompute's at `mfu` of the GPU's dense 16-bit peak, shared by
+    tp x pp devices, stretched by the bubble (p-1)/m, plus the tensor-parallel all-reduces on NVLink
+    (not overlapped); data parallelism's all-reduce is taken as hidden behind the backward. The list
+    holds the layouts that fit, fastest first, then those that do not, smallest need first.
+
+    Known limitations: the time model is a roofline with one MFU for every layout (real MFU falls
+    with small per-device matrices, i.e. with large tp); pipeline sends and the exposed part of the
+    dp all-reduce are left out."""
+    from . import checkpointing as _ck
+    from .specs import gpu as _gpu
+
+    spec = _mem._resolve(model)
+    g = _gpu(gpu)
+    n = _count("gpus", gpus)
+    node = _count("gpus_per_node", gpus_per_node, hi=1024)
+    b, s = _mem._check_positive(micro_batch_size=micro_batch_size, seq_len=seq_len)
+    (gb,) = _mem._check_positive(global_batch=global_batch)
+    if isinstance(mfu, bool) or not isinstance(mfu, (int, float)) or not 0 < mfu <= 1:
+        raise ValueError(f"mfu is a fraction of the peak FLOP/s in (0, 1], got {mfu!r}")
+    if g.peak_tflops_16 <= 0:
+        raise ValueError(f"{g.name} has no FLOP/s figure: pass a GPU preset")
+    for r in recomputes:
+        _mem._check_choice(r, RECOMPUTE, "recompute")
+    if spec.family not in DECODER_FAMILIES:
+        raise ValueError(f"layouts are planned for decoder-only LMs ({', '.join(DECODER_FAMILIES)}); {spec.name} is {spec.family}")
+    f = _ck.flops(spec, batch_size=b, seq_len=s)
+    extra = {r: _ck.recompute_flops(spec, r, batch_size=b, seq_len=s) for r in recomputes}
+    peak_flops = (g.peak_tflops_fp32 if precision == "fp32" else g.peak_tflops_16) * 1e12 * mfu
+    plans = []
+    for tp in _divisors(n):
+        if tp > node or any(x % tp for x in (spec.num_heads, spec.num_kv_heads, spec.intermediate_size)):
+            continue
+        for pp in _divisors(n // tp):
+            dp = n // (tp * pp)
+            if pp > spec.num_layers or gb % (dp * b):
+                continue
+            m = gb // (dp * b)
+            for sp in ((False, True) if tp > 1 else (False,)):
+                for zero in ((0, 1) if dp > 1 else (0,)):
+                    layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batches=m)
+                    for r in recomputes:
+                        verdict, peak = _stage_fit(spec, layout, g, micro_batch_size=b, seq_len=s, expandable_segments=False,
+                                                   kw=dict(precision=precision, recompute=r, optimizer_impl="fused"))
+                        bubble = Fraction(pp - 1, m)
+                        compute = m * (f["step"] + extra[r]) / (tp * pp) / peak_flops
+                        comm = communication(spec, layout, micro_batch_size=b, seq_len=s, precision=precision)
+                        seconds = compute * (1 + bubble) + comm["tp"]["seconds"]
+                        plans.append(LayoutPlan(layout=layout, recompute=r, peak=peak, fit=verdict, bubble=bubble,
+                                                recompute_fraction=extra[r] / f["step"], step_seconds=seconds,
+                                                tokens_per_s=gb * s / seconds))
+    return sorted(plans, key=lambda x: (not x.fit.fits, -x.tokens_per_s if x.fit.fits else x.fit.needed))
+
+
 __all__ = ["Layout", "SCHEDULES", "korthikanti_layer_activations", "bubble_fraction", "simulate", "PipelineRun",
            "rank_params", "stage_layers", "layer_activation_bytes", "estimate_layout", "communication",
-           "ddp_buckets", "ddp_overlap", "fits", "stage_tensors"]
+           "ddp_buckets", "ddp_overlap", "fits", "stage_tensors", "plan_layouts", "LayoutPlan"]
