@@ -60,6 +60,9 @@ def test_zero2_documentation_formula_prints_what_the_docs_print():
     docs = Z.deepspeed_estimate(psi, 2, gpus_per_node=8, formula="docs")["gpu"]
     assert f"{docs / 2**30:.2f}" == "15.93"
     assert Z.deepspeed_estimate(psi, 2, gpus_per_node=8)["gpu"] == 2 * psi + int(18 * psi / 8) < docs
+    # with the optimizer offloaded the docs print 2 Psi on the GPU (t5-3b: 5.31 GB), not 4 Psi
+    offloaded = Z.deepspeed_estimate(psi, 2, gpus_per_node=8, formula="docs", offload_optimizer=True)["gpu"]
+    assert f"{offloaded / 2**30:.2f}" == "5.31" and offloaded == 2 * psi
 
 
 def test_largest_layer_is_deepspeeds_largest_module():

@@ -127,8 +127,8 @@ def deepspeed_estimate(n_params: int, stage: Literal[2, 3], *, gpus_per_node: in
     if stage == 2:
         if offload_params:
             raise ValueError("ZeRO-2 cannot offload parameters (ZeRO-3 can)")
-        if formula == "docs":
-            gpu = 4 * psi + int(16 * psi / total) if not offload_optimizer else 4 * psi
+        if formula == "docs":  # memory.rst's table: 4 Psi + 16 Psi / N, or 2 Psi with the optimizer offloaded
+            gpu = 4 * psi + int(16 * psi / total) if not offload_optimizer else 2 * psi
         else:
             gpu = 2 * psi + int(18 * psi / total) if not offload_optimizer else 2 * psi
         cpu = psi * max(4 * total, 16) * buffer_factor if offload_optimizer else psi * 4 * g * buffer_factor
