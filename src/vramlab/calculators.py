@@ -199,17 +199,18 @@ PRECISION = Calculator(
 DECODER_PRESETS = tuple(n for n in specs.preset_names() if specs.preset(n).family in PAR.DECODER_FAMILIES)
 
 
-def _parallel(*, model: str, dp: int, tp: int, pp: int, sp: str, schedule: str, micro_batches: int,
-              micro_batch_size: int, seq_len: int, precision: str, gpu: str, link: str) -> Result:
+def _parallel(*, model: str, dp: int, tp: int, pp: int, sp: str, zero: str, recompute: str, schedule: str,
+              micro_batches: int, micro_batch_size: int, seq_len: int, precision: str, gpu: str, link: str) -> Result:
     spec, g = specs.preset(model), specs.gpu(gpu)
     chunks = 2 if schedule == "interleaved" else 1
     layout = PAR.Layout(dp=dp, tp=tp, pp=pp, sp=sp == "yes", micro_batches=micro_batches, schedule=schedule,
-                        chunks=chunks)
-    kw = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision)
+                        chunks=chunks, zero=int(zero == "ZeRO-1"))
+    kw = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, recompute=recompute)
     stages = PAR.estimate_layout(spec, layout, gpu=g, **kw)
     verdict = PAR.fits(spec, layout, g, **kw)
     ok = verdict.fits
-    comm = PAR.communication(spec, layout, dp_link=link, pp_link=link, tp_link="nvlink4", **kw)
+    comm = PAR.communication(spec, layout, dp_link=link, pp_link=link, tp_link="nvlink4",
+                             **{k: v for k, v in kw.items() if k != "recompute"})
     bubble = PAR.bubble_fraction(pp, micro_batches, schedule, chunks=chunks) if pp > 1 else 0
     shown = list(enumerate(stages))
     shown = shown if len(shown) <= 8 else shown[:4] + shown[-4:]  # the first and last stages differ most
@@ -247,6 +248,9 @@ PARALLEL = Calculator(
             Input(name="tp", label="tensor parallel", kind="choice", default=2, choices=(1, 2, 4, 8)),
             Input(name="pp", label="pipeline stages", kind="choice", default=4, choices=(1, 2, 4, 8, 16)),
             Input(name="sp", label="sequence parallel", kind="choice", default="no", choices=("no", "yes")),
+            Input(name="zero", label="optimizer states", kind="choice", default="replicated",
+                  choices=("replicated", "ZeRO-1")),
+            Input(name="recompute", label="recompute", kind="choice", default="none", choices=PAR.RECOMPUTE),
             Input(name="schedule", label="schedule", kind="choice", default="1f1b", choices=PAR.SCHEDULES),
             Input(name="micro_batches", label="micro-batches", kind="choice", default=8, choices=(1, 2, 4, 8, 16, 32, 64)),
             Input(name="micro_batch_size", label="micro-batch size", kind="int", default=1, min=1, max=64),
@@ -254,6 +258,47 @@ PARALLEL = Calculator(
             Input(name="precision", label="precision", kind="choice", default="bf16-mixed", choices=memory.PRECISIONS),
             Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
             Input(name="link", label="link between nodes", kind="choice", default="ib-ndr", choices=tuple(C.LINKS))))
+
+
+def _layouts(*, model: str, gpus: int, gpu: str, seq_len: int, global_batch: int, micro_batch_size: int) -> Result:
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    plans = PAR.plan_layouts(spec, gpus, g, seq_len=seq_len, global_batch=global_batch,
+                             micro_batch_size=micro_batch_size)
+    ok = [x for x in plans if x.fit.fits]
+    shown = ok[:6] + [x for x in plans if not x.fit.fits][:max(2, 8 - len(ok[:6]))]
+    bars = [(f"{x.layout.dp}x{x.layout.tp}x{x.layout.pp}" + ("+sp" if x.layout.sp else "") + ("+z1" if x.layout.zero else "")
+             + ("" if x.recompute == "none" else f"+{x.recompute[:3]}"),
+             [(c.replace("_", " "), getattr(x.peak, c) / GiB, COLORS[c]) for c in memory.CATEGORIES]) for x in shown]
+    svg = stacked_bars(bars, title=f"{spec.name} on {gpus} x {g.name}: the fullest GPU of each layout (dp x tp x pp)",
+                       line=(g.usable_bytes / GiB, f"{g.name} usable"), width=720)
+    head = f"{'layout':50}{'fullest GPU':>12}{'needs':>11}{'tokens/s':>11}{'bubble':>8}{'recompute':>10}"
+    rows = [f"{x.name:50}{fmt_bytes(x.peak.total):>12}{fmt_bytes(x.fit.needed):>11}{x.tokens_per_s:>11,.0f}"
+            f"{float(x.bubble):>8.1%}{x.recompute_fraction:>+10.0%}" for x in shown]
+    lines = [f"{len(ok)} of {len(plans)} layouts fit ({global_batch} sequences of {seq_len} tokens per step, "
+             f"micro-batch {micro_batch_size}, bf16 AMP, AdamW fused, 1F1B):", head, *rows[:len(ok[:6])]]
+    if len(shown) > len(ok[:6]):
+        lines += ["", "the closest that do NOT fit:", head, *rows[len(ok[:6]):]]
+    if ok:
+        lines += ["", ok[0].peak.table(title=f"fastest that fits: {ok[0].name}, {ok[0].peak.label}"), str(ok[0].fit)]
+    lines += ["", "time: a roofline at 40 % of the GPU's bf16 peak, the bubble (p-1)/m, tensor-parallel all-reduces on "
+                  "NVLink and the pipeline's sends exposed; data-parallel all-reduce hidden behind the backward"]
+    best = ok[0] if ok else None
+    return Result(text="\n".join(lines), svg=svg, numbers={
+        "fitting": (len(ok), f"{len(ok)} of {len(plans)}"),
+        "best": (best.tokens_per_s if best else 0, best.name if best else "none fits"),
+        "tokens": (best.tokens_per_s if best else 0, f"{best.tokens_per_s:,.0f} tokens/s" if best else "-")})
+
+
+LAYOUTS = Calculator(
+    name="layouts", title="Plan a cluster: every layout of N GPUs, the ones that fit, fastest first", compute=_layouts,
+    number_labels={"fitting": "layouts that fit", "best": "fastest", "tokens": "throughput"},
+    inputs=(Input(name="model", label="model", kind="choice", default="llama-3.1-70b", choices=DECODER_PRESETS),
+            Input(name="gpus", label="GPUs", kind="choice", default=64, choices=(8, 16, 32, 64, 128, 256, 512, 1024)),
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
+            Input(name="seq_len", label="sequence length", kind="choice", default=4096, choices=SEQ_CHOICES),
+            Input(name="global_batch", label="sequences per step", kind="choice", default=512,
+                  choices=(64, 128, 256, 512, 1024, 2048)),
+            Input(name="micro_batch_size", label="micro-batch size", kind="choice", default=1, choices=(1, 2, 4))))
 
 # ----------------------------------------------------------------------------- chapter 4
 
@@ -487,7 +532,7 @@ COMPRESSION = Calculator(
             Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),
             Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES)))
 
-CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION, PARALLEL, ZERO,
+CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION, PARALLEL, LAYOUTS, ZERO,
                                                            OFFLOAD, STREAMING, CHECKPOINTING, COMPRESSION)}
 
 

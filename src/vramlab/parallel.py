@@ -623,12 +623,14 @@ def plan_layouts(model: ModelSpec | str, gpus: int, gpu, *, seq_len: int, global
     timed (with a fused optimizer step, as Megatron-LM's FusedAdam): the step's FLOPs plus the
     recompute's at `mfu` of the GPU's dense 16-bit peak, shared by
     tp x pp devices, stretched by the bubble (p-1)/m, plus the tensor-parallel all-reduces on NVLink
-    (not overlapped); data parallelism's all-reduce is taken as hidden behind the backward. The list
-    holds the layouts that fit, fastest first, then those that do not, smallest need first.
+    (not overlapped) and the pipeline's sends; data parallelism's all-reduce is taken as hidden behind
+    the backward. A recompute plan that saves no memory over a cheaper one (selective recompute
+    under SDPA, which keeps no scores) is left out. The list holds the layouts that fit, fastest
+    first, then those that do not, smallest need first.
 
     Known limitations: the time model is a roofline with one MFU for every layout (real MFU falls
-    with small per-device matrices, i.e. with large tp); pipeline sends and the exposed part of the
-    dp all-reduce are left out."""
+    with small per-device matrices, i.e. with large tp); the exposed part of the dp all-reduce is
+    left out."""
     from . import checkpointing as _ck
     from .specs import gpu as _gpu
 
@@ -661,16 +663,20 @@ def plan_layouts(model: ModelSpec | str, gpus: int, gpu, *, seq_len: int, global
             for sp in ((False, True) if tp > 1 else (False,)):
                 for zero in ((0, 1) if dp > 1 else (0,)):
                     layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batches=m)
-                    for r in recomputes:
+                    kept: list[LayoutPlan] = []
+                    for r in sorted(recomputes, key=extra.get):  # least recompute first
                         verdict, peak = _stage_fit(spec, layout, g, micro_batch_size=b, seq_len=s, expandable_segments=False,
                                                    kw=dict(precision=precision, recompute=r, optimizer_impl="fused"))
                         bubble = Fraction(pp - 1, m)
                         compute = m * (f["step"] + extra[r]) / (tp * pp) / peak_flops
                         comm = communication(spec, layout, micro_batch_size=b, seq_len=s, precision=precision)
-                        seconds = compute * (1 + bubble) + comm["tp"]["seconds"]
-                        plans.append(LayoutPlan(layout=layout, recompute=r, peak=peak, fit=verdict, bubble=bubble,
-                                                recompute_fraction=extra[r] / f["step"], step_seconds=seconds,
-                                                tokens_per_s=gb * s / seconds))
+                        seconds = compute * (1 + bubble) + comm["tp"]["seconds"] + comm["pp"]["seconds"]
+                        if any(k.peak.total <= peak.total for k in kept):
+                            continue  # more recompute for no less memory (selective under SDPA: no scores to drop)
+                        kept.append(LayoutPlan(layout=layout, recompute=r, peak=peak, fit=verdict, bubble=bubble,
+                                               recompute_fraction=extra[r] / f["step"], step_seconds=seconds,
+                                               tokens_per_s=gb * s / seconds))
+                    plans += kept
     return sorted(plans, key=lambda x: (not x.fit.fits, -x.tokens_per_s if x.fit.fits else x.fit.needed))
 
 
