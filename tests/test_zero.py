@@ -93,6 +93,21 @@ def test_communication_volume(n):
     assert c3["seconds"] > Z.communication(psi, n, 2)["seconds"]
 
 
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_deepspeed_default_communication(n):
+    """DeepSpeed 0.19's defaults: ZeRO-1/2 all-reduce the gradient buckets (use_multi_rank_bucket_allreduce,
+    on every backend) and all-gather the parameters, 3 Psi; ZeRO-3 gathers once below the reuse distance."""
+    psi, S = 1_000_000, 2_000_000
+    for s in (1, 2):
+        c = Z.communication(psi, n, s, implementation="deepspeed")
+        assert c["volume_in_psi"] == 3 and c["bytes_sent_per_rank"] == pytest.approx(3 * (n - 1) / n * S)
+    assert Z.communication(psi, n, 3, implementation="deepspeed")["volume_in_psi"] == 2
+    assert Z.communication(2 * 10**9, n, 3, implementation="deepspeed")["volume_in_psi"] == 3
+    with pytest.raises(ValueError, match="communication implementation"):
+        Z.communication(psi, n, 1, implementation="megatron")
+
+
 def test_model_states_paper_implementation_of_a_real_model():
     spec = preset("gpt2")
     psi = 124_439_808  # sum(p.numel()) of transformers' GPT2LMHeadModel (tests/test_models.py)

@@ -313,7 +313,8 @@ def _zero(*, model: str, setup: str, ranks: int, recipe: str, micro_batch_size: 
     verdict = Z.fits(spec, ranks, stage, g, implementation=impl, **{k: v for k, v in kw.items() if k != "gpu"})
     ok = verdict.fits
     pb, gb, k = Z.RECIPES[recipe]
-    comm = Z.communication(spec.params, ranks, stage, bytes_per_value=gb, link=link)
+    comm = Z.communication(spec.params, ranks, stage, bytes_per_value=gb, link=link,
+                           implementation="deepspeed" if impl == "deepspeed" else "paper")
     bars = [(label, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
             for label, b in rows]
     svg = stacked_bars(bars, title=f"{spec.name} on {ranks} ranks, {recipe}: one rank's peak",

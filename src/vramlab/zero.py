@@ -323,24 +323,42 @@ def estimate_rank(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_b
 
 
 # ----------------------------------------------------------------------------- communication
+REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default, in elements
+COMM_IMPLEMENTATIONS: tuple[str, ...] = ("paper", "deepspeed")
+
+
 def communication(n_params: int, n_ranks: int, stage: Stage, *, bytes_per_value: int = 2,
-                  link: str | _coll.Link = "nvlink4") -> dict[str, float]:
+                  link: str | _coll.Link = "nvlink4", implementation: str = "paper") -> dict[str, float]:
     """Bytes each rank sends per step and their time on `link` (ring collectives, `collectives`).
-    Stages 0-2 move 2 Psi values per rank-equivalent: an all-reduce of the gradients (stage 0) or a
-    reduce-scatter of the gradients plus an all-gather of the updated parameters (stages 1-2); each is
-    (N-1)/N x S per rank. Stage 3 all-gathers the parameters twice (forward and backward) and
-    reduce-scatters the gradients: 3 Psi, 1.5x the traffic of data parallelism."""
+
+    implementation="paper" (Rajbhandari+19, section 7): stages 0-2 move 2 Psi values per
+    rank-equivalent: an all-reduce of the gradients (stage 0) or a reduce-scatter of the gradients
+    plus an all-gather of the updated parameters (stages 1-2); each is (N-1)/N x S per rank. Stage 3
+    all-gathers the parameters twice (forward and backward) and reduce-scatters the gradients: 3 Psi.
+
+    implementation="deepspeed" (0.19's defaults): ZeRO-1/2 all-reduce each gradient bucket and keep
+    their partition (`use_multi_rank_bucket_allreduce=True`, on every backend) before all-gathering
+    the parameters: 3 Psi, half again the paper's. ZeRO-3 keeps a parameter gathered in the forward
+    for its backward when fewer than `stage3_max_reuse_distance` (1e9) elements are fetched in
+    between: a model below that gathers once, 2 Psi; a larger one twice, 3 Psi."""
     psi, n, s = _psi(n_params), _count("n_ranks", n_ranks), _stage(stage)
     _count("bytes_per_value", bytes_per_value, hi=8)
+    _mem._check_choice(implementation, COMM_IMPLEMENTATIONS, "communication implementation")
     size = psi * bytes_per_value
-    ops = ([("all_reduce", "gradients")] if s == 0 else
-           [("reduce_scatter", "gradients"), ("all_gather", "parameters")] if s in (1, 2) else
-           [("all_gather", "parameters, forward"), ("all_gather", "parameters, backward"),
-            ("reduce_scatter", "gradients")])
+    ds = implementation == "deepspeed"
+    if s == 0:
+        ops = [("all_reduce", "gradients")]
+    elif s in (1, 2):
+        ops = [("all_reduce" if ds else "reduce_scatter", "gradients"), ("all_gather", "parameters")]
+    else:
+        twice = not ds or psi > REUSE_DISTANCE
+        ops = ([("all_gather", "parameters, forward")] + ([("all_gather", "parameters, backward")] if twice else [])
+               + [("reduce_scatter", "gradients")])
     rows = [{"op": op, "what": what, "bytes_sent": _coll.bytes_sent_per_rank(op, n, size),
              "seconds": _coll.collective_time(op, n, size, link)} for op, what in ops]
+    volume = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}
     return {"bytes_sent_per_rank": sum(r["bytes_sent"] for r in rows), "seconds": sum(r["seconds"] for r in rows),
-            "volume_in_psi": 2.0 if s < 3 else 3.0, "collectives": rows}
+            "volume_in_psi": sum(volume[op] for op, _ in ops), "collectives": rows}
 
 
 # ----------------------------------------------------------------------------- does it fit
