@@ -143,7 +143,8 @@ def test_resident_model_states_against_the_stored_measurement(setup, precision, 
     spec = lab_model()
     assert spec.params == run["params"]
     impl, stage = ("fsdp2", 3) if setup == "fsdp2" else ("deepspeed", int(setup))
-    pred = Z.model_states(spec, run["ranks"], stage, recipe=recipe, implementation=impl)
+    pred = Z.model_states(spec, run["ranks"], stage, recipe=recipe, implementation=impl,
+                          reduce_bucket=run["deepspeed_knobs"]["reduce_bucket_size"])
     for rank in run["setups"][setup]["per_rank"]:
         got = rank["resident"]
         for cat in ("parameters", "gradients", "optimizer_states", "other"):
@@ -161,27 +162,24 @@ def _stored_runs():
 @pytest.mark.parametrize("setup", ["0", "1", "2", "3", "fsdp2"])
 def test_step_peak_against_the_stored_measurement(setup):
     """estimate_rank (model states between steps + the step's worst phase) against lab 4's measured
-    step peaks, fp32 and bf16, 2 gloo ranks, 3 measured steps each: within 5 % of the largest measured
-    (over ranks and steps: a layout fits only if every rank fits in every step), and never more than
-    1 % below any one. The part beyond the between-step states (activations, gradient copies, buckets,
-    gathered parameters) within 10 % of the largest measured one: stages 1-2 are dominated by the
-    reduce bucket and the totals alone would not see an error there. The estimate before this check
-    (paper states + activations) was 13.5 % low for bf16 ZeRO-0 and 21 % low for FSDP2."""
+    step peaks (each rank's live storages tracked through the step, the largest over ranks), fp32 and
+    bf16, 2 gloo ranks, buckets of 2e5 elements (nine for the 1.7 M-parameter model, so that the stages
+    differ): within 5 % of the largest measured (a layout fits only if every rank fits) and never more
+    than 5 % below it. The estimate before the phase-by-phase model was 13.5 % low for bf16 ZeRO-0 and
+    21 % low for FSDP2; ZeRO-1 and ZeRO-2 were equal."""
     from vramlab.zerolab import lab_model
 
     spec = lab_model()
     impl, stage = ("fsdp2", 3) if setup == "fsdp2" else ("deepspeed", int(setup))
     for run, recipe in _stored_runs():
         assert run["steps"] - 2 >= 3  # the largest of 3 measured steps
+        bucket = run["deepspeed_knobs"]["reduce_bucket_size"]
+        assert bucket < spec.params / 4
         est = Z.estimate_rank(spec, run["ranks"], stage, micro_batch_size=run["micro_batch_size"], seq_len=run["seq_len"],
-                              recipe=recipe, implementation=impl, optimizer_impl="for-loop", device="cpu")
-        ranks = run["setups"][setup]["per_rank"]
-        between = Z.model_states(spec, run["ranks"], stage, recipe=recipe, implementation=impl).total
-        peaks = [r["resident"]["total"] + t for r in ranks for t in r["step_transient_peaks"]]
-        assert abs(est.total - max(peaks)) <= 0.05 * max(peaks), (recipe, est.phase, est.total, max(peaks))
-        assert est.total >= 0.99 * max(peaks) and est.total >= 0.99 * min(peaks)
-        step = max(t for r in ranks for t in r["step_transient_peaks"])
-        assert abs((est.total - between) - step) <= 0.10 * step, (recipe, est.total - between, step)
+                              recipe=recipe, implementation=impl, optimizer_impl="for-loop", device="cpu",
+                              reduce_bucket=bucket)
+        got = max(r["peak"]["step_peak"] for r in run["setups"][setup]["per_rank"])
+        assert abs(est.total - got) <= 0.05 * got, (recipe, est.phase, est.total, got)
 
 
 def test_step_peak_against_the_h100_allocator():

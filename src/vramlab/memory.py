@@ -102,12 +102,20 @@ class MemoryBreakdown:
 #   "x"    the residual stream and what norms save: the parameter dtype (fp32 under AMP)
 #   "half" inputs and outputs of matmuls: the compute dtype (bf16/fp16 under AMP)
 #   "f32"  always fp32 (norm statistics, the loss's log-softmax, softmax under CUDA autocast)
+#   "loss" the loss's log-softmax: fp32 (transformers' causal-LM loss upcasts the logits, autocast runs
+#          log_softmax in fp32), but in the logits' dtype where a 16-bit model that is not a causal LM
+#          (BERT, T5) hands them to CrossEntropyLoss itself
 #   "mask" a dropout mask: 1 byte (bool) from CUDA's fused dropout; CPU dropout multiplies by a
 #          mask of the input's dtype
 def _dtype_bytes(precision: Precision, device: str) -> dict[str, int]:
     half = 4 if precision == "fp32" else 2
     x = 2 if precision in PURE_16BIT else 4
-    return {"x": x, "half": half, "f32": 4, "mask": 1 if device == "cuda" else half, "i64": 8}
+    return {"x": x, "half": half, "f32": 4, "loss": 4, "mask": 1 if device == "cuda" else half, "i64": 8}
+
+
+def _loss_bytes(spec: ModelSpec, precision: Precision) -> int:
+    """Bytes per element of the loss's log-softmax (kind "loss")."""
+    return 2 if precision in PURE_16BIT and not spec.is_causal_lm else 4
 
 
 def param_bytes(precision: Precision) -> int:
@@ -357,7 +365,9 @@ def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: s
                 + _attention(spec, qkv=_qkv_separate(spec), **kw) + _drop(spec, "hidden", 2)
                 + _norm(spec, "final_layer_norm") + _mlp(spec, amp=amp))
     if f == "llama":
-        flash_gqa = device == "cuda" and not math and precision != "fp32"
+        # CUDA's flash kernel (16-bit) and the CPU's flash kernel (any dtype; measured: torch 2.13 keeps
+        # a GQA model's k and v at the KV width) read the KV heads as they are
+        flash_gqa = not math and (device == "cpu" or precision != "fp32")
         return (_norm(spec, "input_layernorm") + _cast_inputs("q/k/v input", h, 3, amp=amp)
                 + _attention(spec, qkv=_qkv_separate(spec, gqa_native=flash_gqa), **kw)
                 + _norm(spec, "post_attention_layernorm") + _mlp(spec, amp=amp))
@@ -403,7 +413,7 @@ def model_saved(spec: ModelSpec) -> list[Saved]:
     e = spec.word_embed_proj_dim or h
     saved += [Saved(name="lm_head input", width=e, kind="half", for_weight=True),
               # the loss upcasts the logits to fp32; cross-entropy keeps log_softmax(logits)
-              Saved(name="log_softmax(logits)", width=V, kind="f32")]
+              Saved(name="log_softmax(logits)", width=V, kind="loss")]
     if spec.is_causal_lm:  # causal LMs shift (pad) the labels into a new int64 tensor
         saved.append(Saved(name="shifted targets", width=1, kind="i64"))
     return saved
@@ -582,8 +592,16 @@ class DeviceShare:
     tp, sp          tensor-parallel degree (Megatron's split, `tp_split`); sequence parallelism
     param_tensors   element counts of the parameter tensors it holds (None: the model's)
     in_flight       micro-batches whose saved activations are alive at once (a pipeline schedule's)
-    stage_output    a non-last stage keeps each in-flight micro-batch's output (b x s x h) until its
-                    backward (torch.distributed.pipelining, DeepSpeed; Megatron-LM frees it)
+    stage_output    the stage keeps each in-flight micro-batch's output until its backward (b x s x h;
+                    on the last stage the logits: torch.distributed.pipelining, DeepSpeed; Megatron-LM
+                    frees a sent output and its last stage keeps only the loss)
+    others_at_end   on the last stage, the other micro-batches in flight are past the model's end (their
+                    logits and the loss's tensors kept, GPipe); False where the device holds them in
+                    earlier chunks (the interleaved schedule's last device), each with a b x s x h output
+    loss_parallel   DTensor's vocabulary-parallel loss (`loss_parallel`): its backward makes three
+                    (V/t)-wide fp32 tensors where the local cross-entropy makes two
+    buffers         bytes the framework holds for the whole step (torch.distributed.pipelining's receive
+                    buffers: one per micro-batch and chunk, for activations and for gradients)
     keep_gradients  gradients stay allocated between steps (Megatron's contiguous buffer, DDP with
                     zero_grad(set_to_none=False)); False: set_to_none=True, they exist from the backward on
     gradient_copies 2 with DDP's flat buckets beside the gradients (gradient_as_bucket_view=False)
@@ -600,10 +618,13 @@ class DeviceShare:
     param_tensors: tuple[int, ...] | None = None
     in_flight: int = 1
     stage_output: bool = False
+    buffers: int = 0
     keep_gradients: bool = False
     gradient_copies: int = 1
     optimizer_shards: int = 1
     embedding_grad: str = "sharded"
+    others_at_end: bool = True
+    loss_parallel: bool = False
 
     @property
     def whole(self) -> bool:
@@ -633,6 +654,7 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     _check_choice(device, ("cuda", "cpu"), "device")
     plan = recompute_plan(recompute, spec)
     nb = _dtype_bytes(precision, device)
+    nb["loss"] = _loss_bytes(spec, precision)
     b, s, a = batch_size, seq_len, spec.num_heads
     tokens, scores = b * s, b * a * s * s
     t, sp = share.tp, share.sp
@@ -709,7 +731,8 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     mlp_grads = (3 if spec.gated_mlp else 2) * tokens * spec.intermediate_size * nb["half"]
     attn_grads = 2 * scores * nb["f32"] if math_path else 3 * tokens * spec.q_dim * nb["half"]
     transient = max(-(-mlp_grads // t), -(-attn_grads // t) - mlp_part, 0)
-    return {"layers": layers, "one_layer": one, "outside": outside, "weight_copies": copies,
+    outside_last = _ledger_bytes([x for x in outside_saved if x.stage != "first"], **sizes) if share.last else 0
+    return {"layers": layers, "one_layer": one, "outside": outside, "outside_last": outside_last, "weight_copies": copies,
             "block_backward": transient, "block_grad_in": -(-2 * tokens * spec.hidden_size * nb["x"] // seq_split),
             "full": tuple(full), "kept": tuple(kept), "backward": tuple(backward), "block_in": block_in}
 
@@ -859,18 +882,26 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     A = act["layers"] + act["outside"] + act["weight_copies"]
     nb = _dtype_bytes(precision, device)
     # a non-last pipeline stage keeps the output it sent until that micro-batch's backward
-    boundary = -(-b * s * spec.hidden_size * nb["x"] // (t if share.sp else 1)) if share.stage_output and not last else 0
+    vocab = -(-V // t)  # a vocabulary-parallel head and loss: V/t columns per rank
+    boundary = 0
+    if share.stage_output:  # the output a stage keeps until the micro-batch's backward: b x s x h, or the logits
+        boundary = b * s * vocab * nb["half"] if last else -(-b * s * spec.hidden_size * nb["x"] // (t if share.sp else 1))
     # the other micro-batches in flight on this device: their saved tensors and stage outputs (autocast's
     # weight casts are cached once for all of them, inside one autocast region around the schedule)
-    others = (share.in_flight - 1) * (A - act["weight_copies"] + boundary)
+    if last and not share.others_at_end:  # the interleaved schedule's last device: the others are in earlier chunks
+        one_other = A - act["weight_copies"] - act["outside_last"] + -(-b * s * spec.hidden_size * nb["x"] // (t if share.sp else 1))
+    else:
+        one_other = A - act["weight_copies"] + boundary
+    others = (share.in_flight - 1) * one_other
     amp = _cuda_amp(precision, device)
-    vocab = -(-V // t)  # a vocabulary-parallel head and loss: V/t columns per rank
-    logits32 = b * s * vocab * 4 if last else 0  # the loss works on fp32 logits
+    lsm = _loss_bytes(spec, precision)
+    logits32 = b * s * vocab * lsm if last else 0  # the loss's log-softmax (and its gradient): fp32 ...
     logits16 = b * s * vocab * 2 if precision != "fp32" and last else 0  # the half logits under AMP
     # transformers' causal-LM loss upcasts (logits.float()), so log_softmax's input and gradient are
     # fp32. BERT and T5 hand the half logits to CrossEntropyLoss: CUDA autocast runs log_softmax
-    # with dtype=fp32 (no fp32 copy of the input), and its backward returns d(logits) in half.
-    upcast = spec.is_causal_lm or not amp
+    # with dtype=fp32 (no fp32 copy of the input), and its backward returns d(logits) in half; a pure
+    # 16-bit BERT or T5 runs the whole loss in 16 bits (... or 16-bit there: `_loss_bytes`).
+    upcast = spec.is_causal_lm or (not amp and lsm == 4)
     logits_alive = logits16 + (logits32 if upcast else 0)
     d_logits = logits32 if upcast else logits16
     e = spec.word_embed_proj_dim or spec.hidden_size
@@ -884,21 +915,22 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     def grads(made: int) -> int:
         return buckets + (kept_grads or made)
 
-    base = dict(parameters=P, optimizer_states=O, inputs=inputs, other=workspaces, precision=precision, device=device,
+    base = dict(parameters=P, optimizer_states=O, inputs=inputs, other=workspaces + share.buffers, precision=precision, device=device,
                 label=f"{spec.name} train b={b} s={s} {precision}")
-    phases = [MemoryBreakdown(**base, activations=others + A + boundary + logits_alive, gradients=grads(0),
+    phases = [MemoryBreakdown(**base, activations=others + A + (0 if last else boundary) + logits_alive, gradients=grads(0),
                               phase="forward end (loss computed)" if last else "forward end (micro-batches in flight)")]
     if last:
         phases += [
             # nll_loss backward makes d(log_softmax) (fp32) and log_softmax backward makes d(logits)
-            MemoryBreakdown(**base, activations=others + A, temporaries=logits32 + d_logits, gradients=grads(0),
-                            phase="backward start (logits gradient)"),
-            MemoryBreakdown(**base, activations=others + A - b * s * vocab * 4, temporaries=d_logits,
+            MemoryBreakdown(**base, activations=others + A + boundary,
+                            temporaries=logits32 + d_logits + (b * s * vocab * 4 if share.loss_parallel else 0),
+                            gradients=grads(0), phase="backward start (logits gradient)"),
+            MemoryBreakdown(**base, activations=others + A + boundary - b * s * vocab * lsm, temporaries=d_logits,
                             gradients=grads(head_grad), phase="LM head backward"),
         ]
     half = nb["half"]
     # freed by now on the last stage: the loss's log-softmax, the head's input and the shifted labels
-    loss_side = b * s * (vocab * 4 + -(-e * half // (t if share.sp else 1)) + (8 if spec.is_causal_lm else 0)) if last else 0
+    loss_side = b * s * (vocab * lsm + -(-e * half // (t if share.sp else 1)) + (8 if spec.is_causal_lm else 0)) if last else 0
     n_blocks = spec.num_layers + spec.num_decoder_layers
     block_grads = spec.param_groups()["layers"] * pb // n_blocks // t if trained else 0
     # each block's backward that may peak: a recomputed segment (all it saves, at once, while its

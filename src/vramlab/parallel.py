@@ -427,8 +427,10 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
     - keep_gradients: the gradients stay allocated between steps (Megatron-LM's contiguous gradient
       buffer, `zero_grad(set_to_none=False)`); False: set_to_none=True, as `estimate_training`.
     - keep_stage_output: a stage keeps the output it sent to the next stage (b x s x h) until that
-      micro-batch's backward, as torch.distributed.pipelining and DeepSpeed do; Megatron-LM frees
-      its storage once sent (`deallocate_output_tensor`): pass False for it.
+      micro-batch's backward, the last stage the model's output (the logits), and every stage a
+      receive buffer per micro-batch and chunk for the activations and the gradients it is sent,
+      as torch.distributed.pipelining does; Megatron-LM frees a sent output
+      (`deallocate_output_tensor`), its last stage keeps only the loss: pass False for it.
     - With dp > 1, DDP's buckets: a flat copy of the gradients (counted with them) unless
       `gradient_as_bucket_view=True` makes the gradients views into the buckets. `layout.zero = 1`
       shards the optimizer states (and their step) over the dp replicas.
@@ -451,6 +453,10 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
     p, v, t = layout.pp, layout.chunks, layout.tp
     chunks = stage_layers(spec.num_layers, p * v)
     held = in_flight(layout)
+    # torch.distributed.pipelining's receive buffers, allocated for every micro-batch and kept: the
+    # activations a stage receives and the gradients sent back to it, b x s x h each
+    x = _mem._dtype_bytes(precision, device)["x"]
+    recv = layout.micro_batches * -(-b * s * spec.hidden_size * x // (t if layout.sp else 1))
     out = []
     for stage in (range(p) if stages is None else [_count("stage", k, lo=0, hi=p - 1) for k in stages]):
         mine = [chunks[c * p + stage] for c in range(v)]
@@ -459,8 +465,10 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
             blocks=(largest.start, largest.stop), first=stage == 0, last=stage == p - 1, tp=t, sp=layout.sp,
             param_tensors=_stage_tensors(spec, t, p, v, stage), in_flight=held[stage],
             stage_output=keep_stage_output and p > 1, keep_gradients=keep_gradients,
+            buffers=recv * v * (int(stage > 0 or v > 1) + int(stage < p - 1 or v > 1)) if keep_stage_output and p > 1 else 0,
             gradient_copies=2 if layout.dp > 1 and not gradient_as_bucket_view else 1,
-            optimizer_shards=layout.dp if layout.zero else 1, embedding_grad="dense" if implementation == "dtensor" else "sharded")
+            optimizer_shards=layout.dp if layout.zero else 1, embedding_grad="dense" if implementation == "dtensor" else "sharded",
+            others_at_end=v == 1, loss_parallel=implementation == "dtensor" and t > 1)
         phases = _mem.training_phases(spec, batch_size=b, seq_len=s, precision=precision, optimizer=optimizer,
                                       optimizer_impl=optimizer_impl, attention=attention, recompute=recompute,
                                       device=device, gpu=gpu, share=share)

@@ -1,0 +1,221 @@
+"""vramlab's per-rank estimates against independent measurements stored with provenance.
+
+The expected values are measurements, never the estimator's output: real gloo ranks on the CPU, each
+rank's live storages tracked by owner through one steady-state step (DeepSpeed 0.19.8 ZeRO-0..3 and
+FSDP2: `vramlab.zerolab`, driven by benchmarks/zero_validation.py; DDP, DTensor tensor parallelism and
+torch.distributed.pipelining: `vramlab.parlab`, driven by benchmarks/layout_validation.py). The models
+are not the labs' (OPT-, GPT-NeoX-, Llama-GQA- and mT5-like, with buckets far smaller than the model,
+a root unit larger than a block and the reverse, fp32 and bf16, 1, 2 and 4 ranks).
+
+The gate, as the chapters state it: every rank's step peak within 5 % of the measured one and never
+more than 5 % below it; what stays between steps within 0.5 % (flat buffers' alignment padding).
+
+    python tests/test_validation.py      # the tables (estimate, measured, error) without pytest
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ZERO = ROOT / "benchmarks" / "results" / "zero" / "validation"
+LAYOUT = ROOT / "benchmarks" / "results" / "parallel" / "validation"
+GATE = 0.05
+
+
+# ----------------------------------------------------------------------------- ZeRO and FSDP2
+
+def zero_cases() -> list[tuple[str, str]]:
+    out = []
+    for path in sorted(ZERO.glob("*.json")):
+        run = json.loads(path.read_text())
+        out += [(path.stem, setup) for setup in run["setups"]]
+    return out
+
+
+def zero_estimate(run: dict, setup: str):
+    """estimate_rank's phases for the run's configuration, as a user would ask for it."""
+    from vramlab import zero
+    from vramlab.zerolab import model_spec
+
+    knobs = run["deepspeed_knobs"]
+    kw = dict(micro_batch_size=run["micro_batch_size"], seq_len=run["seq_len"],
+              recipe="fp32-adam" if run["precision"] == "fp32" else "mixed-adam",
+              implementation="fsdp2" if setup == "fsdp2" else "deepspeed",
+              optimizer_impl="for-loop", device="cpu",
+              reduce_bucket=knobs.get("reduce_bucket_size") or zero.REDUCE_BUCKET,
+              max_live_parameters=knobs.get("stage3_max_live_parameters") or zero.MAX_LIVE,
+              persistence_threshold=knobs.get("stage3_param_persistence_threshold") or zero.PERSISTENCE,
+              prefetch_bucket=knobs.get("stage3_prefetch_bucket_size") or zero.PREFETCH)
+    stage = 3 if setup == "fsdp2" else int(setup)
+    return zero.rank_phases(model_spec(run["model_name"]), run["ranks"], stage, **kw)
+
+
+def zero_row(name: str, setup: str) -> dict:
+    run = json.loads((ZERO / f"{name}.json").read_text())
+    phases = zero_estimate(run, setup)
+    est = max(phases, key=lambda b: b.total)
+    ranks = run["setups"][setup]["per_rank"]
+    measured = max(r["peak"]["step_peak"] for r in ranks)
+    return {"case": name, "setup": setup, "estimate": est.total, "phase": est.phase, "measured": measured,
+            "measured_phase": max(ranks, key=lambda r: r["peak"]["step_peak"])["peak"]["phase"],
+            "error": est.total / measured - 1}
+
+
+# Known gaps, each named with its cause (strict: the test fails if a case comes back inside the gate,
+# so that this list cannot outlive the gap)
+KNOWN_ZERO = {
+    ("llama_fp32_4r", "2"): "chapter 1's estimate of a gated MLP's backward is ~5 MB above what the CPU holds "
+                            "(every stage of this model, ZeRO-0 included: +3 to +4 %), and ZeRO-2's bucket adds to it",
+}
+KNOWN_LAYOUT = {
+    ("pp_neox_p4", "interleaved", 4, 1): "the interleaved schedule with m = p: the micro-batches in flight match "
+                                         "torch's schedule exactly, the surplus (6 MB) is not yet located",
+    ("pp_llamagqa_p4", "interleaved", 4, 1): "as pp_neox_p4's",
+}
+
+
+def _known(table, key):
+    return pytest.mark.xfail(reason=table[key], strict=True) if key in table else ()
+
+
+@pytest.mark.parametrize("name, setup", [pytest.param(*c, marks=_known(KNOWN_ZERO, c)) for c in zero_cases()])
+def test_zero_rank_peak_within_the_gate(name, setup):
+    r = zero_row(name, setup)
+    assert -GATE <= r["error"] <= GATE, (
+        f"{name} ZeRO/FSDP2 setup {setup}: estimate {r['estimate'] / 1e6:.2f} MB ({r['phase']}) vs measured "
+        f"{r['measured'] / 1e6:.2f} MB ({r['measured_phase']}): {100 * r['error']:+.1f} %")
+
+
+@pytest.mark.parametrize("name, setup", zero_cases())
+def test_zero_between_steps(name, setup):
+    """What each rank keeps between steps (`zero.model_states`: parameters, gradients, optimizer states,
+    ZeRO-3's bucket) against the scan of every rank's live storages."""
+    from vramlab import zero
+
+    run = json.loads((ZERO / f"{name}.json").read_text())
+    knobs = run["deepspeed_knobs"]
+    ms = zero.model_states(_spec(run), run["ranks"], 3 if setup == "fsdp2" else int(setup),
+                           recipe="fp32-adam" if run["precision"] == "fp32" else "mixed-adam",
+                           implementation="fsdp2" if setup == "fsdp2" else "deepspeed",
+                           reduce_bucket=knobs.get("reduce_bucket_size") or zero.REDUCE_BUCKET,
+                           persistence_threshold=knobs.get("stage3_param_persistence_threshold") or zero.PERSISTENCE)
+    for rank in run["setups"][setup]["per_rank"]:
+        res = rank["resident"]
+        for cat in ("parameters", "gradients", "optimizer_states", "other"):
+            want, got = getattr(ms, cat), res[cat]
+            assert abs(got - want) <= 0.005 * want + 16384, \
+                f"{name} setup {setup} rank {rank['rank']} {cat}: {got:,} B measured, {want:,} B estimated"
+
+
+def _spec(run):
+    from vramlab.zerolab import model_spec
+
+    return model_spec(run["model_name"])
+
+
+def test_zero2_below_zero1_where_the_gradients_dominate():
+    """The finding: ZeRO-2's estimate equalled ZeRO-1's for every model larger than a bucket (Llama-3.1-8B,
+    8 ranks, micro-batch 1 x 512: 45.87 GiB both). ZeRO-2 never holds every 16-bit gradient."""
+    from vramlab import zero
+
+    kw = dict(micro_batch_size=1, seq_len=512)
+    z1 = zero.estimate_rank("llama-3.1-8b", 8, 1, **kw).total
+    z2 = zero.estimate_rank("llama-3.1-8b", 8, 2, **kw).total
+    assert z2 < 0.8 * z1
+    # and measured where the gradients dominate the peak (a micro-batch of 1 x 16 tokens); with
+    # larger activations ZeRO-2's partition buffer, allocated while they are alive, can put it above
+    # ZeRO-1 (opt_fp32_2r, llama_fp32_2r): the estimate follows both
+    run = json.loads((ZERO / "llama_grads_fp32_4r.json").read_text())
+    peak = {s: max(r["peak"]["step_peak"] for r in run["setups"][s]["per_rank"]) for s in ("1", "2")}
+    assert peak["2"] < 0.95 * peak["1"]
+    assert zero_row("llama_grads_fp32_4r", "2")["estimate"] < zero_row("llama_grads_fp32_4r", "1")["estimate"]
+    for name in ("opt_fp32_2r", "llama_fp32_2r"):
+        assert zero_row(name, "2")["measured"] > zero_row(name, "1")["measured"]
+        assert zero_row(name, "2")["estimate"] > zero_row(name, "1")["estimate"]
+
+
+def test_fsdp2_does_not_rise_from_one_rank_to_two():
+    """The finding: FSDP2's per-rank estimate rose from 1 to 2 ranks for mT5-small (the root unit counted
+    twice). Measured: it falls (mt5_fp32_1r -> 2r -> 4r), and so must the estimate."""
+    est = [zero_row(f"mt5_fp32_{n}r", "fsdp2")["estimate"] for n in (1, 2, 4)]
+    meas = [zero_row(f"mt5_fp32_{n}r", "fsdp2")["measured"] for n in (1, 2, 4)]
+    assert meas[0] > meas[1] > meas[2]
+    assert est[0] > est[1] > est[2]
+
+
+# ----------------------------------------------------------------------------- DDP, TP, PP
+
+def layout_runs() -> list[tuple[str, str, int, int]]:
+    """(case, schedule, micro-batches, rank) for every rank of every stored run."""
+    out = []
+    for path in sorted(LAYOUT.glob("*.json")):
+        run = json.loads(path.read_text())
+        for r in run["per_rank"]:
+            if "rows" in r:
+                out += [(path.stem, row["schedule"], row["micro_batches"], r["rank"]) for row in r["rows"]]
+            else:
+                out.append((path.stem, "", 1, r["rank"]))
+    return out
+
+
+def _layout_record(name: str, schedule: str, m: int, rank: int) -> tuple[dict, dict]:
+    run = json.loads((LAYOUT / f"{name}.json").read_text())
+    r = next(x for x in run["per_rank"] if x["rank"] == rank)
+    if "rows" in r:
+        r = next(row for row in r["rows"] if row["schedule"] == schedule and row["micro_batches"] == m)
+    return run, r
+
+
+def layout_estimate(name: str, schedule: str, m: int, rank: int):
+    """estimate_layout's breakdown for this rank's stage, configured as the run was (parlab's
+    `layout_estimate` reads the run's settings: model, layout, schedule, precision, recompute...)."""
+    from vramlab.parlab import layout_estimate as estimate
+
+    run, row = _layout_record(name, schedule, m, rank)
+    return estimate(run, row)
+
+
+def layout_row(name: str, schedule: str, m: int, rank: int) -> dict:
+    _, r = _layout_record(name, schedule, m, rank)
+    est = layout_estimate(name, schedule, m, rank)
+    measured = r["memory"]["peak"]
+    return {"estimate": est.total, "phase": est.phase, "measured": measured, "measured_phase": r["memory"]["peak_phase"],
+            "error": est.total / measured - 1}
+
+
+@pytest.mark.parametrize("name, schedule, m, rank", [pytest.param(*c, marks=_known(KNOWN_LAYOUT, c))
+                                                     for c in layout_runs()])
+def test_layout_rank_peak_within_the_gate(name, schedule, m, rank):
+    r = layout_row(name, schedule, m, rank)
+    assert -GATE <= r["error"] <= GATE, (
+        f"{name} {schedule} m={m} rank {rank}: estimate {r['estimate'] / 1e6:.2f} MB ({r['phase']}) vs measured "
+        f"{r['measured'] / 1e6:.2f} MB ({r['measured_phase']}): {100 * r['error']:+.1f} %")
+
+
+def _print_layout() -> None:
+    print(f"\n{'case':30} {'schedule':>11} {'m':>2} {'rank':>4} {'estimate MB':>12} {'measured MB':>12} {'error':>7}")
+    for name, schedule, m, rank in layout_runs():
+        r = layout_row(name, schedule, m, rank)
+        print(f"{name:30} {schedule:>11} {m:2} {rank:4} {r['estimate'] / 1e6:12.2f} {r['measured'] / 1e6:12.2f} "
+              f"{100 * r['error']:+6.1f}%  {r['phase']} / {r['measured_phase']}")
+
+
+# ----------------------------------------------------------------------------- the tables
+
+def _print_zero() -> None:
+    print(f"{'case':30} {'setup':>5} {'estimate MB':>12} {'measured MB':>12} {'error':>7}  estimate's phase / measured")
+    for name, setup in zero_cases():
+        r = zero_row(name, setup)
+        print(f"{name:30} {setup:>5} {r['estimate'] / 1e6:12.2f} {r['measured'] / 1e6:12.2f} "
+              f"{100 * r['error']:+6.1f}%  {r['phase']} / {r['measured_phase']}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT / "src"))
+    _print_zero()
+    _print_layout()
