@@ -68,14 +68,10 @@ def zero_row(name: str, setup: str) -> dict:
 
 # Known gaps, each named with its cause (strict: the test fails if a case comes back inside the gate,
 # so that this list cannot outlive the gap)
-KNOWN_ZERO = {
-    ("llama_fp32_4r", "2"): "chapter 1's estimate of a gated MLP's backward is ~5 MB above what the CPU holds "
-                            "(every stage of this model, ZeRO-0 included: +3 to +4 %), and ZeRO-2's bucket adds to it",
-}
+KNOWN_ZERO: dict = {}
 KNOWN_LAYOUT = {
     ("pp_neox_p4", "interleaved", 4, 1): "the interleaved schedule with m = p: the micro-batches in flight match "
                                          "torch's schedule exactly, the surplus (6 MB) is not yet located",
-    ("pp_llamagqa_p4", "interleaved", 4, 1): "as pp_neox_p4's",
 }
 
 

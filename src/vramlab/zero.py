@@ -402,8 +402,9 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
             phases.append(("gradients reduced into the partition", G + B + owned, 0, 0))
         else:
             # the partition buffer is allocated at the first bucket reduced: in the LM head's backward on
-            # the last rank (which owns the head and the last blocks), on every rank by the embedding's
-            # backward; a gradient larger than the bucket waits outside it until the next one flushes it
+            # the last rank (which owns the head and the last blocks), in the blocks' backward on the
+            # ranks that own blocks; a gradient larger than the bucket waits outside it until the next
+            # one flushes it
             last = partition_touches(spec, n)[-1] * pb
             big = max((x for x in _block_tensor_sizes(spec) if x > bucket), default=0) * pb
 
@@ -415,9 +416,17 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
                 if ph.phase.startswith("embedding"):
                     return B + owned
                 if "block" in ph.phase:
-                    return B + last + big
+                    return B + last + big + min(ph.gradients, head_grad)
                 return B + last + min(ph.gradients, head_grad)
             engine_phases(zero2)
+            # an earlier block: the later block's activations freed, every rank's buffer allocated
+            blk = next(ph for ph in steps if "block" in ph.phase)
+            one_block = _mem.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len,
+                                              precision=_ACT_PRECISION[recipe], attention=attention, device=device,
+                                              share=_mem.DeviceShare(blocks=(0, 1), first=False, last=False))["one_layer"]
+            at = next(i for i, x in enumerate(phases) if x[0] == blk.phase) + 1
+            phases.insert(at, ("backward of an earlier block", B + owned + big + min(blk.gradients, head_grad),
+                               max(blk.activations - one_block, 0), blk.temporaries))
         phases.append(("optimizer step", part * 4, 0, temps([part])))
     else:
         gatherable = psi - persistent_params(spec, persistence_threshold)
