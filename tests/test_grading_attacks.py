@@ -279,6 +279,21 @@ def ring_all_reduce(tensor, rank, world_size):
         req.wait()
 '''
 
+DDP_CALLS_C10D = """
+import torch
+import torch.distributed.distributed_c10d as c10d
+
+
+class BucketedDDP:  # averages every gradient through the C++ process group's module, behind dist's back
+    def __init__(self, model, bucket_bytes):
+        self.params = list(model.parameters())
+
+    def finish(self):
+        for p in self.params:
+            c10d.all_reduce(p.grad)
+            p.grad /= c10d.get_world_size()
+"""
+
 
 @pytest.mark.parametrize("lab, gid, code, test, reason", [
     (LAB, "ex1-solution", PATCH_THE_CHECKS, "ex1-test", "expected 124,439,808"),
@@ -288,8 +303,9 @@ def ring_all_reduce(tensor, rank, world_size):
     ("lab02_collectives", "ex3-solution", RING_CALLS_ALL_REDUCE, "ex3-test", "dist.all_reduce is not available"),
     ("lab02_collectives", "ex3-solution", RING_CALLS_C10D, "ex3-test", "sent 0 messages"),
     ("lab02_collectives", "ex3-solution", RING_FAKES_TRAFFIC, "ex3-test", "not the partial sum"),
+    ("lab03_parallelism", "ex3-solution", DDP_CALLS_C10D, "ex3-test", "made 0 all-reduces"),
 ], ids=["patch-checks-fake-transformers-hooks", "lying-int", "wrap-collectives", "wrap-precision",
-        "ring-calls-all_reduce", "ring-default-arg-c10d", "ring-fakes-traffic"])
+        "ring-calls-all_reduce", "ring-default-arg-c10d", "ring-fakes-traffic", "ddp-c10d-back-door"])
 def test_answers_cannot_reach_the_checks_or_the_package(lab, gid, code, test, reason):
     """Each attack earns its exercise nothing; the lab's other (correct) answers keep their points."""
     scores = _graded_with(lab, gid, code)

@@ -113,7 +113,10 @@ def _rank(rank, world, case, port, out):
 
 if __name__ == "__main__":
     world, case, port, out = int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    mp.spawn(_rank, args=(world, case, port, out), nprocs=world, join=True)
+    # forked ranks inherit the imported torch and start in about half the time of spawned ones (on
+    # Linux; macOS does not fork safely once torch is loaded)
+    mp.start_processes(_rank, args=(world, case, port, out), nprocs=world, join=True,
+                       start_method="fork" if sys.platform.startswith("linux") else "spawn")
 """
 
 # set by the grader (labs/sandbox.py): the command prefix that runs the ranks inside its sandbox
@@ -246,125 +249,679 @@ def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: flo
                 raise AssertionError(f"ring all-reduce on {world} ranks, {numel} elements: {problems[0]}.{hint}")
 
 
-# The tensor-parallel MLP: each rank gets the whole input and the whole weights (seeded here and in
-# the harness alike), must use its column slice of w1 and row slice of w2 (torch.tensor_split, the
-# rank's piece), and may call dist.all_reduce once; everything else collective raises. The rank logs
-# what it all-reduces; the caller recomputes every rank's partial product and the full layer itself.
-_TP_HARNESS = r"""
-import json, os, sys
-for _m in {blocked!r}:
+# ----------------------------------------------------------------------------- lab 3
+def _parse_orders(got: Any, p: int, m: int) -> list[list[tuple[str, int]]]:
+    """The answer's per-device orders as [[("F" | "B", micro-batch), ...], ...], or AssertionError."""
+    if not isinstance(got, (list, tuple)) or len(got) != p:
+        n = len(got) if isinstance(got, (list, tuple)) else None
+        raise AssertionError(f"p={p}, m={m}: return one list of operations per device ({p} lists), got "
+                             + (f"{n}" if n is not None else repr(got)[:80]))
+    orders = []
+    for d, order in enumerate(got):
+        if not isinstance(order, (list, tuple)):
+            raise AssertionError(f"p={p}, m={m}: device {d}'s operations must be a list, got {repr(order)[:80]}")
+        ops = []
+        for op in order:
+            if (not isinstance(op, (list, tuple)) or len(op) != 2 or op[0] not in ("F", "B")
+                    or type(op[1]) is not int or not 0 <= op[1] < m):
+                raise AssertionError(f"p={p}, m={m}: device {d} has the operation {repr(op)[:80]}; each operation "
+                                     f"is a pair (\"F\" or \"B\", micro-batch in 0..{m - 1})")
+            ops.append((str(op[0]), int(op[1])))
+        for kind in ("F", "B"):
+            seen = [i for k, i in ops if k == kind]
+            missing = sorted(set(range(m)) - set(seen))
+            twice = sorted({i for i in seen if seen.count(i) > 1})
+            if missing or twice:
+                name = "forward" if kind == "F" else "backward"
+                raise AssertionError(f"p={p}, m={m}: device {d} " + (f"never runs the {name} of micro-batch(es) "
+                                     f"{missing}" if missing else f"runs the {name} of micro-batch(es) {twice} twice")
+                                     + f": every device runs each micro-batch's forward and backward exactly once")
+        orders.append(ops)
+    return orders
+
+
+def _pipeline_needs(kind: str, i: int, d: int, p: int) -> tuple[str, int, int] | None:
+    """What an operation of device (stage) d waits for: a forward the previous stage's forward of the
+    same micro-batch; a backward the next stage's backward or, on the last stage, its own forward."""
+    if kind == "F":
+        return ("F", i, d - 1) if d > 0 else None
+    return ("B", i, d + 1) if d < p - 1 else ("F", i, d)
+
+
+def pipeline_replay(orders: list[list[tuple[str, int]]], *, tf: int = 1, tb: int = 2) -> dict:
+    """Replay per-device orders with a forward taking `tf`, a backward `tb` and free communication:
+    each operation starts when its device is free and what it needs is done. Returns {"end": the
+    step's makespan, "in_flight": per device the most micro-batches between their forward and their
+    backward} or {"stuck": [(device, operation, what it waits for), ...]} for a deadlock."""
+    p = len(orders)
+    done: dict[tuple[str, int, int], int] = {}
+    pos, free = [0] * p, [0] * p
+    while any(pos[d] < len(orders[d]) for d in range(p)):
+        progressed = False
+        for d in range(p):
+            if pos[d] < len(orders[d]):
+                kind, i = orders[d][pos[d]]
+                need = _pipeline_needs(kind, i, d, p)
+                if need is None or need in done:
+                    end = max(free[d], done[need] if need else 0) + (tf if kind == "F" else tb)
+                    done[(kind, i, d)] = free[d] = end
+                    pos[d] += 1
+                    progressed = True
+        if not progressed:
+            return {"stuck": [(d, orders[d][pos[d]], _pipeline_needs(*orders[d][pos[d]], d, p))
+                              for d in range(p) if pos[d] < len(orders[d])]}
+    in_flight = []
+    for order in orders:
+        held = peak = 0
+        for kind, _ in order:
+            held += 1 if kind == "F" else -1
+            peak = max(peak, held)
+        in_flight.append(peak)
+    return {"end": max(free), "in_flight": in_flight}
+
+
+def check_one_f_one_b(fn: Callable, *, cases=((2, 4), (4, 8))) -> None:
+    """`fn(p, m)` must return each pipeline device's order of operations, ("F" | "B", micro-batch),
+    that make a 1F1B schedule. Checked by replaying the orders here (forward 1, backward 2, free
+    sends): every operation exactly once, no deadlock, the step as short as GPipe's (the optimum,
+    (m + p - 1)(tf + tb)), and at most p - d micro-batches in flight on device d (GPipe holds m).
+    `cases` are (p, m)."""
+    tf, tb = 1, 2
+    for p, m in cases:
+        orders = _parse_orders(fn(p, m), p, m)
+        run = pipeline_replay(orders, tf=tf, tb=tb)
+        if "stuck" in run:
+            waits = "; ".join(f"device {d}'s next, {k} {i}, waits for {n[0]} {n[1]} on device {n[2]}"
+                              for d, (k, i), n in run["stuck"][:4])
+            raise AssertionError(f"p={p}, m={m}: the orders deadlock, no device can start its next operation ({waits})."
+                                 " A forward needs the previous stage's forward of its micro-batch; a backward "
+                                 "the next stage's backward (on the last stage, its own forward).")
+        for d, held in enumerate(run["in_flight"]):
+            if held > p - d:
+                raise AssertionError(
+                    f"p={p}, m={m}: device {d} holds the activations of {held} micro-batches at once (forwards run, "
+                    f"backwards not yet); 1F1B holds at most p - d = {p - d}: after {p - d - 1} warm-up forwards, "
+                    "alternate one forward and one backward" + (" (all forwards then all backwards is GPipe: it holds "
+                                                                "all m)" if held == m else ""))
+        best = (m + p - 1) * (tf + tb)
+        if run["end"] != best:
+            raise AssertionError(
+                f"p={p}, m={m}: with a forward taking 1 and a backward 2, your step takes {run['end']}; GPipe and 1F1B "
+                f"take (m + p - 1)(tf + tb) = {best}. Too few warm-up forwards leave the pipeline empty: device d "
+                f"runs min(p - d - 1, m) forwards before its first backward.")
+
+
+# Shared by the rank checks below (tensor parallelism, bucketed DDP, ZeRO-2): each rank runs the
+# answer's source with the answer packages unimportable, the allowed collectives logged at the call
+# (which one, in which phase of the step the harness was, async or not, the input's shape and values)
+# and every other collective raising. The caller recomputes every expected value itself.
+_COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+                "gather", "scatter", "all_gather_object", "broadcast_object_list", "gather_object",
+                "scatter_object_list", "all_reduce_coalesced", "all_gather_coalesced", "send", "recv", "isend",
+                "irecv", "batch_isend_irecv")
+
+_DIST_PRELUDE = r'''
+import gc, json, os, sys
+for _m in %BLOCKED%:
     sys.modules[_m] = None
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _LOG = []
-_real_all_reduce = dist.all_reduce
+_PHASE = ["setup"]
+_REAL = {}
+
+
+def _flat(t):
+    return t.detach().flatten().tolist()
 
 
 def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    _LOG.append([list(tensor.shape), tensor.detach().flatten().tolist(), str(op)])
-    return _real_all_reduce(tensor, op=op, group=group, async_op=async_op)
+    _LOG.append({"call": "all_reduce", "phase": _PHASE[0], "async": bool(async_op), "op": str(op),
+                 "shape": list(tensor.shape), "values": _flat(tensor)})
+    return _REAL["all_reduce"](tensor, op=op, group=group, async_op=async_op)
+
+
+def _reduce_scatter(name):
+    def collective(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        _LOG.append({"call": "reduce_scatter", "phase": _PHASE[0], "async": bool(async_op), "op": str(op),
+                     "shape": list(input.shape), "out_numel": output.numel(), "values": _flat(input)})
+        return _REAL[name](output, input, op=op, group=group, async_op=async_op)
+    return collective
 
 
 def _missing(name):
     def collective(*args, **kwargs):
-        raise RuntimeError(f"dist.{{name}} is not available here: the column- then row-parallel MLP needs one all-reduce")
+        raise RuntimeError(f"dist.{name} is not available here: " + %HINT%)
     return collective
 
 
-dist.all_reduce = _all_reduce
-for _name in ("reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-              "all_to_all", "all_to_all_single", "gather", "scatter", "all_gather_object", "broadcast_object_list",
-              "gather_object", "scatter_object_list", "all_reduce_coalesced", "send", "recv", "isend", "irecv",
-              "batch_isend_irecv"):
-    setattr(dist, _name, _missing(_name))
-
-{source}
-
-
-def _inputs(b, h, f):
-    g = torch.Generator().manual_seed(1234 + b + h + f)
-    return (torch.randn(b, h, generator=g, dtype=torch.float64), torch.randn(h, f, generator=g, dtype=torch.float64),
-            torch.randn(f, h, generator=g, dtype=torch.float64))
+for _name in %COLLECTIVES%:
+    if hasattr(dist, _name):
+        _REAL[_name] = getattr(dist, _name)
+        if _name not in %ALLOWED%:
+            setattr(dist, _name, _missing(_name))
+        elif _name == "all_reduce":
+            dist.all_reduce = _all_reduce
+        else:
+            setattr(dist, _name, _reduce_scatter(_name))
 
 
-def _case(case, rank, world):
-    x, w1, w2 = _inputs(*case)
-    y = {name}(x, w1, w2, rank, world)
-    return y.detach().tolist() if isinstance(y, torch.Tensor) else repr(y)[:200]
-"""
+def _tolist(x):
+    return x.detach().tolist() if isinstance(x, torch.Tensor) else None
 
 
-def _tp_expected(b: int, h: int, f: int, world: int):
-    """The inputs the harness draws, the unsplit layer and each rank's partial product (float64)."""
-    import torch
-
-    g = torch.Generator().manual_seed(1234 + b + h + f)
-    x = torch.randn(b, h, generator=g, dtype=torch.float64)
-    w1 = torch.randn(h, f, generator=g, dtype=torch.float64)
-    w2 = torch.randn(f, h, generator=g, dtype=torch.float64)
-    full = torch.nn.functional.gelu(x @ w1) @ w2
-    cols, rows = torch.tensor_split(w1, world, dim=1), torch.tensor_split(w2, world, dim=0)
-    partial = [torch.nn.functional.gelu(x @ c) @ r for c, r in zip(cols, rows)]
-    return full, partial
-
-
-def _tp_problem(report: Any, rank: int, full, partial) -> str | None:
-    import torch
-
-    if not isinstance(report, dict):
-        return "no result (the rank did not finish)"
-    if report.get("error"):
-        return f"raised {str(report['error'])[:300]}"
-    sent = report.get("log")
-    if not isinstance(sent, list) or len(sent) != 1:
-        n = len(sent) if isinstance(sent, list) else 0
-        return (f"called dist.all_reduce {n} times; the column- then row-parallel MLP needs exactly one, on the "
-                "row-parallel layer's partial output")
-    shape, values, op = sent[0]
-    mine = partial[rank]
-    if shape != list(mine.shape) or "SUM" not in str(op).upper():
-        return f"all-reduced a {shape} tensor ({op}); expected the {list(mine.shape)} partial output, summed"
-    got = torch.tensor(values, dtype=torch.float64).reshape(mine.shape)
-    if not torch.allclose(got, mine, rtol=1e-9, atol=1e-9):
-        return ("all-reduced something other than this rank's partial product gelu(x @ w1[:, my columns]) @ "
-                "w2[my rows, :] (columns and rows from torch.tensor_split of the hidden dimension, this rank's piece)")
-    result = report.get("result")
+def _answer(call):
+    """Run one call of the answer; what it raised, as text, for the report."""
     try:
-        y = torch.tensor(result, dtype=torch.float64)
-    except (TypeError, ValueError):
-        return f"returned {str(result)[:100]}, not a tensor"
-    if y.shape != full.shape or not torch.allclose(y, full, rtol=1e-9, atol=1e-9):
-        return "returned a tensor that differs from the unsplit layer gelu(x @ w1) @ w2"
-    return None
+        return call(), None
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}"[:300]
+'''
 
 
-def check_tp_mlp(fn: Callable, *, cases=((2, 3, 8, 16),), timeout: float = 60.0) -> None:
-    """Run the student's `fn(x, w1, w2, rank, world_size)` on real gloo process groups and check, on
-    every rank, the result against the unsplit layer gelu(x @ w1) @ w2 and the one all-reduce against
-    that rank's partial product (computed here). `cases` are (ranks, batch, hidden, MLP width)."""
+def _harness(body: str, *, allowed: tuple[str, ...], hint: str, source: str) -> str:
+    prelude = (_DIST_PRELUDE.replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%COLLECTIVES%", repr(_COLLECTIVES))
+               .replace("%ALLOWED%", repr(allowed)).replace("%HINT%", repr(hint)))
+    return prelude + "\n" + source + "\n\n" + body + _HARNESS_RANKS
+
+
+def _cell_source(*objs: Any) -> str:
+    """The source to run on the ranks: the answer cell the grader hands over (`__vramlab_source__`);
+    in the student's own kernel, the whole cell that defined each function or class (its helpers and
+    imports with it), else the object's own source."""
+    import inspect
+    import linecache
+    import textwrap
+
+    parts: list[str] = []
+    for obj in objs:
+        name = getattr(obj, "__name__", None)
+        if not isinstance(name, str) or not name.isidentifier():
+            raise AssertionError("pass the function or class itself")
+        source = getattr(obj, "__vramlab_source__", None)
+        if not isinstance(source, str):
+            funcs = [obj] if not isinstance(obj, type) else [getattr(v, "__func__", v) for v in vars(obj).values()]
+            code = next((f.__code__ for f in funcs if hasattr(f, "__code__")), None)
+            cell = code.co_filename if code else ""
+            if "ipykernel_" in cell or cell.startswith("<ipython-input"):  # a notebook cell: all of it
+                source = "".join(linecache.getlines(cell))
+            else:
+                try:
+                    source = textwrap.dedent(inspect.getsource(obj))
+                except (OSError, TypeError):
+                    source = ""
+            if not source:
+                raise AssertionError(f"cannot read the source of {name}: define it in a notebook cell or a file")
+        if source not in parts:
+            parts.append(source)
+    return "\n\n".join(parts)
+
+
+def _run_cases(script: str, world: int, case: Any, *, tmp: str, timeout: float, what: str) -> list:
+    """Run a harness on `world` gloo ranks; each rank's report (or None, or {"error": ...})."""
     import json
-    import tempfile
 
     from .commbench import free_port
 
-    source, name = _answer_source(fn)
+    out = f"{tmp}/case-{world}-{abs(hash(json.dumps(case))) % 10**8}"
+    err = _run_ranks(script, [str(world), json.dumps(case), str(free_port()), out], cwd=tmp, timeout=timeout,
+                     on_timeout=f"{what} on {world} ranks: no answer within {timeout:.0f} s (a rank waits for a "
+                                "collective another never calls, or for a handle it never waits on?)")
+    return [_rank_report(f"{out}.{rank}", err) for rank in range(world)]
+
+
+def _rank_problem(report: Any) -> str | None:
+    if not isinstance(report, dict):
+        return "did not finish"
+    if report.get("error"):
+        return f"raised {str(report['error'])[:300]}"
+    return None
+
+
+def _tensor(values: Any, like) -> Any:
+    """The answer's values as a tensor shaped like `like`, or None if they do not fit."""
+    import torch
+
+    try:
+        t = torch.tensor(values, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return t.reshape(like.shape) if t.numel() == like.numel() and t.dim() in (1, like.dim()) else None
+
+
+def _tclose(got, want) -> bool:
+    import torch
+
+    return got is not None and torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+# Tensor parallelism (Megatron-LM's MLP, Shoeybi+19 §3): the answer's f (identity forward, all-reduce
+# backward) and g (all-reduce forward, identity backward) as autograd Functions, each alone, then the
+# column- then row-parallel MLP built with them: each rank gets the whole input x (b, s, h) and its own
+# shards of w1 (h, f; columns) and w2 (f, h; rows), seeded here and in the harness alike; the harness
+# back-propagates a fixed gradient dy. Only all_reduce is available, logged with the phase it ran in.
+_TP_BODY = r'''
+def _draw(b, s, h, f, rank):
+    g = torch.Generator().manual_seed(1234 + 7 * b + 5 * s + 3 * h + f)
+    x, w1, w2, dy = (torch.randn(*shape, generator=g, dtype=torch.float64)
+                     for shape in ((b, s, h), (h, f), (f, h), (b, s, h)))
+    mine = torch.Generator().manual_seed(99 + rank)
+    t, u = (torch.randn(b, s, h, generator=mine, dtype=torch.float64) for _ in range(2))
+    return x, w1, w2, dy, t, u
+
+
+def _case(case, rank, world):
+    b, s, h, f = case
+    x, w1, w2, dy, t, u = _draw(b, s, h, f, rank)
+    out = {}
+    # f alone: the input is the same on every rank, the gradient arriving from above differs (u)
+    _PHASE[0] = "f forward"
+    a = x.clone().requires_grad_()
+    y, out["f_error"] = _answer(lambda: %F%.apply(a))
+    out["f_forward"] = _tolist(y)
+    if isinstance(y, torch.Tensor) and y.requires_grad:
+        _PHASE[0] = "f backward"
+        _, out["f_error"] = _answer(lambda: y.backward(u.clone()))
+    out["f_backward"] = _tolist(a.grad)
+    # g alone: each rank's partial sum t, summed; the gradient from above is the same on every rank (dy)
+    _PHASE[0] = "g forward"
+    c = t.clone().requires_grad_()
+    y, out["g_error"] = _answer(lambda: %G%.apply(c))
+    out["g_forward"] = _tolist(y)
+    if isinstance(y, torch.Tensor) and y.requires_grad:
+        _PHASE[0] = "g backward"
+        _, out["g_error"] = _answer(lambda: y.backward(dy.clone()))
+    out["g_backward"] = _tolist(c.grad)
+    # the MLP
+    _PHASE[0] = "mlp forward"
+    xs = x.clone().requires_grad_()
+    w1s = torch.tensor_split(w1, world, dim=1)[rank].clone().requires_grad_()
+    w2s = torch.tensor_split(w2, world, dim=0)[rank].clone().requires_grad_()
+    y = %NAME%(xs, w1s, w2s)
+    out["y"] = _tolist(y)
+    _PHASE[0] = "mlp backward"
+    if isinstance(y, torch.Tensor) and y.requires_grad:
+        y.backward(dy)
+    _PHASE[0] = "done"
+    out.update(dx=_tolist(xs.grad), dw1=_tolist(w1s.grad), dw2=_tolist(w2s.grad))
+    return out
+'''
+
+
+def _tp_reference(b: int, s: int, h: int, f: int, world: int) -> dict:
+    """What every rank should see, computed here: the harness's draws, the unsplit MLP and its
+    gradients, and each rank's partial output and partial input gradient (float64)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234 + 7 * b + 5 * s + 3 * h + f)
+    x, w1, w2, dy = (torch.randn(*shape, generator=g, dtype=torch.float64)
+                     for shape in ((b, s, h), (h, f), (f, h), (b, s, h)))
+    tu = []
+    for rank in range(world):
+        mine = torch.Generator().manual_seed(99 + rank)
+        tu.append(tuple(torch.randn(b, s, h, generator=mine, dtype=torch.float64) for _ in range(2)))
+    ranks = []
+    for c, r in zip(torch.tensor_split(w1, world, dim=1), torch.tensor_split(w2, world, dim=0)):
+        xs, c, r = x.clone().requires_grad_(), c.clone().requires_grad_(), r.clone().requires_grad_()
+        y = torch.nn.functional.gelu(xs @ c) @ r
+        y.backward(dy)
+        ranks.append({"partial": y.detach(), "partial_dx": xs.grad, "dw1": c.grad, "dw2": r.grad})
+    return {"x": x, "dy": dy, "t": [t for t, _ in tu], "u": [u for _, u in tu],
+            "y": sum(r["partial"] for r in ranks), "dx": sum(r["partial_dx"] for r in ranks), "ranks": ranks}
+
+
+def _tp_calls(log: Any, phase: str) -> list:
+    return [c for c in log if isinstance(c, dict) and c.get("phase") == phase] if isinstance(log, list) else []
+
+
+def _tp_rank_problem(report: Any, rank: int, ref: dict, names: tuple[str, str]) -> str | None:
+    """What is wrong on one rank: f and g alone (results and communication), then the MLP."""
+    why = _rank_problem(report)
+    if why:
+        return why
+    res, log = report.get("result") or {}, report.get("log")
+    f, g = names
+    shape = list(ref["x"].shape)
+    # f: identity forward, all-reduce backward
+    if res.get("f_error"):
+        return f"{f} raised {res['f_error']}"
+    if _tp_calls(log, "f forward"):
+        return (f"{f}.forward communicated; f is the identity in the forward (every rank already holds the whole "
+                "input) and all-reduces only in the backward")
+    if not _tclose(_tensor(res.get("f_forward"), ref["x"]), ref["x"]):
+        return f"{f}.forward changed its input; f is the identity in the forward"
+    calls = _tp_calls(log, "f backward")
+    if len(calls) != 1:
+        return (f"{f}.backward called dist.all_reduce {len(calls)} times; it must sum the input's gradient over the "
+                "ranks exactly once (each rank's gradient holds only its own columns' contribution)")
+    if not _tclose(_tensor(res.get("f_backward"), ref["x"]), sum(ref["u"])):
+        return f"{f}.backward must return the gradient summed over the ranks (dist.all_reduce, SUM)"
+    # g: all-reduce forward, identity backward
+    if res.get("g_error"):
+        return f"{g} raised {res['g_error']}"
+    calls = _tp_calls(log, "g forward")
+    if len(calls) != 1:
+        return (f"{g}.forward called dist.all_reduce {len(calls)} times; g sums the ranks' partial outputs with "
+                "exactly one all-reduce")
+    if not _tclose(_tensor(res.get("g_forward"), ref["x"]), sum(ref["t"])):
+        return f"{g}.forward must return the sum of every rank's input (dist.all_reduce of a copy, SUM)"
+    if _tp_calls(log, "g backward"):
+        return (f"{g}.backward communicated; the output's gradient is already the same on every rank, so g's "
+                "backward is the identity (an all-reduce would multiply it by the number of ranks)")
+    if not _tclose(_tensor(res.get("g_backward"), ref["x"]), ref["dy"]):
+        return f"{g}.backward must return the output's gradient unchanged"
+    # the MLP: one all-reduce of the partial output in the forward, one of the input's partial gradient in the backward
+    mine = ref["ranks"][rank]
+    for phase, want, what, fix in (
+            ("mlp forward", mine["partial"], "this rank's partial output gelu(x @ w1_shard) @ w2_shard",
+             "apply g to the row-parallel product"),
+            ("mlp backward", mine["partial_dx"], "this rank's partial gradient of the input",
+             "apply f to the input before the column-parallel matmul")):
+        calls = _tp_calls(log, phase)
+        if len(calls) != 1:
+            return (f"made {len(calls)} all-reduces in the MLP's {phase.split()[1]}; Megatron's MLP makes exactly one, "
+                    f"of {what} ({'x'.join(map(str, shape))} values): {fix}")
+        got = calls[0]
+        if got.get("shape") != shape or "SUM" not in str(got.get("op")).upper():
+            return (f"all-reduced a {got.get('shape')} tensor ({got.get('op')}) in the MLP's {phase.split()[1]}; "
+                    f"expected {what}, {shape}, summed")
+        if not _tclose(_tensor(got.get("values"), want), want):
+            return f"all-reduced something other than {what} in the MLP's {phase.split()[1]}"
+    for key, want, what in (("y", ref["y"], "the output"), ("dx", ref["dx"], "the input's gradient"),
+                            ("dw1", mine["dw1"], "the gradient of this rank's w1 columns"),
+                            ("dw2", mine["dw2"], "the gradient of this rank's w2 rows")):
+        if not _tclose(_tensor(res.get(key), want), want):
+            return f"{what} differs from the unsplit MLP's (computed here on one process)"
+    return None
+
+
+def check_tp_mlp(fn: Callable, f_op: Any, g_op: Any, *, cases=((2, 2, 3, 8, 16),), timeout: float = 120.0) -> None:
+    """Run the student's Megatron operators f (`f_op`: identity forward, all-reduce backward) and g
+    (`g_op`: all-reduce forward, identity backward), then `fn(x, w1_shard, w2_shard)` (the column- then
+    row-parallel MLP built with them) on real gloo process groups, and check on every rank: f and g
+    alone, the MLP's output, the input's gradient and the rank's weight-shard gradients against one
+    process (computed here), and the traffic: exactly one all-reduce in the forward, of the rank's
+    partial output, and one in the backward, of its partial input gradient. `cases` are (ranks,
+    batch, sequence, hidden, MLP width)."""
+    import tempfile
+
+    source = _cell_source(fn, f_op, g_op)
+    names = (f_op.__name__, g_op.__name__)
+    body = _TP_BODY.replace("%F%", names[0]).replace("%G%", names[1]).replace("%NAME%", fn.__name__)
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/tp_check.py"
         with open(path, "w") as fh:
-            fh.write(_TP_HARNESS.format(source=source, name=name, blocked=ANSWER_PACKAGES) + _HARNESS_RANKS)
-        for i, (world, b, h, f) in enumerate(cases):
-            out = f"{tmp}/case{i}"
-            err = _run_ranks(path, [str(world), json.dumps([b, h, f]), str(free_port()), out], cwd=tmp,
-                             timeout=timeout, on_timeout=f"{world} ranks: no answer within {timeout:.0f} s (a rank "
-                             "waits for a collective another never calls?)")
-            full, partial = _tp_expected(b, h, f, world)
-            for rank in range(world):
-                why = _tp_problem(_rank_report(f"{out}.{rank}", err), rank, full, partial)
+            fh.write(_harness(body, allowed=("all_reduce",), source=source,
+                              hint="Megatron's f and g need only dist.all_reduce"))
+        for world, b, s, h, f in cases:
+            reports = _run_cases(path, world, [b, s, h, f], tmp=tmp, timeout=timeout, what="the tensor-parallel MLP")
+            ref = _tp_reference(b, s, h, f, world)
+            for rank, report in enumerate(reports):
+                why = _tp_rank_problem(report, rank, ref, names)
                 if why:
-                    raise AssertionError(f"tensor-parallel MLP on {world} ranks (hidden {h}, width {f}): rank {rank} "
-                                         f"{why}.")
+                    raise AssertionError(f"tensor-parallel MLP on {world} ranks (x {b}x{s}x{h}, width {f}): "
+                                         f"rank {rank} {why}.")
+
+
+# Data parallelism with bucketed, overlapped all-reduce (PyTorch DDP, Li+20; CS336's assignment 2):
+# a small MLP (float64, the same on every rank), each rank its slice of the batch. The harness's own
+# post-accumulate-grad hooks, registered before the answer's, log when each gradient is ready; the
+# answer's all-reduces are logged with the phase (backward, or after it in finish()). The caller builds
+# the buckets itself from the parameter sizes and the cap, and computes each rank's local gradients and
+# one process's gradients on the whole batch.
+DDP_DIMS = (8, 16, 16, 4)  # Linear(8, 16), Tanh, Linear(16, 16), Tanh, Linear(16, 4)
+DDP_BATCH, DDP_LR, DDP_STEPS = 12, 0.1, 2
+
+_MLP_SETUP = r'''
+DIMS, BATCH, LR, STEPS = %DIMS%, %BATCH%, %LR%, %STEPS%
+
+
+def _model():
+    layers = []
+    g = torch.Generator().manual_seed(11)
+    for k, (i, o) in enumerate(zip(DIMS[:-1], DIMS[1:])):
+        lin = torch.nn.Linear(i, o, dtype=torch.float64, device="meta").to_empty(device="cpu")
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(o, i, generator=g, dtype=torch.float64) * 0.4)
+            lin.bias.copy_(torch.randn(o, generator=g, dtype=torch.float64) * 0.1)
+        layers += [lin, torch.nn.Tanh()] if k < len(DIMS) - 2 else [lin]
+    return torch.nn.Sequential(*layers)
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(500 + step)
+    return (torch.randn(BATCH, DIMS[0], generator=g, dtype=torch.float64),
+            torch.randn(BATCH, DIMS[-1], generator=g, dtype=torch.float64))
+
+
+def _held(params, but=None):
+    return [j for j, q in enumerate(params) if j != but and q.grad is not None]
+'''
+
+_DDP_BODY = r'''
+def _one(cap, rank, world):
+    model = _model()
+    params = list(model.parameters())
+    for k, p in enumerate(params):  # before the answer's hooks: runs first, when p's gradient is ready
+        p.register_post_accumulate_grad_hook(lambda p, k=k: _LOG.append({"ready": k}))
+    _PHASE[0] = "init"
+    ddp = %NAME%(model, cap)
+    steps = []
+    for step in range(STEPS):
+        for p in params:
+            p.grad = None
+        _LOG.append({"step": step, "cap": cap})
+        x, y = _batch(step)
+        _PHASE[0] = "forward"
+        loss = ((model(x.tensor_split(world)[rank]) - y.tensor_split(world)[rank]) ** 2).mean()
+        _PHASE[0] = "backward"
+        loss.backward()
+        _PHASE[0] = "finish"
+        ddp.finish()
+        _PHASE[0] = "optimizer"
+        steps.append([_tolist(p.grad) for p in params])
+        if any(p.grad is None for p in params):
+            break
+        with torch.no_grad():
+            for p in params:
+                p -= LR * p.grad
+    return steps
+
+
+def _case(caps, rank, world):
+    return [_one(cap, rank, world) for cap in caps]
+'''
+
+
+def _mlp_body(body: str, name: str) -> str:
+    """The MLP harness's setup, then `body` calling the answer's class `name`."""
+    return (_MLP_SETUP.replace("%DIMS%", repr(DDP_DIMS)).replace("%BATCH%", str(DDP_BATCH))
+            .replace("%LR%", repr(DDP_LR)).replace("%STEPS%", str(DDP_STEPS)) + body.replace("%NAME%", name))
+
+
+def _mlp_reference(world: int, steps: int, *, update: bool) -> dict:
+    """The harness's MLP computed here with plain tensors: per step, one process's gradients on the
+    whole batch (the mean loss) and each rank's own gradients on its slice; parameters updated with
+    SGD (lr DDP_LR) on one process's gradients if `update`."""
+    import torch
+
+    g = torch.Generator().manual_seed(11)
+    params, names = [], []
+    for k, (i, o) in enumerate(zip(DDP_DIMS[:-1], DDP_DIMS[1:])):
+        params += [torch.randn(o, i, generator=g, dtype=torch.float64) * 0.4,
+                   torch.randn(o, generator=g, dtype=torch.float64) * 0.1]
+        names += [f"{2 * k}.weight", f"{2 * k}.bias"]
+
+    def grads(ps, x, y):
+        ps = [p.clone().requires_grad_() for p in ps]
+        h = x
+        for k in range(0, len(ps), 2):
+            h = h @ ps[k].T + ps[k + 1]
+            if k < len(ps) - 2:
+                h = torch.tanh(h)
+        ((h - y) ** 2).mean().backward()
+        return [p.grad for p in ps]
+
+    out = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(500 + step)
+        x = torch.randn(DDP_BATCH, DDP_DIMS[0], generator=gen, dtype=torch.float64)
+        y = torch.randn(DDP_BATCH, DDP_DIMS[-1], generator=gen, dtype=torch.float64)
+        whole = grads(params, x, y)
+        local = [grads(params, xs, ys) for xs, ys in zip(x.tensor_split(world), y.tensor_split(world))]
+        out.append({"whole": whole, "local": local})
+        if update:
+            params = [p - DDP_LR * gr for p, gr in zip(params, whole)]
+    return {"names": names, "sizes": [p.numel() for p in params], "steps": out}
+
+
+def grad_buckets(numels: list[int], cap_bytes: int, *, bytes_per_value: int = 8) -> list[list[int]]:
+    """Parameter indices by bucket: the parameters in reverse order, each added to the current bucket
+    unless that would take it past `cap_bytes` (then the bucket closes first); a parameter larger than
+    the cap is a bucket of its own."""
+    buckets: list[list[int]] = []
+    size = 0
+    for k in reversed(range(len(numels))):
+        nbytes = numels[k] * bytes_per_value
+        if buckets and buckets[-1] and size + nbytes > cap_bytes:
+            buckets.append([])
+            size = 0
+        if not buckets:
+            buckets.append([])
+        buckets[-1].append(k)
+        size += nbytes
+    return buckets
+
+
+def _split_steps(log: list) -> list[list]:
+    """The log's events, step by step (each step opens with {"step": k}); what came before, first."""
+    out: list[list] = [[]]
+    for event in log if isinstance(log, list) else []:
+        if isinstance(event, dict) and "step" in event:
+            out.append([])
+        else:
+            out[-1].append(event)
+    return out
+
+
+def _bucket_values(local: list, bucket: list[int], pad_to: int = 0):
+    import torch
+
+    flat = torch.cat([local[k].flatten() for k in bucket])
+    return torch.cat([flat, flat.new_zeros(pad_to - flat.numel())]) if pad_to > flat.numel() else flat
+
+
+def _launch_problem(events: list, call_at: int, bucket: list[int], names: list[str]) -> str | None:
+    """A bucket's collective must come after all its gradients are ready and before any other gradient
+    becomes ready: launched from the hook of its last gradient."""
+    ready = {e["ready"]: i for i, e in enumerate(events) if isinstance(e, dict) and "ready" in e}
+    shown = [names[k] for k in bucket]
+    if any(k not in ready or ready[k] > call_at for k in bucket):
+        return f"launched the bucket {shown} before all its gradients were ready"
+    last = max(ready[k] for k in bucket)
+    later = [k for k, i in ready.items() if last < i < call_at]
+    if later:
+        return (f"launched the bucket {shown} only after the gradient of {names[later[0]]} had become ready too: "
+                "launch a bucket from the hook of its last gradient, so that it travels while the backward goes on")
+    return None
+
+
+def _ddp_step_problem(events: list, local: list, whole: list, got: Any, buckets: list[list[int]], names: list[str],
+                      world: int, cap: int) -> str | None:
+    import torch
+
+    calls = [(i, e) for i, e in enumerate(events) if isinstance(e, dict) and e.get("call") == "all_reduce"]
+    sizes = sorted(sum(local[k].numel() for k in b) for b in buckets)
+    got_sizes = sorted(len(e.get("values") or []) for _, e in calls)
+    if got_sizes != sizes:
+        return (f"made {len(calls)} all-reduces of {got_sizes} values; with a cap of {cap} bytes the parameters, in "
+                f"reverse order of model.parameters() (float64: 8 bytes a value), fill {len(buckets)} buckets of "
+                f"{sizes} values: add each parameter to the current bucket, and close the bucket first if it would "
+                "go past the cap (a parameter larger than the cap is a bucket of its own); one all-reduce a bucket")
+    for bucket in buckets:
+        want = _bucket_values(local, bucket)
+        match = None
+        for i, e in calls:
+            vals = torch.tensor(e.get("values") or [], dtype=torch.float64)
+            if vals.numel() == want.numel() and any(torch.allclose(vals.sort().values, (want * s).sort().values,
+                                                                   rtol=1e-9, atol=1e-12) for s in (1, 1 / world)):
+                match = (i, e)
+                break
+        shown = [names[k] for k in bucket]
+        if match is None:
+            return (f"no all-reduce carried the bucket {shown}: this rank's gradients of those parameters, flattened "
+                    "into one tensor")
+        i, e = match
+        if "SUM" not in str(e.get("op")).upper():
+            return f"all-reduced with {e.get('op')}: sum (then divide by the number of ranks)"
+        if e.get("phase") != "backward" or not e.get("async"):
+            return (f"launched the all-reduce of the bucket {shown} " + ("after loss.backward() returned (in "
+                    f"{e.get('phase')})" if e.get("phase") != "backward" else "without async_op=True, so the backward "
+                    "waited for it") + ": DDP overlaps communication with the backward; launch each bucket with "
+                    "async_op=True from the hook of its last gradient, and let finish() only wait")
+        why = _launch_problem(events, i, bucket, names)
+        if why:
+            return why
+    if not isinstance(got, list) or len(got) != len(whole):
+        return "left no gradients in p.grad after finish()"
+    for k, want in enumerate(whole):
+        if not _tclose(_tensor(got[k], want), want):
+            return (f"after finish() the gradient of {names[k]} differs from one process's on the whole batch: write "
+                    "the sum over the ranks divided by their number back into p.grad")
+    return None
+
+
+def check_bucketed_ddp(cls: Any, *, cases=((2, 1000), (2, 10**6)), timeout: float = 120.0) -> None:
+    """Run the student's bucketed DDP, `cls(model, bucket_bytes)` whose `finish()` ends a step, on real
+    gloo process groups for two SGD steps of a small float64 MLP, each rank on its slice of the batch,
+    and check on every rank: the gradients in p.grad after finish() equal one process's on the whole
+    batch; one all-reduce per bucket, the buckets as computed here from the parameter sizes and the
+    cap, each carrying the rank's own gradients; every all-reduce launched asynchronously during the
+    backward, from the hook of the bucket's last gradient. `cases` are (ranks, cap in bytes)."""
+    import tempfile
+
+    source = _cell_source(cls)
+    body = _mlp_body(_DDP_BODY, cls.__name__)
+    by_world: dict[int, list[int]] = {}
+    for world, cap in cases:
+        by_world.setdefault(world, []).append(cap)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/ddp_check.py"
+        with open(path, "w") as fh:
+            fh.write(_harness(body, allowed=("all_reduce",), source=source,
+                              hint="DDP all-reduces each bucket with dist.all_reduce(flat, async_op=True)"))
+        for world, caps in by_world.items():
+            reports = _run_cases(path, world, caps, tmp=tmp, timeout=timeout, what="bucketed DDP")
+            ref = _mlp_reference(world, DDP_STEPS, update=True)
+            for rank, report in enumerate(reports):
+                why = _rank_problem(report)
+                per_step = _split_steps(report.get("log") if isinstance(report, dict) else None)
+                early = [e for e in per_step[0] if isinstance(e, dict) and "call" in e]
+                if not why and early:
+                    why = "called all_reduce before the first backward (the parameters start equal on every rank)"
+                results = report.get("result") if isinstance(report, dict) else None
+                k = 1
+                for c, cap in enumerate(caps):
+                    if why:
+                        break
+                    buckets = grad_buckets(ref["sizes"], cap)
+                    got = results[c] if isinstance(results, list) and c < len(results) else []
+                    for step in range(DDP_STEPS):
+                        where = f" (cap {cap} bytes, step {step + 1})"
+                        events = per_step[k] if k < len(per_step) else []
+                        k += 1
+                        s = ref["steps"][step]
+                        why = _ddp_step_problem(events, s["local"][rank], s["whole"],
+                                                got[step] if isinstance(got, list) and step < len(got) else None,
+                                                buckets, ref["names"], world, cap)
+                        if why:
+                            why += where
+                            break
+                if why:
+                    raise AssertionError(f"bucketed DDP on {world} ranks: rank {rank} {why}.")
 
 
 # ZeRO-1: every rank holds the whole flat parameter vector and computes its own gradients (drawn here
@@ -502,6 +1059,186 @@ def check_zero1(fn: Callable, *, cases=((2, 64, 3),), timeout: float = 60.0) -> 
                 why = _zero1_problem(_rank_report(f"{out}.{rank}", err), numel, world, expected)
                 if why:
                     raise AssertionError(f"ZeRO-1 step on {world} ranks, {numel} parameters: rank {rank} {why}.")
+
+
+# ZeRO-2's backward (Rajbhandari+20 §5.2): the same MLP as the bucketed DDP check; the harness's own
+# hooks log, when each gradient is ready, which other parameters still hold a gradient; after the
+# backward and after finish() it logs them again and counts the bytes of every live tensor that is
+# neither a parameter, the batch, nor a shard finish() returned. Only reduce_scatter_tensor (named
+# reduce_scatter_single from torch 2.13) is available, logged like the all-reduces above.
+_ZERO2_BODY = r'''
+def _extra_bytes(keep):
+    """Bytes of the live tensors' storages other than those of `keep` (gc finds every tensor object)."""
+    gc.collect()
+    known = {t.untyped_storage().data_ptr() for t in keep}
+    seen, total = set(), 0
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and not o.is_meta:
+            try:
+                st = o.untyped_storage()
+            except Exception:
+                continue
+            ptr = st.data_ptr()
+            if ptr and ptr not in known and ptr not in seen:
+                seen.add(ptr)
+                total += st.nbytes()
+    return total
+
+
+def _one(cap, rank, world):
+    model = _model()
+    params = list(model.parameters())
+    for k, p in enumerate(params):  # before the answer's hooks: runs first, when p's gradient is ready
+        p.register_post_accumulate_grad_hook(lambda p, k=k: _LOG.append({"ready": k, "held": _held(params, k)}))
+    base = _extra_bytes(params)  # what earlier cases left alive (hooks make cycles gc cannot see)
+    _PHASE[0] = "init"
+    zero = %NAME%(model, cap)
+    steps = []
+    for step in range(STEPS):
+        for p in params:
+            p.grad = None
+        _LOG.append({"step": step, "cap": cap})
+        x, y = _batch(step)
+        _PHASE[0] = "forward"
+        loss = ((model(x.tensor_split(world)[rank]) - y.tensor_split(world)[rank]) ** 2).mean()
+        _PHASE[0] = "backward"
+        loss.backward()
+        _PHASE[0] = "finish"
+        after_backward = _held(params)
+        shards = zero.finish()
+        _PHASE[0] = "after"
+        shards = list(shards) if isinstance(shards, (list, tuple)) else shards
+        mine = [t for t in shards if isinstance(t, torch.Tensor)] if isinstance(shards, list) else []
+        steps.append({"shards": [_tolist(t) for t in shards] if isinstance(shards, list) else repr(shards)[:100],
+                      "after_backward": after_backward, "after_finish": _held(params),
+                      "extra_bytes": _extra_bytes([*params, x, y, loss, *mine]) - base})
+        del loss, shards, mine
+    return steps
+
+
+def _case(caps, rank, world):
+    return [_one(cap, rank, world) for cap in caps]
+'''
+
+
+def _zero2_step_problem(events: list, got: Any, local: list, whole: list, buckets: list[list[int]], names: list[str],
+                        world: int, cap: int, rank: int) -> str | None:
+    import torch
+
+    calls = [(i, e) for i, e in enumerate(events) if isinstance(e, dict) and e.get("call") == "reduce_scatter"]
+    numels = [sum(local[k].numel() for k in b) for b in buckets]
+    chunk = [-(-n // world) for n in numels]
+    if len(calls) != len(buckets):
+        return (f"made {len(calls)} reduce-scatters; with a cap of {cap} bytes the parameters, in reverse order of "
+                f"model.parameters() (float64: 8 bytes a value), fill {len(buckets)} buckets of {numels} values: "
+                "one reduce-scatter a bucket")
+    for b, (bucket, (i, e)) in enumerate(zip(buckets, calls)):
+        shown = [names[k] for k in bucket]
+        want = _bucket_values(local, bucket, pad_to=world * chunk[b])
+        vals = torch.tensor(e.get("values") or [], dtype=torch.float64)
+        if e.get("out_numel") != chunk[b] or vals.numel() != want.numel():
+            return (f"reduce-scattered {vals.numel()} values into {e.get('out_numel')} for bucket {b + 1} ({shown}, "
+                    f"{numels[b]} values); pad the bucket's flat gradient with zeros to a multiple of {world} "
+                    f"({world * chunk[b]}) and keep ceil(n / N) = {chunk[b]}")
+        if not any(torch.allclose(vals, want * s, rtol=1e-9, atol=1e-12) for s in (1, 1 / world)):
+            return (f"reduce-scattered something other than this rank's gradients of bucket {b + 1} ({shown}), "
+                    "concatenated in the order the bucket was filled (reverse order of model.parameters()), "
+                    "zero-padded at the end")
+        if "SUM" not in str(e.get("op")).upper():
+            return f"reduce-scattered with {e.get('op')}: sum (then divide by the number of ranks)"
+        if e.get("phase") != "backward" or not e.get("async"):
+            return (f"launched the reduce-scatter of bucket {b + 1} " + ("after loss.backward() returned (in "
+                    f"{e.get('phase')})" if e.get("phase") != "backward" else "without async_op=True, so the backward "
+                    "waited for it") + ": launch each bucket with async_op=True from the hook of its last gradient, "
+                    "so that it travels while the backward goes on and its gradients can be freed at once")
+        why = _launch_problem(events, i, bucket, names)
+        if why:
+            return why
+    bucket_of = {k: b for b, bucket in enumerate(buckets) for k in bucket}
+    ready_so_far: set[int] = set()
+    for e in events:
+        if isinstance(e, dict) and "ready" in e:
+            done = {b for b, bucket in enumerate(buckets) if set(bucket) <= ready_so_far}
+            stale = [j for j in e.get("held") or [] if isinstance(j, int) and bucket_of.get(j) in done]
+            if stale:
+                return (f"still held the gradient of {names[stale[0]]} when {names[e['ready']]}'s became ready, though "
+                        "its bucket had been launched: free a bucket's gradients (p.grad = None) as soon as its "
+                        "reduce-scatter is launched, so that no rank ever holds all the gradients")
+            ready_so_far.add(e["ready"])
+    if not isinstance(got, dict):
+        return "did not finish the step"
+    for when in ("after_backward", "after_finish"):
+        if got.get(when):
+            return (f"still holds the gradients of {[names[j] for j in got[when] if isinstance(j, int)][:4]} in p.grad "
+                    f"{when.replace('_', ' ')}(): ZeRO-2 frees every gradient once its bucket is launched and keeps "
+                    "only its shard of the averaged gradient")
+    shards = got.get("shards")
+    if not isinstance(shards, list) or len(shards) != len(buckets):
+        return (f"finish() returned {str(shards)[:60]}; return this rank's shards, one 1-D tensor a bucket "
+                f"({len(buckets)}), in the order the buckets were filled")
+    for b, bucket in enumerate(buckets):
+        want = _bucket_values(whole, bucket, pad_to=world * chunk[b])[rank * chunk[b]:(rank + 1) * chunk[b]]
+        if not _tclose(_tensor(shards[b], want), want):
+            return (f"returned a shard of bucket {b + 1} ({[names[k] for k in bucket]}) that differs from elements "
+                    f"[{rank * chunk[b]}, {(rank + 1) * chunk[b]}) of the averaged gradient (one process on the whole "
+                    "batch, computed here): the reduce-scatter's sum divided by the number of ranks")
+    full = 8 * sum(numels)
+    allowed = 8 * sum(chunk)
+    extra = got.get("extra_bytes")
+    if not isinstance(extra, int) or extra > allowed:
+        return (f"keeps {extra} bytes of other tensors alive after finish() (all the gradients are {full} bytes, its "
+                f"shards {allowed}): drop the flattened buckets once their reduce-scatter has completed")
+    return None
+
+
+def check_zero2(cls: Any, *, cases=((2, 1000),), timeout: float = 120.0) -> None:
+    """Run the student's ZeRO-2 gradient partitioning, `cls(model, bucket_bytes)` whose `finish()`
+    returns this rank's shards, on real gloo process groups for two backward passes of a small float64
+    MLP, each rank on its slice of the batch, and check on every rank: one reduce-scatter per bucket
+    (buckets computed here from the sizes and the cap), each of the rank's own zero-padded bucket,
+    launched asynchronously during the backward from the hook of the bucket's last gradient; a
+    bucket's gradients freed once it is launched (p.grad is None; nothing gradient-sized kept after
+    finish()); the returned shards equal the averaged gradient's (one process on the whole batch).
+    `cases` are (ranks, cap in bytes)."""
+    import tempfile
+
+    source = _cell_source(cls)
+    body = _mlp_body(_ZERO2_BODY, cls.__name__)
+    by_world: dict[int, list[int]] = {}
+    for world, cap in cases:
+        by_world.setdefault(world, []).append(cap)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/zero2_check.py"
+        with open(path, "w") as fh:
+            fh.write(_harness(body, allowed=("reduce_scatter_tensor", "reduce_scatter_single"), source=source,
+                              hint="ZeRO-2 reduce-scatters each bucket: dist.reduce_scatter_tensor(shard, flat, "
+                                   "async_op=True)"))
+        for world, caps in by_world.items():
+            reports = _run_cases(path, world, caps, tmp=tmp, timeout=timeout, what="ZeRO-2")
+            ref = _mlp_reference(world, DDP_STEPS, update=False)
+            for rank, report in enumerate(reports):
+                why = _rank_problem(report)
+                per_step = _split_steps(report.get("log") if isinstance(report, dict) else None)
+                if not why and any(isinstance(e, dict) and "call" in e for e in per_step[0]):
+                    why = "called a collective before the first backward"
+                results = report.get("result") if isinstance(report, dict) else None
+                k = 1
+                for c, cap in enumerate(caps):
+                    if why:
+                        break
+                    buckets = grad_buckets(ref["sizes"], cap)
+                    got = results[c] if isinstance(results, list) and c < len(results) else []
+                    for step in range(DDP_STEPS):
+                        events = per_step[k] if k < len(per_step) else []
+                        k += 1
+                        s = ref["steps"][step]
+                        why = _zero2_step_problem(events, got[step] if isinstance(got, list) and step < len(got) else None,
+                                                  s["local"][rank], s["whole"], buckets, ref["names"], world, cap, rank)
+                        if why:
+                            why += f" (cap {cap} bytes, backward {step + 1})"
+                            break
+                if why:
+                    raise AssertionError(f"ZeRO-2 on {world} ranks: rank {rank} {why}.")
 
 
 # ----------------------------------------------------------------------------- lab 7
