@@ -117,11 +117,13 @@ def _boundary(conf: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("expandable", [False, True])
-def test_fit_never_exceeds_the_measured_largest_batch_and_reaches_90_percent(expandable):
+def test_fit_never_exceeds_the_measured_largest_batch_and_reaches_95_percent(expandable):
+    """The bisection on the H100: `fit`'s largest batch is never above the measured one and at least
+    95 % of it (it was 97 of 104 when fragmentation was a whole block of the fp32 logits)."""
     fits, fails = _boundary("expandable_segments:True" if expandable else "")
     assert (fits, fails) == ((112, 120) if expandable else (104, 112))
     answer = fit("gpt2", "h100-80gb", seq_len=512, precision="bf16-mixed", expandable_segments=expandable).max_batch_size
-    assert 0.9 * fits <= answer <= fits
+    assert 0.95 * fits <= answer <= fits
 
 
 def test_max_batch_estimates_track_the_measured_sweep():
@@ -132,11 +134,17 @@ def test_max_batch_estimates_track_the_measured_sweep():
 
 
 def test_fit_reserve_is_what_the_h100_showed_between_allocated_and_oom():
-    """The OOM at batch 112 asked for 10.74 GiB, the fp32 logits: the fragmentation term is the
-    largest tensor; the context term is device use minus reserved on the same run."""
+    """Fragmentation under bf16 AMP is the freed 16-bit logits' block (half the fp32 logits, which the
+    OOM at batch 112 asked for: "Tried to allocate 10.74 GiB"): on every fitting run of the sweep,
+    reserved minus allocated at the peak is 80-100 % of it; the context term is device use minus
+    reserved on the same run."""
     f = fit("gpt2", "h100", batch_size=112, seq_len=512, precision="bf16-mixed")
-    assert f.fragmentation == largest_tensor_bytes("gpt2", batch_size=112, seq_len=512)
-    assert round(f.fragmentation / 2**30, 2) == 10.74  # "Tried to allocate 10.74 GiB" in the OOM message
+    assert round(largest_tensor_bytes("gpt2", batch_size=112, seq_len=512) / 2**30, 2) == 10.74
+    assert f.fragmentation == largest_tensor_bytes("gpt2", batch_size=112, seq_len=512) // 2
+    for r in rows("maxbatch_gpt2_h100.jsonl"):
+        if r["fits"] and not r["alloc_conf"]:
+            half_logits = r["batch"] * 512 * 50257 * 2
+            assert 0.8 * half_logits <= r["peak_reserved"] - r["peak_allocated"] <= half_logits, r["batch"]
     r = next(r for r in rows("presets_train_h100.jsonl") if not r["alloc_conf"])
     assert f.context == r["device_in_use"] - r["peak_reserved"]
     assert f.available == next(x for x in rows("maxbatch_gpt2_h100.jsonl") if "total" in x)["total"]

@@ -398,7 +398,7 @@ def _offload(*, model: str, scheme: str, batch_size: int, seq_len: int, gpu: str
                                                        act.step_seconds),
             ("zero-offload", zo.gpu_peak, zo.host_bytes, zo.moved_bytes, zo.step_seconds),
             ("fsdp2-cpu", fs.gpu_peak, fs.host_bytes, fs.moved_bytes, fs.step_seconds)]
-    largest = memory.largest_tensor_bytes(spec, precision="bf16-mixed", **kw)
+    largest = memory.fragmentation_bytes(spec, precision="bf16-mixed", **kw)
     verdicts = {name: memory.device_fit(b, g, largest_tensor=largest) for name, b, *_ in rows}
     bars = [(name, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
             for name, b, *_ in rows]
@@ -504,7 +504,7 @@ def _compression(*, model: str, method: str, rank: int, bits: int, targets: str,
             for m in ("full", "lora", "inference") for b in (32, 16, 8, 4) if m == "inference" or (m, b) in _TUNE]
     bars = [(name, [(c.replace("_", " "), getattr(r, c) / GiB, COLORS[c]) for c in memory.CATEGORIES]) for name, r in rows]
     infer = method == "inference"
-    verdict = memory.device_fit(mine, g, largest_tensor=memory.largest_tensor_bytes(
+    verdict = memory.device_fit(mine, g, largest_tensor=memory.fragmentation_bytes(
         spec, batch_size=batch_size, seq_len=seq_len, mode="infer" if infer else "train",
         precision="bf16-mixed", dtype="int8" if bits == 8 else "bf16"))
     svg = stacked_bars(bars, title=f"{spec.name}, {batch_size} x {seq_len}: the peak of each method",

@@ -110,7 +110,7 @@ def evaluate(model: ModelSpec | str, recompute: "str | Plan" = "none", *, batch_
     if gpu is not None:
         g = _gpu(gpu)
         if device == "cuda":
-            fit = _mem.device_fit(top, g, largest_tensor=_mem.largest_tensor_bytes(
+            fit = _mem.device_fit(top, g, largest_tensor=_mem.fragmentation_bytes(
                 spec, batch_size=batch_size, seq_len=seq_len, precision=precision, attention=attention))
         peak = g.peak_tflops_fp32 if precision == "fp32" else g.peak_tflops_16
         if peak <= 0:

@@ -566,7 +566,7 @@ def _stage_fit(spec: ModelSpec, layout: Layout, gpu, *, micro_batch_size: int, s
     k, t, dense = ends[i], layout.tp, kw.get("implementation", "megatron") == "dtensor"
     share = _mem.DeviceShare(first=k == 0, last=k == layout.pp - 1, tp=t, embedding_grad="dense" if dense else "sharded",
                              blocks=(0, 1))
-    largest = _mem.largest_tensor_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len, share=share,
+    largest = _mem.fragmentation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len, share=share,
                                         precision=kw.get("precision", "bf16-mixed"), attention=kw.get("attention", "sdpa"))
     return _mem.device_fit(stages[i], gpu, largest_tensor=largest, expandable_segments=expandable_segments), stages[i]
 

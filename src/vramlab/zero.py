@@ -533,7 +533,7 @@ def fits(model: ModelSpec | str, n_ranks: int, stage: Stage, gpu, *, micro_batch
 
     def verdict(b: int, **found) -> _mem.Fit:
         est = estimate_rank(spec, n_ranks, stage, micro_batch_size=b, seq_len=seq_len, gpu=g, **kw)  # checks kw
-        largest = _mem.largest_tensor_bytes(spec, batch_size=b, seq_len=seq_len,
+        largest = _mem.fragmentation_bytes(spec, batch_size=b, seq_len=seq_len,
                                             precision=_ACT_PRECISION[kw.get("recipe", "mixed-adam")],
                                             attention=kw.get("attention", "sdpa"))
         return _mem.device_fit(est, g, largest_tensor=largest, expandable_segments=expandable_segments, **found)
