@@ -377,7 +377,28 @@ def _storage_key(t) -> int | None:
         return None
 
 
-class _Ledger:
+class _ModeContext:
+    """A tracker that is entered as its dispatch mode (`self.mode`), and can pause it."""
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Nothing recorded inside (timed steps: no dispatch overhead). Frees of known storages are still
+        seen (they are weakref callbacks); what is created inside and outlives it is unknown to the ledger."""
+        self.mode.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self.mode.__enter__()
+
+
+class _Ledger(_ModeContext):
     """Every storage created through PyTorch's dispatcher in this process (on the threads that run with the
     mode: the rank's main thread and, on the CPU, the autograd engine's), from creation to free, with its
     bytes, dtype, shape, creating operation and the phase it was created in.
@@ -494,22 +515,6 @@ class _Ledger:
         if self.recording:
             self.marks[name] = (self.now, len(self.events))
 
-    def __enter__(self):
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.mode.__exit__(*exc)
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Nothing recorded inside (timed steps: no dispatch overhead). Frees of known storages are still
-        seen (they are weakref callbacks); what is created inside and outlives it is unknown to the ledger."""
-        self.mode.__exit__(None, None, None)
-        try:
-            yield
-        finally:
-            self.mode.__enter__()
 
     # -- one measured step
     def begin(self, groups: dict[str, list]) -> None:
@@ -1162,7 +1167,7 @@ def _resident(mod, opt, batch) -> dict:
     return {**out, "storages": seen}
 
 
-class _LiveBytes:
+class _LiveBytes(_ModeContext):
     """Live-tensor tracking without module hooks (MemTracker's refuse a pipeline's interleaved forward
     and backward passes): every storage an operation creates is counted from its creation until it
     is freed; `peak` is the most alive at once. Storages that existed before (`resident`) are not."""
@@ -1205,23 +1210,6 @@ class _LiveBytes:
     def _free(self, key: int, nbytes: int) -> None:
         self.seen.discard(key)
         self.now -= nbytes
-
-    def __enter__(self):
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.mode.__exit__(*exc)
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Nothing recorded inside (timed steps: no dispatch overhead). Frees of known storages are still
-        seen (they are weakref callbacks); what is created inside and outlives it is unknown to the ledger."""
-        self.mode.__exit__(None, None, None)
-        try:
-            yield
-        finally:
-            self.mode.__enter__()
 
 
 def measured_bubble(ranks: list[dict], schedule: str, micro_batches: int) -> dict[str, Any]:
