@@ -100,7 +100,11 @@ def test_chapter3_schedules_split_and_calculator(built):
     # predicted against measured, from lab 3's stored run: labelled as a CPU run, every rank listed
     measured = page.split('id="predicted-against-measured"')[1]
     assert "not a GPU measurement" in measured and "Not yet" not in measured
-    assert measured.count("gpipe m=") == 8 and measured.count("1f1b m=") == 6 and measured.count("ddp x2") == 2
+    lab = measured.split('id="validated-beyond-the-lab"')[0]
+    assert lab.count("gpipe m=") == 8 + 4 and lab.count("1f1b m=") == 6 + 4 and lab.count("ddp x2") == 2
+    assert lab.count("interleaved m=8 p=4") == 4 and lab.count("tp_sp x2") == 2 and lab.count("tp_full x2") == 2
+    beyond = measured.split('id="validated-beyond-the-lab"')[1]
+    assert "ranks and schedules in 21 runs" in beyond and "not a GPU measurement" in beyond
     assert "Traceback" not in page and "Error" not in page.split('id="vl-parallel"')[0][-20000:]
 
 
@@ -117,6 +121,7 @@ def test_chapter4_zero_stages_and_measurement(built):
     assert "not a GPU measurement" in measured
     for name in ("ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2"):
         assert name in measured
+    assert "setups in 18 runs" in page and "where-zero-2-beats-zero-1" in page
     assert "Traceback" not in page and "loss_type" not in page and "Warning" not in page
 
 
