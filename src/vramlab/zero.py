@@ -352,6 +352,10 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
             phases.append((ph.phase, grads(ph), ph.activations, ph.temporaries + (0 if fwd and skip_forward_extra else extra(ph))))
 
     workspaces = steps[0].other
+    def one_block() -> int:  # one block's saved activations: freed by the time an earlier block's backward runs
+        return _mem.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len,
+                                     precision=_ACT_PRECISION[recipe], attention=attention, device=device,
+                                     share=_mem.DeviceShare(blocks=(0, 1), first=False, last=False))["one_layer"]
     inputs = steps[0].inputs
     if implementation == "fsdp2":
         block, root = _units(spec)
@@ -361,9 +365,6 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
         flat_grads = block * 4 if two else 0  # a block's unsharded gradients, flat, in the reduce dtype (fp32)
         block_shards = -(-(psi - root) // n) * 4  # every block's reduce-scattered gradient shard, fp32, kept
         untied_head = 0 if spec.tie_word_embeddings else head_grad  # waits for the root's reduce-scatter
-        one_block = _mem.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len,
-                                          precision=_ACT_PRECISION[recipe], attention=attention, device=device,
-                                          share=_mem.DeviceShare(blocks=(0, 1), first=False, last=False))["one_layer"]
         for ph in steps:
             if ph.phase.startswith("forward"):
                 extra, grads = R, 0
@@ -375,7 +376,7 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
                 # an earlier block: the later block's activations freed, its gradients flat in the reduce
                 # dtype until their reduce-scatter is waited on, and their fp32 shard kept (measured)
                 phases.append(("backward of an earlier block", min(ph.gradients, head_grad) + -(-block // n) * 4,
-                               max(ph.activations - one_block, 0), ph.temporaries + R + unit + flat_grads))
+                               max(ph.activations - one_block(), 0), ph.temporaries + R + unit + flat_grads))
                 continue
             else:  # the logits' gradient and the head: the last block prefetched
                 extra, grads = R + unit, min(ph.gradients, head_grad)
@@ -396,7 +397,8 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
             phases.append(("optimizer step", G + psi * 4, 0, temps(n_ for _, n_ in spec.param_tensors())))
     elif s in (1, 2):
         B = bucket * pb
-        owned = partition_touch(spec, n) * pb
+        touches = partition_touches(spec, n)
+        owned = max(touches) * pb
         if s == 1:
             engine_phases(lambda ph: ph.gradients + (0 if ph.phase.startswith("forward") else B))
             phases.append(("gradients reduced into the partition", G + B + owned, 0, 0))
@@ -405,7 +407,7 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
             # the last rank (which owns the head and the last blocks), in the blocks' backward on the
             # ranks that own blocks; a gradient larger than the bucket waits outside it until the next
             # one flushes it
-            last = partition_touches(spec, n)[-1] * pb
+            last = touches[-1] * pb
             big = max((x for x in _block_tensor_sizes(spec) if x > bucket), default=0) * pb
 
             def zero2(ph) -> int:
@@ -421,12 +423,9 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
             engine_phases(zero2)
             # an earlier block: the later block's activations freed, every rank's buffer allocated
             blk = next(ph for ph in steps if "block" in ph.phase)
-            one_block = _mem.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len,
-                                              precision=_ACT_PRECISION[recipe], attention=attention, device=device,
-                                              share=_mem.DeviceShare(blocks=(0, 1), first=False, last=False))["one_layer"]
             at = next(i for i, x in enumerate(phases) if x[0] == blk.phase) + 1
             phases.insert(at, ("backward of an earlier block", B + owned + big + min(blk.gradients, head_grad),
-                               max(blk.activations - one_block, 0), blk.temporaries))
+                               max(blk.activations - one_block(), 0), blk.temporaries))
         phases.append(("optimizer step", part * 4, 0, temps([part])))
     else:
         gatherable = psi - persistent_params(spec, persistence_threshold)
