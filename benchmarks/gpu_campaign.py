@@ -15,6 +15,8 @@ Steps (each configuration measured in its own process, so nothing of one can cou
 - maxbatch:  the largest GPT-2 s512 bf16-mixed batch that trains, default allocator and
              expandable_segments, bisected one probe per process from vramlab.fit's answer, with
              the GPU to itself -> benchmarks/results/gpu_campaign.json ("maxbatch")
+- fsdp2:     FSDP2's per-rank peak for GPU-scale models, one rank of 1-8 alone per process with torch's
+             fake process group (benchmarks/fsdp2_gpu_validation.py) -> benchmarks/results/zero/gpu/
 - labs:      every lab's instructor version, run without a Jupyter kernel (labs/kernelless.py)
              -> labs/results/<lab>.json
 
@@ -45,7 +47,7 @@ def _use_this_checkout() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *rest])
-STEPS = ("accuracy", "inference", "maxbatch", "labs")
+STEPS = ("accuracy", "inference", "maxbatch", "fsdp2", "labs")
 LABS = ("lab01_where_memory_goes", "lab02_collectives", "lab03_parallelism", "lab04_zero", "lab05_mixed_precision",
         "lab06_offload", "lab07_checkpointing", "lab08_compression")
 INFERENCE = [  # (preset, batch, prompt, new tokens or None for a prefill with all logits, dtype)
@@ -169,6 +171,15 @@ def maxbatch(gpu_spec, dry: bool) -> list[dict]:
     return rows
 
 
+def fsdp2(dry: bool) -> None:
+    spec = importlib.util.spec_from_file_location("fsdp2_gpu_validation", ROOT / "benchmarks" / "fsdp2_gpu_validation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    say(f"fsdp2: {len(mod.CASES)} cases, one rank per process, 3 at a time -> benchmarks/results/zero/gpu/")
+    if not dry:
+        mod.main(["--jobs", "3"])
+
+
 def labs(dry: bool) -> None:
     sys.path.insert(0, str(ROOT / "labs"))
     import kernelless
@@ -222,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             report.update(provenance=provenance("cuda"), command="python benchmarks/gpu_campaign.py --only " + args.only)
             out.write_text(json.dumps(report, indent=1) + "\n")
             say(f"wrote {out.relative_to(ROOT)} ({step})")
+    if "fsdp2" in steps:
+        fsdp2(args.dry_run)
     if "labs" in steps:
         labs(args.dry_run)
     say("done" + (" (dry run: nothing measured)" if args.dry_run else ""))

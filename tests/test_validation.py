@@ -146,6 +146,108 @@ def test_fsdp2_does_not_rise_from_one_rank_to_two():
 
 # ----------------------------------------------------------------------------- DDP, TP, PP
 
+# ----------------------------------------------------------------------------- FSDP2 on a GPU
+
+GPU = ROOT / "benchmarks" / "results" / "zero" / "gpu"
+FAKE_CPU = ROOT / "benchmarks" / "results" / "zero" / "fake_cpu"
+
+# Known gaps on the H100 (strict), each with what the runs localise: benchmarks/results/h100/
+# single_gpu_probe_h100.jsonl measures the same models without FSDP2 on one GPU.
+KNOWN_GPU = {
+    "pythia410m_fp32_4r_rank0": "+11 %: the single-GPU engine is +2.8 % on this model; the rest is the FSDP2 "
+                                "layer's logits-gradient phase (measured: log_softmax and its gradient, no third "
+                                "vocabulary-wide tensor, root gathered), not yet located",
+    "pythia410m_bf16_8r_rank0": "+5.6 %: as the fp32 case (single GPU exact in bf16)",
+    "mistralblock_bf16_4r_rank0": "-8.6 %: single GPU exact; FSDP2 holds more in an earlier block's backward "
+                                  "(a 218 M-parameter block: gathered, prefetched and its fp32 gradient flat copy)",
+    "mistralblock_fp32_8r_rank0": "-10 %: the single-GPU engine is -5.9 % in the fp32 math-path block backward, "
+                                  "plus the FSDP2 gap of the bf16 case",
+    "mt5base_bf16_2r_rank1": "-8.4 %: the single-GPU engine is -9.0 % for pure-bf16 mT5-base (its loss and "
+                             "T5 attention in 16 bits), not FSDP2's",
+}
+
+
+def gpu_cases() -> list[str]:
+    return sorted(p.stem for p in GPU.glob("*.json"))
+
+
+def gpu_row(name: str) -> dict:
+    from vramlab import zero
+    from vramlab.zerolab import model_spec
+
+    run = json.loads((GPU / f"{name}.json").read_text())
+    rank = run["setups"]["fsdp2"]["per_rank"][0]
+    phases = zero.rank_phases(model_spec(run["model_name"]), run["ranks"], 3, micro_batch_size=run["micro_batch_size"],
+                              seq_len=run["seq_len"], recipe="fp32-adam" if run["precision"] == "fp32" else "mixed-adam",
+                              implementation="fsdp2", optimizer_impl="for-loop", device="cuda")
+    est = max(phases, key=lambda b: b.total)
+    measured = rank["cuda"]["peak_allocated"]
+    return {"estimate": est.total, "phase": est.phase, "measured": measured, "error": est.total / measured - 1,
+            "tracked": rank["peak"]["step_peak"], "gpu": run["provenance"]["gpu"]}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_known(KNOWN_GPU, n)) for n in gpu_cases()])
+def test_fsdp2_gpu_rank_peak_within_the_gate(name):
+    """One rank of 1-8 on an H100 (torch's fake process group, benchmarks/fsdp2_gpu_validation.py):
+    estimate_rank(device="cuda") against the allocator's peak over the measured steps."""
+    r = gpu_row(name)
+    assert "H100" in r["gpu"]
+    assert -GATE <= r["error"] <= GATE, (
+        f"{name}: estimate {r['estimate'] / 2**30:.2f} GiB ({r['phase']}) vs allocator {r['measured'] / 2**30:.2f} GiB: "
+        f"{100 * r['error']:+.1f} %")
+
+
+def test_gpu_cases_cover_the_regimes():
+    """At least three families, fp32 and bf16, 1 to 8 ranks, a last rank, root > block and block > root."""
+    runs = [json.loads((GPU / f"{n}.json").read_text()) for n in gpu_cases()]
+    assert len({r["model_family"] for r in runs}) >= 3
+    assert {r["precision"] for r in runs} == {"fp32", "bf16"}
+    assert {1, 2, 8} <= {r["ranks"] for r in runs}
+    assert any(r["measured_rank"] == r["ranks"] - 1 > 0 for r in runs)
+    st = [r["structure"] for r in runs if r["structure"]]  # (a rank other than 0 recorded none before)
+    assert any(s["root_params"] > max(s["block_params"]) for s in st)
+    assert any(s["root_params"] < max(s["block_params"]) for s in st)
+    within = [n for n in gpu_cases() if n not in KNOWN_GPU]
+    assert len(within) >= 6
+
+
+def test_tracked_storages_agree_with_the_allocator_on_the_gpu():
+    """The storage accounting the CPU validation relies on, checked where the allocator is the truth:
+    on the H100 the tracked peak is within 6 % below max_memory_allocated (which adds block rounding and
+    the cuBLAS workspace) and never above it."""
+    for n in gpu_cases():
+        r = gpu_row(n)
+        assert 0.94 * r["measured"] <= r["tracked"] <= r["measured"], (n, r)
+
+
+def test_fake_process_group_reproduces_gloo_ranks():
+    """The method of the GPU runs, checked on the CPU: one rank alone with the fake process group
+    tracks the same step peak, to the byte, as that rank among real gloo ranks."""
+    pairs = [("fake_opt_r0", "opt_fp32_2r", 0), ("fake_opt_r1", "opt_fp32_2r", 1), ("fake_mt5_r3", "mt5_fp32_4r", 3)]
+    for fake, real, rank in pairs:
+        f = json.loads((FAKE_CPU / f"{fake}.json").read_text())
+        g = json.loads((ZERO / f"{real}.json").read_text())
+        assert f["backend"] == "fake" and f["ranks"] == g["ranks"] and f["measured_rank"] == rank
+        mine = f["setups"]["fsdp2"]["per_rank"][0]["peak"]["step_peak"]
+        theirs = next(r for r in g["setups"]["fsdp2"]["per_rank"] if r["rank"] == rank)["peak"]["step_peak"]
+        assert mine == theirs
+
+
+def test_cuda_fp32_gqa_attention_runs_the_math_path():
+    """transformers passes enable_gqa=True to SDPA; in fp32 on CUDA neither flash nor the memory-efficient
+    kernel takes it, and every block saves the s x s probabilities. Llama-3.2-1B, fp32, on the H100:
+    FSDP2 rank 0 of 8 (was -24 % before the engine knew) and one GPU without FSDP2 (4 blocks)."""
+    assert abs(gpu_row("llama1b_fp32_8r_rank0")["error"]) < 0.01
+    from vramlab import estimate_training
+    from vramlab import preset
+    import dataclasses
+    rows = [json.loads(x) for x in (ROOT / "benchmarks/results/h100/single_gpu_probe_h100.jsonl").read_text().splitlines()]
+    row = next(r for r in rows if r["model"] == "llama-3.2-1b" and r["options"]["precision"] == "fp32")
+    spec = dataclasses.replace(preset("llama-3.2-1b"), **row["overrides"])
+    est = estimate_training(spec, device="cuda", optimizer_impl="for-loop", **row["options"]).total
+    assert abs(est / row["measured"]["peak_allocated"] - 1) < 0.01
+
+
 def layout_runs() -> list[tuple[str, str, int, int]]:
     """(case, schedule, micro-batches, rank) for every rank of every stored run."""
     out = []

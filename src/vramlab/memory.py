@@ -251,10 +251,16 @@ def _norm(spec: ModelSpec, name: str) -> list[Saved]:
     return [Saved(name=f"{name} input", width=h, kind="x"), Saved(name=f"{name} mean, rstd", width=2, kind="f32")]
 
 
-def _math_path(spec: ModelSpec, attention: AttentionImpl, device: str) -> bool:
-    """True where the s x s scores are materialised: eager attention, and SDPA on the CPU with
-    attention dropout (PyTorch's CPU flash kernel has no dropout, so it falls back to math)."""
-    return attention == "eager" or (device == "cpu" and spec.attention_dropout > 0)
+def _math_path(spec: ModelSpec, attention: AttentionImpl, device: str, precision: str | None = None) -> bool:
+    """True where the s x s scores are materialised: eager attention; SDPA on the CPU with attention
+    dropout (PyTorch's CPU flash kernel has no dropout, so it falls back to math); and SDPA on CUDA in
+    fp32 for a grouped-query model: transformers passes `enable_gqa=True` (no mask), which CUDA's flash
+    kernel would take but not in fp32, and the memory-efficient kernel does not take, so PyTorch runs the
+    math path (measured on an H100, torch 2.11: Llama-3.2-1B and a Mistral-7B block in fp32 save
+    `_safe_softmax`'s b x heads x s x s probabilities in every block; bf16 keeps none)."""
+    return (attention == "eager" or (device == "cpu" and spec.attention_dropout > 0)
+            or (device == "cuda" and attention == "sdpa" and precision == "fp32" and spec.family == "llama"
+                and spec.num_kv_heads < spec.num_heads))
 
 
 def _attention(spec: ModelSpec, *, attention: AttentionImpl, device: str, precision: Precision,
@@ -266,7 +272,7 @@ def _attention(spec: ModelSpec, *, attention: AttentionImpl, device: str, precis
     cpu_upcast = device == "cpu" and attention == "sdpa" and precision != "fp32"
     if cpu_upcast:
         saved = [dataclasses.replace(q, kind="f32") for q in saved]
-    if _math_path(spec, attention, device):
+    if _math_path(spec, attention, device, precision):
         # fp32, or autocast's fp32 softmax; pure bf16 keeps bf16 probabilities (except CPU SDPA)
         soft = "f32" if precision not in PURE_16BIT or cpu_upcast else "half"
         saved.append(Saved(name="softmax(QK^T)", width=1, kind=soft, per_score=True))
@@ -337,7 +343,7 @@ def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: s
     f = spec.family
     h = spec.hidden_size
     kw = dict(attention=attention, device=device, precision=precision)
-    math = _math_path(spec, attention, device)
+    math = _math_path(spec, attention, device, precision)
     amp = _cuda_amp(precision, device)
     if f == "gpt2":
         fused = [Saved(name="c_attn out (q,k,v views)", width=3 * h, kind="half")]
@@ -572,7 +578,7 @@ def _matmul_outputs(spec: ModelSpec, *, attention: AttentionImpl, device: str, p
         kv = h
     saved = [Saved(name="projection outputs (split)", width=qd + 2 * kv + i * (2 if spec.gated_mlp else 1), kind="half"),
              Saved(name="projection outputs (h wide)", width=2 * h, kind="half")]  # o/down: after the all-reduce
-    if _math_path(spec, attention, device):  # QK^T and probs @ V are bmm: both outputs saved
+    if _math_path(spec, attention, device, precision):  # QK^T and probs @ V are bmm: both outputs saved
         f32 = device == "cpu" and attention == "sdpa" and precision != "fp32"
         saved += [Saved(name="QK^T", width=1, kind="f32" if f32 else "half", per_score=True),
                   Saved(name="probs @ V", width=qd, kind="half")]
@@ -719,7 +725,7 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
         # relative-position buckets: an (s, s) int64 index per stack, kept by the bias embedding
         outside += 2 * s * s * nb["i64"]
         outside += tokens * spec.hidden_size * nb["x"]  # the encoder's output, read by every cross-attention
-        if not _math_path(spec, attention, device):  # SDPA keeps the (zero) cross-attention bias
+        if not _math_path(spec, attention, device, precision):  # SDPA keeps the (zero) cross-attention bias
             outside += a * s * s * nb["x"]
         if plan.segments:  # checkpointed blocks also keep their shared inputs: a (1, a, s, s) bias
             outside += a * s * s * nb["x"]
@@ -727,7 +733,7 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     # d(hidden)s), then attention (the MLP's tensors freed; with the scores materialised, d(probs)
     # and d(scores), b * a * s^2 each). The extra over the block's saved tensors at its worst
     # (inside the heads and the MLP width: split by t):
-    math_path = _math_path(spec, attention, device) or spec.family == "t5"
+    math_path = _math_path(spec, attention, device, precision) or spec.family == "t5"
     # (a gated MLP's backward holds three (b, s, intermediate) tensors at once on CUDA, two on the CPU:
     # measured on every Llama-like CPU run, ZeRO-0 to FSDP2 and pipelines, tests/test_validation.py)
     mlp_grads = (3 if spec.gated_mlp and device == "cuda" else 2) * tokens * spec.intermediate_size * nb["half"]

@@ -108,6 +108,43 @@ MODELS: dict[str, dict[str, Any]] = {
         "about": "mT5-small-like encoder-decoder: gated GELU, vocabulary 32,768, untied head, d_model 256, "
                  "2 + 2 blocks (root 16.8 M > decoder block 1.8 M); encoder and decoder see seq tokens each",
         "persistent": "the relative attention biases (32 x 8)"},
+    # GPU-scale models (published configurations, or a published block with a small vocabulary), for one
+    # rank of a larger world on a GPU with torch's fake process group (--backend fake): too large for
+    # CPU ranks, and the regime where the units and the logits are as large as practitioners see
+    "llama-3.2-1b": {
+        "family": "llama", "classes": ("LlamaConfig", "LlamaForCausalLM"), "scale": "gpu",
+        "config": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                       num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                       max_position_embeddings=131072, rope_theta=500000.0, attention_dropout=0.0,
+                       tie_word_embeddings=True),
+        "micro_batch": 2, "seq": 1024, "max_seq": 131072,
+        "about": "Llama-3.2-1B's configuration: tied embeddings, vocabulary 128,256, 16 blocks "
+                 "(root 263 M > block 61 M)", "persistent": "none"},
+    "pythia-410m": {
+        "family": "gpt_neox", "classes": ("GPTNeoXConfig", "GPTNeoXForCausalLM"), "scale": "gpu",
+        "config": dict(model_type="gpt_neox", vocab_size=50304, hidden_size=1024, intermediate_size=4096,
+                       num_hidden_layers=24, num_attention_heads=16, rotary_pct=0.25, max_position_embeddings=2048,
+                       use_parallel_residual=True, attention_dropout=0.0, hidden_dropout=0.0,
+                       tie_word_embeddings=False),
+        "micro_batch": 4, "seq": 1024, "max_seq": 2048,
+        "about": "Pythia-410M's configuration: untied head, vocabulary 50,304, 24 blocks (root 103 M > block 12.6 M)",
+        "persistent": "none"},
+    "mistral-block-small-vocab": {
+        "family": "llama", "classes": ("LlamaConfig", "LlamaForCausalLM"), "scale": "gpu",
+        "config": dict(model_type="llama", vocab_size=8192, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=8192, attention_dropout=0.0, tie_word_embeddings=False),
+        "micro_batch": 1, "seq": 2048, "max_seq": 8192,
+        "about": "Mistral-7B's block (h 4096, SwiGLU 14,336, GQA 32/8) with a vocabulary of 8,192, untied, 4 blocks "
+                 "(block 218 M > root 67 M)", "persistent": "none"},
+    "mt5-base": {
+        "family": "t5", "classes": ("MT5Config", "MT5ForConditionalGeneration"), "scale": "gpu",
+        "config": dict(model_type="mt5", untied_lm_head=True, vocab_size=250112, d_model=768, d_kv=64, d_ff=2048,
+                       num_layers=12, num_decoder_layers=12, num_heads=12, feed_forward_proj="gated-gelu",
+                       dropout_rate=0.0, tie_word_embeddings=False, initializer_factor=0.0625),
+        "micro_batch": 2, "seq": 512, "max_seq": 4096,
+        "about": "mT5-base's configuration: encoder-decoder, vocabulary 250,112, untied head, 12 + 12 blocks "
+                 "(root 384 M > block 7 M)", "persistent": "the relative attention biases (32 x 12)"},
 }
 
 
@@ -747,7 +784,7 @@ def _engine(setup: str, model, world: int, micro_batch: int, precision: str = "f
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        dev = "cuda" if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl" else "cpu"
+        dev = "cuda" if _on_gpu() else "cpu"
         mesh = init_device_mesh(dev, (world,))
         model.to(dev)
         kw = {}
@@ -800,6 +837,13 @@ def _engine(setup: str, model, world: int, micro_batch: int, precision: str = "f
     about = {"deepspeed_config": config, "zero_config_resolved": resolved,
              "optimizer": f"{type(zopt).__module__}.{type(zopt).__name__} around torch.optim.AdamW(foreach=False)"}
     return engine.module, zopt, step, about
+
+
+def _on_gpu() -> bool:
+    """Whether this rank trains on a GPU: NCCL, or the fake process group where CUDA is present."""
+    import torch
+
+    return torch.cuda.is_available() and torch.distributed.get_backend() in ("nccl", "fake")
 
 
 def _full_params(setup: str, model) -> dict[str, Any]:
@@ -866,13 +910,13 @@ def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, 
 
     import torch
 
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else None
+    dev = torch.device("cuda", torch.cuda.current_device()) if _on_gpu() else None
     marks = _Marks()
     alloc_log = _AllocatorLog() if allocator_check and dev is None else None
     with alloc_log or contextlib.nullcontext():
         marks.profiling = alloc_log is not None
         built = _build(name=model)
-        shape = structure(built) if rank == 0 else None
+        shape = structure(built) if rank == 0 or torch.distributed.get_backend() == "fake" else None
         module, opt, step, about = _engine(setup, built, world, micro_batch, precision, knobs, marks)
         del built
         ids = _batch(rank, micro_batch, seq, model).to(dev or "cpu")
@@ -904,7 +948,8 @@ def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, 
                 "peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
     after = _resident(module, opt)
     after.pop("storages")
-    full = _full_params(setup, module)
+    # the fake process group moves no data: the trained values mean nothing there
+    full = _full_params(setup, module) if torch.distributed.get_backend() != "fake" else None
     return {"setup": setup, "rank": rank, "resident": after, "step_peak": before["total"] + max(peaks),
             "step_transient_peak": max(peaks), "step_transient_peaks": peaks, "cuda": cuda,
             "comm": comm.report(), "peak": _peak_report(tracked, allocator), "engine": about,
@@ -1038,6 +1083,60 @@ def _worker(rank: int, world: int, args, port: int) -> None:
             dist.destroy_process_group()
 
 
+def _fake_rank(args) -> int:
+    """One rank (`args.rank`) of a world of `args.nproc`, alone in this process, with torch's fake process
+    group: every collective returns at once and moves nothing, but FSDP2 allocates its all-gather and
+    reduce-scatter buffers, shards and gathered parameters exactly as on real ranks. On a GPU the
+    allocator's peak is this rank's truth (NCCL's own buffers, outside PyTorch's allocator, aside), for
+    worlds larger than the machine's GPUs; on the CPU it checks the method against real gloo ranks."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .commbench import _first_line
+    from .measure import provenance
+
+    rank, world = args.rank, args.nproc
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        torch.set_num_threads(1)
+    try:
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+        r = run_setup("fsdp2", rank, world, micro_batch=args.micro_batch, seq=args.seq, steps=args.steps,
+                      precision=args.precision, model=args.model, allocator_check=False)
+    except Exception as e:  # noqa: BLE001 - one line
+        if os.environ.get("ZEROLAB_DEBUG"):
+            import traceback
+            traceback.print_exc()
+        print(f"zerolab: rank {rank} of {world} (fake process group): {type(e).__name__}: {_first_line(e)}",
+              file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    where = (f"on {torch.cuda.get_device_name()}: the allocator's peak is the measurement" if on_gpu else
+             "on the CPU: memory by a scan of live storages, not a GPU measurement")
+    structure_ = r.pop("structure")
+    r.pop("params_after")
+    out = {"experiment": "zero", "backend": "fake", "ranks": world, "measured_rank": rank,
+           "note": f"rank {rank} of {world} alone, torch's fake process group (collectives move no data; "
+                   f"every allocation real) {where}",
+           "model": MODELS[args.model]["config"], "params": model_spec(args.model).params,
+           "micro_batch_size": args.micro_batch, "seq_len": args.seq, "steps": args.steps,
+           "provenance": provenance("cuda" if on_gpu else "cpu"),
+           "setups": {"fsdp2": {"max_abs_diff_vs_one_process": None, "per_rank": [r], "engine": r.get("engine")}},
+           "model_name": args.model, "model_family": MODELS[args.model]["family"],
+           "model_about": MODELS[args.model]["about"], "structure": structure_, "precision": args.precision,
+           "deepspeed_knobs": {}}
+    out["command"] = "python -m vramlab.zerolab " + " ".join(args.argv)
+    text = json.dumps(out, indent=1) + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text)
+    return 0
+
+
 def _elements(minimum: int):
     """An argparse type: a whole number of elements (5e8 and 500000000 alike), at least `minimum`."""
     def parse(text: str) -> int:
@@ -1061,8 +1160,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=DEFAULT_MODEL, choices=list(MODELS),
                    help=f"the model trained (default {DEFAULT_MODEL}, lab 4's; --list-models describes them)")
     p.add_argument("--list-models", action="store_true", help="describe the models and exit")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--backend", choices=("gloo", "nccl", "fake"), default="gloo",
+                   help="fake: one rank (--rank) of --nproc alone in this process, torch's fake process group "
+                        "(FSDP2 only; on a GPU where there is one)")
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--rank", type=int, default=0, help="with --backend fake: the rank measured (default 0)")
     p.add_argument("--micro-batch", type=int, default=None, help="per rank (default: the model's, 2 for the lab's)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's, 64 for the lab's)")
     p.add_argument("--steps", type=int, default=5,
@@ -1102,6 +1204,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.seq > spec["max_seq"]:
         which = "the lab model's" if args.model == DEFAULT_MODEL else f"{args.model}'s"
         p.error(f"--seq must be at most {spec['max_seq']} ({which} positions)")
+    if args.backend == "fake":
+        if args.setups != ["fsdp2"]:
+            p.error("--backend fake runs FSDP2 only: add --setups fsdp2")
+        if not 0 <= args.rank < args.nproc:
+            p.error(f"--rank must be between 0 and {args.nproc - 1} (--nproc {args.nproc})")
+        args.argv = list(sys.argv[1:] if argv is None else argv)
+        return _fake_rank(args)
+    if args.rank:
+        p.error("--rank needs --backend fake (real ranks are all measured)")
+    if MODELS[args.model].get("scale") == "gpu" and args.backend == "gloo":
+        p.error(f"{args.model} is GPU-scale: measure one of its ranks with --backend fake --setups fsdp2 "
+                f"(on a GPU), or choose a CPU model (--list-models)")
     why = backend_problem(args)
     if why:
         print(f"zerolab: {why}", file=sys.stderr)
