@@ -63,8 +63,9 @@ def say(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.0f} s] {msg}", flush=True)
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("estimator_accuracy", ROOT / "benchmarks" / "estimator_accuracy.py")
+def _bench(name: str = "estimator_accuracy"):
+    """A script of benchmarks/ as a module (benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -172,9 +173,7 @@ def maxbatch(gpu_spec, dry: bool) -> list[dict]:
 
 
 def fsdp2(dry: bool) -> None:
-    spec = importlib.util.spec_from_file_location("fsdp2_gpu_validation", ROOT / "benchmarks" / "fsdp2_gpu_validation.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench("fsdp2_gpu_validation")
     say(f"fsdp2: {len(mod.CASES)} cases, one rank per process, 3 at a time -> benchmarks/results/zero/gpu/")
     if not dry:
         mod.main(["--jobs", "3"])

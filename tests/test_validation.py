@@ -37,7 +37,7 @@ def zero_cases() -> list[tuple[str, str]]:
     return out
 
 
-def zero_estimate(run: dict, setup: str):
+def zero_estimate(run: dict, setup: str, device: str = "cpu"):
     """estimate_rank's phases for the run's configuration, as a user would ask for it."""
     from vramlab import zero
     from vramlab.zerolab import model_spec
@@ -46,7 +46,7 @@ def zero_estimate(run: dict, setup: str):
     kw = dict(micro_batch_size=run["micro_batch_size"], seq_len=run["seq_len"],
               recipe="fp32-adam" if run["precision"] == "fp32" else "mixed-adam",
               implementation="fsdp2" if setup == "fsdp2" else "deepspeed",
-              optimizer_impl="for-loop", device="cpu",
+              optimizer_impl="for-loop", device=device,
               reduce_bucket=knobs.get("reduce_bucket_size") or zero.REDUCE_BUCKET,
               max_live_parameters=knobs.get("stage3_max_live_parameters") or zero.MAX_LIVE,
               persistence_threshold=knobs.get("stage3_param_persistence_threshold") or zero.PERSISTENCE,
@@ -144,8 +144,6 @@ def test_fsdp2_does_not_rise_from_one_rank_to_two():
     assert est[0] > est[1] > est[2]
 
 
-# ----------------------------------------------------------------------------- DDP, TP, PP
-
 # ----------------------------------------------------------------------------- FSDP2 on a GPU
 
 GPU = ROOT / "benchmarks" / "results" / "zero" / "gpu"
@@ -172,15 +170,9 @@ def gpu_cases() -> list[str]:
 
 
 def gpu_row(name: str) -> dict:
-    from vramlab import zero
-    from vramlab.zerolab import model_spec
-
     run = json.loads((GPU / f"{name}.json").read_text())
     rank = run["setups"]["fsdp2"]["per_rank"][0]
-    phases = zero.rank_phases(model_spec(run["model_name"]), run["ranks"], 3, micro_batch_size=run["micro_batch_size"],
-                              seq_len=run["seq_len"], recipe="fp32-adam" if run["precision"] == "fp32" else "mixed-adam",
-                              implementation="fsdp2", optimizer_impl="for-loop", device="cuda")
-    est = max(phases, key=lambda b: b.total)
+    est = max(zero_estimate(run, "fsdp2", device="cuda"), key=lambda b: b.total)
     measured = rank["cuda"]["peak_allocated"]
     return {"estimate": est.total, "phase": est.phase, "measured": measured, "error": est.total / measured - 1,
             "tracked": rank["peak"]["step_peak"], "gpu": run["provenance"]["gpu"]}
@@ -237,16 +229,19 @@ def test_cuda_fp32_gqa_attention_runs_the_math_path():
     """transformers passes enable_gqa=True to SDPA; in fp32 on CUDA neither flash nor the memory-efficient
     kernel takes it, and every block saves the s x s probabilities. Llama-3.2-1B, fp32, on the H100:
     FSDP2 rank 0 of 8 (was -24 % before the engine knew) and one GPU without FSDP2 (4 blocks)."""
-    assert abs(gpu_row("llama1b_fp32_8r_rank0")["error"]) < 0.01
-    from vramlab import estimate_training
-    from vramlab import preset
     import dataclasses
+
+    from vramlab import estimate_training, preset
+
+    assert abs(gpu_row("llama1b_fp32_8r_rank0")["error"]) < 0.01
     rows = [json.loads(x) for x in (ROOT / "benchmarks/results/h100/single_gpu_probe_h100.jsonl").read_text().splitlines()]
     row = next(r for r in rows if r["model"] == "llama-3.2-1b" and r["options"]["precision"] == "fp32")
     spec = dataclasses.replace(preset("llama-3.2-1b"), **row["overrides"])
     est = estimate_training(spec, device="cuda", optimizer_impl="for-loop", **row["options"]).total
     assert abs(est / row["measured"]["peak_allocated"] - 1) < 0.01
 
+
+# ----------------------------------------------------------------------------- DDP, TP, PP
 
 def layout_runs() -> list[tuple[str, str, int, int]]:
     """(case, schedule, micro-batches, rank) for every rank of every stored run."""
