@@ -207,3 +207,18 @@ def test_zero2_wrong_answers(source, world, message):
     with pytest.raises(AssertionError) as e:
         G.check_zero2(answer(source, "Zero2Gradients"), cases=((world, 1000),))
     assert message in str(e.value), str(e.value)
+
+
+def test_answers_defined_in_a_kernelless_cell_reach_the_ranks():
+    """labs/kernelless.py (the GPU campaign's way to run a lab without Jupyter) compiles each cell as
+    "<lab cell N>" with its lines in linecache, as IPython does: a class or function defined there is
+    handed to the ranks with its whole cell (imports and helpers), not refused as sourceless."""
+    import linecache
+
+    name = "<lab03_parallelism cell 5>"
+    linecache.cache[name] = (len(TP), None, TP.splitlines(keepends=True), name)
+    ns: dict = {"__name__": "__main__"}
+    exec(compile(TP, name, "exec"), ns)  # noqa: S102 - the lab's own solution
+    assert G._cell_source(ns["CopyToTP"]) == TP  # a class: inspect alone cannot find it
+    assert G._cell_source(ns["tp_mlp"], ns["CopyToTP"], ns["ReduceFromTP"]) == TP  # the cell once
+    G.check_tp_mlp(ns["tp_mlp"], ns["CopyToTP"], ns["ReduceFromTP"], cases=((2, 2, 3, 8, 16),))

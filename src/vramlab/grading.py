@@ -430,8 +430,8 @@ def _harness(body: str, *, allowed: tuple[str, ...], hint: str, source: str) -> 
 
 def _cell_source(*objs: Any) -> str:
     """The source to run on the ranks: the answer cell the grader hands over (`__vramlab_source__`);
-    in the student's own kernel, the whole cell that defined each function or class (its helpers and
-    imports with it), else the object's own source."""
+    in the student's own kernel (or labs/kernelless.py's), the whole cell that defined each function or
+    class (its helpers and imports with it), else the object's own source."""
     import inspect
     import linecache
     import textwrap
@@ -446,7 +446,8 @@ def _cell_source(*objs: Any) -> str:
             funcs = [obj] if not isinstance(obj, type) else [getattr(v, "__func__", v) for v in vars(obj).values()]
             code = next((f.__code__ for f in funcs if hasattr(f, "__code__")), None)
             cell = code.co_filename if code else ""
-            if "ipykernel_" in cell or cell.startswith("<ipython-input"):  # a notebook cell: all of it
+            # a notebook cell, or a cell labs/kernelless.py compiled as "<lab cell N>": all of it
+            if "ipykernel_" in cell or (cell.startswith("<") and linecache.getlines(cell)):
                 source = "".join(linecache.getlines(cell))
             else:
                 try:

@@ -1001,6 +1001,27 @@ def _peak_report(tracked: list[dict], allocator: list[dict] | None) -> dict[str,
     return out
 
 
+def _record(args, world: int, *, note: str, device: str, structure_, setups: dict, knobs: dict) -> dict:
+    """The results file's record, the same for real ranks (rank 0 writes it) and a fake one."""
+    from .measure import provenance
+
+    model = getattr(args, "model", DEFAULT_MODEL)
+    out = {"experiment": "zero", "note": note, "backend": args.backend, "ranks": world,
+           "model": MODELS[model]["config"], "params": model_spec(model).params,
+           "micro_batch_size": args.micro_batch, "seq_len": args.seq, "steps": args.steps,
+           "provenance": provenance(device), "setups": setups}
+    try:
+        import deepspeed
+
+        out["provenance"]["deepspeed"] = deepspeed.__version__
+    except ImportError:  # FSDP2 alone needs only torch
+        pass
+    out.update(model_name=model, model_family=MODELS[model]["family"],
+               model_about=MODELS[model]["about"], structure=structure_, precision=args.precision,
+               deepspeed_knobs=knobs)
+    return out
+
+
 def _worker(rank: int, world: int, args, port: int) -> None:
     import torch
     import torch.distributed as dist
@@ -1041,27 +1062,14 @@ def _worker(rank: int, world: int, args, port: int) -> None:
                 diffs.append(max(float((r["params_after"][n] - ref[n]).abs().max()) for n in ref))
         dist.all_gather_object(gathered, slim)
         if rank == 0:
-            from .measure import provenance
-
             note = (f"NCCL on {world} GPUs; memory by a scan of live storages" if args.backend == "nccl" else
                     f"gloo on {world} CPU processes; memory by a scan of live storages on the CPU, not a GPU measurement")
-            out = {"experiment": "zero", "note": note, "backend": args.backend, "ranks": world,
-                   "model": MODELS[model]["config"], "params": model_spec(model).params,
-                   "micro_batch_size": args.micro_batch, "seq_len": args.seq, "steps": args.steps,
-                   "provenance": provenance("cuda" if args.backend == "nccl" else "cpu"),
-                   "setups": {s: {"max_abs_diff_vs_one_process": d, "per_rank": [g[i] for g in gathered]}
-                              for i, (s, d) in enumerate(zip(args.setups, diffs))}}
-            try:
-                import deepspeed
-
-                out["provenance"]["deepspeed"] = deepspeed.__version__
-            except ImportError:  # FSDP2 alone needs only torch
-                pass
-            out.update(model_name=model, model_family=MODELS[model]["family"], model_about=MODELS[model]["about"],
-                       structure=reports[0]["structure"] if reports else None, precision=args.precision,
-                       deepspeed_knobs={DS_KNOBS[k]: v for k, v in knobs.items()})
-            for i, s in enumerate(args.setups):
-                out["setups"][s]["engine"] = gathered[0][i].get("engine")
+            out = _record(args, world, note=note, device="cuda" if args.backend == "nccl" else "cpu",
+                          structure_=reports[0]["structure"] if reports else None,
+                          setups={s: {"max_abs_diff_vs_one_process": d, "per_rank": [g[i] for g in gathered],
+                                      "engine": gathered[0][i].get("engine")}
+                                  for i, (s, d) in enumerate(zip(args.setups, diffs))},
+                          knobs={DS_KNOBS[k]: v for k, v in knobs.items()})
             Path(args.out).write_text(json.dumps(out) + "\n")
         dist.barrier()
         dist.destroy_process_group()
@@ -1094,7 +1102,6 @@ def _fake_rank(args) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .commbench import _first_line
-    from .measure import provenance
 
     rank, world = args.rank, args.nproc
     on_gpu = torch.cuda.is_available()
@@ -1118,16 +1125,11 @@ def _fake_rank(args) -> int:
              "on the CPU: memory by a scan of live storages, not a GPU measurement")
     structure_ = r.pop("structure")
     r.pop("params_after")
-    out = {"experiment": "zero", "backend": "fake", "ranks": world, "measured_rank": rank,
-           "note": f"rank {rank} of {world} alone, torch's fake process group (collectives move no data; "
-                   f"every allocation real) {where}",
-           "model": MODELS[args.model]["config"], "params": model_spec(args.model).params,
-           "micro_batch_size": args.micro_batch, "seq_len": args.seq, "steps": args.steps,
-           "provenance": provenance("cuda" if on_gpu else "cpu"),
-           "setups": {"fsdp2": {"max_abs_diff_vs_one_process": None, "per_rank": [r], "engine": r.get("engine")}},
-           "model_name": args.model, "model_family": MODELS[args.model]["family"],
-           "model_about": MODELS[args.model]["about"], "structure": structure_, "precision": args.precision,
-           "deepspeed_knobs": {}}
+    out = _record(args, world, note=f"rank {rank} of {world} alone, torch's fake process group (collectives move "
+                                     f"no data; every allocation real) {where}",
+                  device="cuda" if on_gpu else "cpu", structure_=structure_, knobs={},
+                  setups={"fsdp2": {"max_abs_diff_vs_one_process": None, "per_rank": [r], "engine": r.get("engine")}})
+    out = {"experiment": out.pop("experiment"), "backend": "fake", "ranks": world, "measured_rank": rank, **out}
     out["command"] = "python -m vramlab.zerolab " + " ".join(args.argv)
     text = json.dumps(out, indent=1) + "\n"
     if args.out:
