@@ -46,6 +46,9 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "pythia410m_fp32_4r_rank0": ("Pythia-410M, fp32, 4 ranks, untied head", ["--model", "pythia-410m", "--nproc", "4"]),
     "pythia410m_bf16_8r_rank0": ("Pythia-410M, bf16 policy, 8 ranks", ["--model", "pythia-410m", "--nproc", "8",
                                                                        "--precision", "bf16"]),
+    "pythia410m_fp32_4r_rank0_nocache": ("Pythia-410M, fp32, 4 ranks, transformers' KV cache off (as scripts that "
+                                         "set use_cache=False train): the fused qkv output stays alive",
+                                         ["--model", "pythia-410m", "--nproc", "4", "--kv-cache", "off"]),
     "mistralblock_bf16_4r_rank0": ("Mistral-7B's block (218 M) > root (67 M), bf16 policy, 4 ranks, 1 x 2048",
                                    ["--model", "mistral-block-small-vocab", "--nproc", "4", "--precision", "bf16"]),
     "mistralblock_fp32_8r_rank0": ("Mistral-7B's block > root, fp32, 8 ranks, 1 x 2048",

@@ -545,10 +545,10 @@ def test_lab4_stored_run():
                                   implementation="deepspeed", optimizer_impl="for-loop", device="cpu",
                                   reduce_bucket=bucket).total for setup in got}
     assert est["2"] < 0.9 * est["1"]
-    # ZeRO-1 within the gate; ZeRO-2 within 10 %: with 16 tokens the step's own gradient tensors (one
-    # being copied into the bucket beside one waiting outside it) weigh as much as the activations,
-    # and the estimate counts one of them (the known gap the chapter names)
-    assert abs(est["1"] - got["1"]) <= 0.05 * got["1"] and abs(est["2"] - got["2"]) <= 0.10 * got["2"], (est, got)
+    # both within the gate: with 16 tokens the step's own gradient tensors weigh as much as the
+    # activations, and ZeRO-2's peak is a flush of one larger than the bucket (it, the flat copy
+    # reduced, and the next one arriving: three at once; the estimate counted one until #26)
+    assert abs(est["1"] - got["1"]) <= 0.05 * got["1"] and abs(est["2"] - got["2"]) <= 0.05 * got["2"], (est, got)
 
 
 def test_lab7_instructor_full_marks_and_cpu_run(tmp_path):

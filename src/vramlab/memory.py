@@ -337,9 +337,11 @@ def _qkv_separate(spec: ModelSpec, *, gqa_native: bool = False) -> list[Saved]:
 
 
 def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: str = "cuda",
-                precision: Precision = "fp32", decoder: bool = False, batch_size: int = 2) -> list[Saved]:
+                precision: Precision = "fp32", decoder: bool = False, batch_size: int = 2,
+                use_cache: bool = False) -> list[Saved]:
     """The tensors one transformer block saves for backward (T5: `decoder=True` for a decoder block).
-    `batch_size` matters only at 1, where some views need no copy."""
+    `batch_size` matters only at 1, where some views need no copy. `use_cache`: the model trains with
+    transformers' KV cache on (see `training_phases`); only fused-QKV blocks (GPT-2, GPT-NeoX) change."""
     f = spec.family
     h = spec.hidden_size
     kw = dict(attention=attention, device=device, precision=precision)
@@ -350,6 +352,8 @@ def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: s
         if math and attention == "sdpa" and batch_size == 1:  # math SDPA scales q and k into copies;
             # at batch 1, v's view needs no copy and keeps the whole qkv output alive
             fused.append(Saved(name="scaled q, k", width=2 * h, kind="half"))
+        if use_cache:  # the cache's torch.cat copies k and v, which attention saves; q's view keeps c_attn out
+            fused.append(Saved(name="k, v copied into the cache", width=2 * h, kind="half"))
         return (_norm(spec, "ln_1") + [Saved(name="c_attn input", width=h, kind="half")]
                 + _attention(spec, qkv=fused, **kw) + _drop(spec, "resid")
                 + _norm(spec, "ln_2") + _mlp(spec, amp=amp) + _drop(spec, "mlp"))
@@ -357,6 +361,8 @@ def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: s
         qkv = [Saved(name="q, k after rotary", width=2 * h, kind="half")]
         if math and batch_size > 1:  # matmul(probs, v) saves a contiguous copy of v
             qkv.append(Saved(name="v", width=h, kind="half"))
+        elif use_cache:  # the cache's torch.cat copies k and v; attention saves the copies, the fused output is freed
+            qkv.append(Saved(name="v copied into the cache", width=h, kind="half"))
         else:  # SDPA saves v, a view of the fused qkv output, which keeps all of it alive
             qkv.append(Saved(name="qkv out (v view)", width=3 * h, kind="half"))
         norms = _norm(spec, "input_layernorm")
@@ -642,7 +648,7 @@ WHOLE_MODEL = DeviceShare()
 
 def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
                      attention: AttentionImpl = "sdpa", recompute: "Recompute | Plan" = "none", device: str = "cuda",
-                     frozen_base: bool = False, share: DeviceShare = WHOLE_MODEL) -> dict:
+                     frozen_base: bool = False, share: DeviceShare = WHOLE_MODEL, use_cache: bool = False) -> dict:
     """Bytes saved for backward at the end of the forward pass, split into 'layers' (all blocks),
     'one_layer' (the largest block), 'outside' (embeddings, head, loss) and 'weight_copies'
     (autocast's half-precision weights). `recompute` is a plan (`recompute_plan`): a checkpointed
@@ -664,7 +670,7 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     b, s, a = batch_size, seq_len, spec.num_heads
     tokens, scores = b * s, b * a * s * s
     t, sp = share.tp, share.sp
-    kw = dict(attention=attention, device=device, precision=precision, batch_size=b)
+    kw = dict(attention=attention, device=device, precision=precision, batch_size=b, use_cache=use_cache)
     sizes = dict(tokens=tokens, scores=scores, nbytes=nb, spec=spec, tp=t, sp=sp)
     seq_split = t if sp else 1  # h-wide tensors are split along the sequence under SP
 
@@ -800,12 +806,12 @@ def estimate_training(model: ModelSpec | str, *, batch_size: int, seq_len: int, 
                       optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
                       attention: AttentionImpl = "sdpa", recompute: Recompute = "none",
                       device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None,
-                      gpu: GPUSpec | str | None = None) -> MemoryBreakdown:
+                      gpu: GPUSpec | str | None = None, use_cache: bool = False) -> MemoryBreakdown:
     """Peak memory of one steady-state training step: the largest of `training_phases(...)`, whose
     docstring describes the arguments."""
     phases = training_phases(model, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
                              optimizer_impl=optimizer_impl, attention=attention, recompute=recompute, device=device,
-                             trainable_params=trainable_params, gpu=gpu)
+                             trainable_params=trainable_params, gpu=gpu, use_cache=use_cache)
     return max(phases, key=lambda m: m.total)
 
 
@@ -813,7 +819,8 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
                     optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
                     attention: AttentionImpl = "sdpa", recompute: Recompute = "none",
                     device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None,
-                    gpu: GPUSpec | str | None = None, share: DeviceShare = WHOLE_MODEL) -> list[MemoryBreakdown]:
+                    gpu: GPUSpec | str | None = None, share: DeviceShare = WHOLE_MODEL,
+                    use_cache: bool = False) -> list[MemoryBreakdown]:
     """Memory, in bytes, at each candidate peak of one steady-state training step, in step order
     (`.phase` names each); `estimate_training` returns the largest.
 
@@ -831,6 +838,13 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     gpu         on CUDA, sets the cuBLAS workspaces' size (default: Hopper's 32 MiB per handle)
     share       one device's part of a parallel layout (`DeviceShare`; `parallel.estimate_layout`
                 builds them): the default, the whole model on one device, is `estimate_training`
+    use_cache   the model trains with transformers' KV cache on: a config that says use_cache=True
+                (the default of most) without gradient checkpointing. The cache's torch.cat copies
+                every block's k and v, which attention then saves: a fused-QKV block keeps 2h per
+                token less (GPT-NeoX: the fused output, kept alive by v's view, is freed) or more
+                (GPT-2: q's view keeps it); separate projections are unchanged (measured in trace
+                mode and on an H100: tests/test_validation.py). The default, off, is what training
+                scripts that set use_cache=False and every vramlab measurement run.
 
     The step's phases are forward end, backward start (the logits' gradient), the LM head's
     backward, a recomputed block's backward, and optimizer.step(); the peak is their maximum.
@@ -862,6 +876,9 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     if not share.whole and trainable_params is not None:
         raise ValueError("trainable_params (frozen-base fine-tuning) is modelled on one device only")
     plan = recompute_plan(recompute, spec)
+    if use_cache and plan.segments:
+        raise ValueError("use_cache=True with recompute: transformers turns the KV cache off under gradient "
+                         "checkpointing; pass use_cache=False")
     # cuBLAS workspaces, held by the caching allocator for the process's life: one per handle, and
     # the forward (Python thread) and backward (autograd's device thread) use different handles
     workspaces = 2 * cublas_workspace_bytes(gpu) if device == "cuda" else 0
@@ -886,7 +903,8 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     ids = b * s * 8 * (2 if spec.family == "t5" else 1)  # int64 ids (+ T5's separate labels)
     inputs = (ids if first else 0) + (b * s * 8 if last and not first else 0)  # a last stage gets the labels
     act = activation_bytes(spec, batch_size=b, seq_len=s, precision=precision, attention=attention,
-                           recompute=plan, device=device, frozen_base=n_train < n_all, share=share)
+                           recompute=plan, device=device, frozen_base=n_train < n_all, share=share,
+                           use_cache=bool(use_cache))
     A = act["layers"] + act["outside"] + act["weight_copies"]
     nb = _dtype_bytes(precision, device)
     # a non-last pipeline stage keeps the output it sent until that micro-batch's backward

@@ -283,7 +283,7 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
                 reduce_bucket: int = REDUCE_BUCKET, max_live_parameters: int = MAX_LIVE,
                 persistence_threshold: int = PERSISTENCE, prefetch_bucket: int = PREFETCH,
                 max_reuse_distance: int = 1_000_000_000, optimizer_impl: str = "fused",
-                device: Literal["cuda", "cpu"] = "cuda", gpu=None) -> list[_mem.MemoryBreakdown]:
+                device: Literal["cuda", "cpu"] = "cuda", gpu=None, use_cache: bool = False) -> list[_mem.MemoryBreakdown]:
     """One rank's memory at each moment of a training step that may peak, in step order (`.phase`
     names each); `estimate_rank` returns the largest. The forward and backward come from
     `memory.training_phases` (activations, the logits and their gradient, the temporaries of each
@@ -313,7 +313,9 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
       gradients and the bucket are freed by then) and the optimizer's temporaries on it (`optimizer_impl`:
       for-loop = torch's AdamW(foreach=False), two copies of the tensor it updates; DeepSpeed steps one
       flat partition tensor, FSDP2 each parameter's shard).
-    On CUDA the two cuBLAS workspaces are under `other`, as in `memory`."""
+    On CUDA the two cuBLAS workspaces are under `other`, as in `memory`. `use_cache`: the model trains
+    with transformers' KV cache on (`memory.training_phases`; vramlab.zerolab's models do, as their
+    configs default)."""
     spec = _mem._resolve(model)
     n, s = _count("n_ranks", n_ranks), _stage(stage)
     pb, gb, k = _recipe(recipe)
@@ -334,7 +336,8 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
     psi = spec.params
     part = -(-psi // n)
     engine = _mem.training_phases(spec, batch_size=micro_batch_size, seq_len=seq_len, precision=_ACT_PRECISION[recipe],
-                                  attention=attention, device=device, optimizer_impl="fused", gpu=gpu)
+                                  attention=attention, device=device, optimizer_impl="fused", gpu=gpu,
+                                  use_cache=use_cache)
     steps = [ph for ph in engine if not ph.phase.startswith("optimizer")]
     G = psi * pb  # every gradient, in the model's dtype
     V, e = spec.vocab_size, spec.word_embed_proj_dim or spec.hidden_size
@@ -355,7 +358,8 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
     def one_block() -> int:  # one block's saved activations: freed by the time an earlier block's backward runs
         return _mem.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len,
                                      precision=_ACT_PRECISION[recipe], attention=attention, device=device,
-                                     share=_mem.DeviceShare(blocks=(0, 1), first=False, last=False))["one_layer"]
+                                     share=_mem.DeviceShare(blocks=(0, 1), first=False, last=False),
+                                     use_cache=use_cache)["one_layer"]
     inputs = steps[0].inputs
     if implementation == "fsdp2":
         block, root = _units(spec)
@@ -374,9 +378,13 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
                 # the last block (first in the backward): it and the next one prefetched
                 phases.append((ph.phase, min(ph.gradients, head_grad), ph.activations, ph.temporaries + R + 2 * unit))
                 # an earlier block: the later block's activations freed, its gradients flat in the reduce
-                # dtype until their reduce-scatter is waited on, and their fp32 shard kept (measured)
+                # dtype until their reduce-scatter is waited on, and their fp32 shard kept; this block
+                # gathered and, where a block precedes it (three blocks or more), that one prefetched: its
+                # all-gather output (measured: an H100's Mistral block, gloo ranks' 2-block models)
+                prefetched = unit if spec.num_layers + spec.num_decoder_layers >= 3 else 0
                 phases.append(("backward of an earlier block", min(ph.gradients, head_grad) + -(-block // n) * 4,
-                               max(ph.activations - one_block(), 0), ph.temporaries + R + unit + flat_grads))
+                               max(ph.activations - one_block(), 0),
+                               ph.temporaries + R + unit + prefetched + flat_grads))
                 continue
             else:  # the logits' gradient and the head: the last block prefetched
                 extra, grads = R + unit, min(ph.gradients, head_grad)
@@ -408,7 +416,13 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
             # ranks that own blocks; a gradient larger than the bucket waits outside it until the next
             # one flushes it
             last = touches[-1] * pb
-            big = max((x for x in _block_tensor_sizes(spec) if x > bucket), default=0) * pb
+            # such a gradient waits alone (`extra_large_param_to_reduce`) until the next gradient's hook
+            # flushes it: allreduce_bucket then reduces a flat copy of it (torch.cat) while the arriving
+            # gradient exists too, another one larger than the bucket where a block has two
+            bigs = sorted((x for x in _block_tensor_sizes(spec) if x > bucket), reverse=True)
+            two_big = len(bigs) >= 2 * (spec.num_layers + spec.num_decoder_layers)
+            big = bigs[0] * pb if bigs else 0
+            flushing = (2 * bigs[0] + bigs[1]) * pb if two_big else big
 
             def zero2(ph) -> int:
                 if ph.phase.startswith("forward"):
@@ -424,7 +438,7 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
             # an earlier block: the later block's activations freed, every rank's buffer allocated
             blk = next(ph for ph in steps if "block" in ph.phase)
             at = next(i for i, x in enumerate(phases) if x[0] == blk.phase) + 1
-            phases.insert(at, ("backward of an earlier block", B + owned + big + min(blk.gradients, head_grad),
+            phases.insert(at, ("backward of an earlier block", B + owned + flushing + min(blk.gradients, head_grad),
                                max(blk.activations - one_block(), 0), blk.temporaries))
         phases.append(("optimizer step", part * 4, 0, temps([part])))
     else:
@@ -463,7 +477,7 @@ def estimate_rank(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_b
                   reduce_bucket: int = REDUCE_BUCKET, max_live_parameters: int = MAX_LIVE,
                   persistence_threshold: int = PERSISTENCE, prefetch_bucket: int = PREFETCH,
                   max_reuse_distance: int = 1_000_000_000, optimizer_impl: str = "fused",
-                  device: Literal["cuda", "cpu"] = "cuda", gpu=None) -> _mem.MemoryBreakdown:
+                  device: Literal["cuda", "cpu"] = "cuda", gpu=None, use_cache: bool = False) -> _mem.MemoryBreakdown:
     """One rank's peak in a training step: what stays between steps (`model_states`) plus the step's
     worst moment, the largest of `rank_phases` (whose docstring says what each library holds when).
     Validated against independent measurements on real gloo ranks (DeepSpeed 0.19.8, torch 2.13) for
@@ -473,7 +487,7 @@ def estimate_rank(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_b
                          implementation=implementation, attention=attention, reduce_bucket=reduce_bucket,
                          max_live_parameters=max_live_parameters, persistence_threshold=persistence_threshold,
                          prefetch_bucket=prefetch_bucket, max_reuse_distance=max_reuse_distance,
-                         optimizer_impl=optimizer_impl, device=device, gpu=gpu)
+                         optimizer_impl=optimizer_impl, device=device, gpu=gpu, use_cache=use_cache)
     return max(phases, key=lambda b: b.total)
 
 

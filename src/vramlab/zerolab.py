@@ -165,7 +165,7 @@ class ZerolabError(RuntimeError):
 
 # ----------------------------------------------------------------------------- measuring (torch)
 
-def _build(seed: int = 0, name: str = DEFAULT_MODEL):
+def _build(seed: int = 0, name: str = DEFAULT_MODEL, use_cache: bool | None = None):
     import torch
     import transformers
 
@@ -177,6 +177,8 @@ def _build(seed: int = 0, name: str = DEFAULT_MODEL):
     if m["config"].get("untied_lm_head"):  # transformers 5 always ties T5/mT5's head: untie it, as the published mT5 is
         model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
         model.config.tie_word_embeddings = False
+    if use_cache is not None:  # None: the config's default (transformers': on)
+        model.config.use_cache = use_cache
     return model
 
 
@@ -901,7 +903,7 @@ def warmup_steps(steps: int) -> int:
 
 def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, steps: int,
               precision: str = "fp32", model: str = DEFAULT_MODEL, knobs: dict | None = None,
-              allocator_check: bool = True) -> dict[str, Any]:
+              allocator_check: bool = True, use_cache: bool | None = None) -> dict[str, Any]:
     """Train `steps` steps and measure every one after the warm-up (`warmup_steps`); return this
     rank's report. The step's peak is the largest over the measured steps, as the allocator's peak
     over a run is: which buffers of the last collective are still alive at a step's worst moment
@@ -915,7 +917,7 @@ def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, 
     alloc_log = _AllocatorLog() if allocator_check and dev is None else None
     with alloc_log or contextlib.nullcontext():
         marks.profiling = alloc_log is not None
-        built = _build(name=model)
+        built = _build(name=model, use_cache=use_cache)
         shape = structure(built) if rank == 0 or torch.distributed.get_backend() == "fake" else None
         module, opt, step, about = _engine(setup, built, world, micro_batch, precision, knobs, marks)
         del built
@@ -1018,8 +1020,19 @@ def _record(args, world: int, *, note: str, device: str, structure_, setups: dic
         pass
     out.update(model_name=model, model_family=MODELS[model]["family"],
                model_about=MODELS[model]["about"], structure=structure_, precision=args.precision,
-               deepspeed_knobs=knobs)
+               deepspeed_knobs=knobs, use_cache=_use_cache(model) if getattr(args, "use_cache", None) is None
+               else args.use_cache)
     return out
+
+
+def _use_cache(name: str) -> bool:
+    """Whether the model trains with transformers' KV cache on: its config's use_cache (zerolab keeps
+    transformers' default, on; it changes what fused-QKV blocks save: memory.training_phases)."""
+    import transformers
+
+    m = MODELS[name]
+    cfg = {k: v for k, v in m["config"].items() if k not in ("model_type", "untied_lm_head")}
+    return bool(getattr(transformers, m["classes"][0])(**cfg).use_cache)
 
 
 def _worker(rank: int, world: int, args, port: int) -> None:
@@ -1042,7 +1055,8 @@ def _worker(rank: int, world: int, args, port: int) -> None:
         for setup in args.setups:
             r = run_setup(setup, rank, world, micro_batch=args.micro_batch, seq=args.seq, steps=args.steps,
                           precision=args.precision, model=model, knobs=knobs,
-                          allocator_check=getattr(args, "allocator_check", True))
+                          allocator_check=getattr(args, "allocator_check", True),
+                          use_cache=getattr(args, "use_cache", None))
             reports.append(r)
             dist.barrier()
             gc.collect()
@@ -1110,7 +1124,8 @@ def _fake_rank(args) -> int:
     try:
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
         r = run_setup("fsdp2", rank, world, micro_batch=args.micro_batch, seq=args.seq, steps=args.steps,
-                      precision=args.precision, model=args.model, allocator_check=False)
+                      precision=args.precision, model=args.model, allocator_check=False,
+                      use_cache=args.use_cache)
     except Exception as e:  # noqa: BLE001 - one line
         if os.environ.get("ZEROLAB_DEBUG"):
             import traceback
@@ -1183,12 +1198,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="stage3_max_live_parameters (DeepSpeed: 1e9)")
     ds.add_argument("--persistence-threshold", type=_elements(0), default=None,
                     help="stage3_param_persistence_threshold (DeepSpeed: 1e5)")
+    p.add_argument("--kv-cache", choices=("default", "on", "off"), default="default",
+                   help="transformers' KV cache while training (default: the config's, on): changes what "
+                        "fused-QKV blocks save (vramlab.memory.training_phases' use_cache)")
     p.add_argument("--no-allocator-check", dest="allocator_check", action="store_false",
                    help="skip the cross-check against the CPU allocator's record (the profiler's memory events)")
     p.add_argument("--out", default="")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--timeout", type=int, default=300)
     args = p.parse_args(argv)
+    args.use_cache = {"default": None, "on": True, "off": False}[args.kv_cache]
     if args.list_models:
         for name, m in MODELS.items():
             print(f"{name:20} {m['family']:9} micro-batch {m['micro_batch']} x seq {m['seq']}: {m['about']}")
