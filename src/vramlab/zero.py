@@ -417,8 +417,11 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
             # one flushes it
             last = touches[-1] * pb
             # such a gradient waits alone (`extra_large_param_to_reduce`) until the next gradient's hook
-            # flushes it: allreduce_bucket then reduces a flat copy of it (torch.cat) while the arriving
-            # gradient exists too, another one larger than the bucket where a block has two
+            # (any size: the bucket is already over) flushes it; average_tensor reduces it in slices, one
+            # per owning rank, and allreduce_bucket copies slices grouped together flat (torch.cat; a lone
+            # slice is not copied) while the arriving gradient exists too: counted as a whole copy beside
+            # the next tensor larger than the bucket where a block has two (measured: lab 4's 1 x 16 run,
+            # a Llama-like model with 4 MB tensors and 2 MB buckets)
             bigs = sorted((x for x in _block_tensor_sizes(spec) if x > bucket), reverse=True)
             two_big = len(bigs) >= 2 * (spec.num_layers + spec.num_decoder_layers)
             big = bigs[0] * pb if bigs else 0
