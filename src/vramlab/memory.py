@@ -110,7 +110,8 @@ class MemoryBreakdown:
 def _dtype_bytes(precision: Precision, device: str) -> dict[str, int]:
     half = 4 if precision == "fp32" else 2
     x = 2 if precision in PURE_16BIT else 4
-    return {"x": x, "half": half, "f32": 4, "loss": 4, "mask": 1 if device == "cuda" else half, "i64": 8}
+    return {"x": x, "half": half, "f32": 4, "loss": 4, "mask": 1 if device == "cuda" else half, "i64": 8,
+            "up32": 4 if precision in PURE_16BIT else 0}  # an fp32 copy that exists only under pure 16 bits
 
 
 def _loss_bytes(spec: ModelSpec, precision: Precision) -> int:
@@ -244,8 +245,14 @@ def _cast_inputs(name: str, width: int, n_linears: int, *, amp: bool, for_weight
 def _norm(spec: ModelSpec, name: str) -> list[Saved]:
     h = spec.hidden_size
     if spec.norm == "rmsnorm":  # x (fp32) for x.pow(2); x * rsqrt(var) for the weight multiply (only
-        # the weight's gradient needs it: a frozen norm keeps none, measured with peft); rsqrt
-        return [Saved(name=f"{name} input", width=h, kind="x"),
+        # the weight's gradient needs it: a frozen norm keeps none, measured with peft); rsqrt.
+        # T5's norm squares x.to(torch.float32), a copy under pure 16 bits that pow saves, and multiplies
+        # the 16-bit x by the fp32 rsqrt: pure 16 bits keep both (8h bytes a token, as fp32; measured
+        # with saved-tensor hooks). Llama's multiplies the fp32 copy and saves 6h, not x's 2h: measured
+        # per norm, but the whole-model trace is then 3 % over in pure bf16 (-1 % without): left as is
+        # until the rest of the pure-bf16 Llama ledger is traced
+        extra = [Saved(name=f"{name} input's fp32 copy (pure 16-bit)", width=h, kind="up32")] if spec.family == "t5" else []
+        return [Saved(name=f"{name} input", width=h, kind="x"), *extra,
                 Saved(name=f"{name} normalized", width=h, kind="x", for_weight=True),
                 Saved(name=f"{name} rsqrt", width=1, kind="f32")]
     return [Saved(name=f"{name} input", width=h, kind="x"), Saved(name=f"{name} mean, rstd", width=2, kind="f32")]
@@ -264,12 +271,14 @@ def _math_path(spec: ModelSpec, attention: AttentionImpl, device: str, precision
 
 
 def _attention(spec: ModelSpec, *, attention: AttentionImpl, device: str, precision: Precision,
-               qkv: list[Saved], out_copy_flash: bool = False) -> list[Saved]:
-    """Scaled dot-product attention after the projections: `qkv` are the saved q, k, v."""
+               qkv: list[Saved], out_copy_flash: bool = False, math_upcast: bool = False) -> list[Saved]:
+    """Scaled dot-product attention after the projections: `qkv` are the saved q, k, v.
+    `math_upcast`: SDPA's math path runs this attention in pure 16 bits, on any device."""
     a, qd = spec.num_heads, spec.q_dim
     saved = list(qkv)
-    # PyTorch's CPU math SDPA computes 16-bit attention in fp32: q, k, v are upcast copies, scores fp32
-    cpu_upcast = device == "cpu" and attention == "sdpa" and precision != "fp32"
+    # PyTorch's math SDPA computes 16-bit attention in fp32: q, k, v are upcast copies, scores fp32 (on
+    # the CPU always; on CUDA where no fused kernel takes the call)
+    cpu_upcast = (device == "cpu" and attention == "sdpa" and precision != "fp32") or math_upcast
     if cpu_upcast:
         saved = [dataclasses.replace(q, kind="f32") for q in saved]
     if _math_path(spec, attention, device, precision):
@@ -388,8 +397,13 @@ def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: s
                 + _drop(spec, "attn output") + _norm(spec, "attention LayerNorm")
                 + _mlp(spec, amp=amp) + _drop(spec, "output") + _norm(spec, "output LayerNorm"))
     if f == "t5":
+        # self-attention adds the relative-position bias, which needs a gradient, as SDPA's mask: no fused
+        # kernel takes it (transformers 5.17 passes a view whose last stride is not 1; a mask that needs
+        # a gradient is refused by cuDNN), so SDPA runs its math path, which in pure 16 bits upcasts
+        # q, k, v and the probabilities to fp32 (H100: mT5-base pure bf16, with the norms' fp32 copies)
+        upcast = attention == "sdpa" and precision in PURE_16BIT
         self_attn = (_norm(spec, "self-attn norm") + _cast_inputs("q/k/v input", h, 3, amp=amp)
-                     + _attention(spec, qkv=_qkv_separate(spec), **{**kw, "attention": "eager"})
+                     + _attention(spec, qkv=_qkv_separate(spec), **{**kw, "attention": "eager"}, math_upcast=upcast)
                      + _drop(spec, "self-attn"))
         ff = _norm(spec, "ff norm") + _mlp(spec, dropout_inside=spec.hidden_dropout > 0, amp=amp) + _drop(spec, "ff")
         if not decoder:
