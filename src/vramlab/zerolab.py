@@ -165,15 +165,22 @@ class ZerolabError(RuntimeError):
 
 # ----------------------------------------------------------------------------- measuring (torch)
 
+def _config(name: str):
+    """The transformers config of a MODELS entry (its own keys that are not the config's removed)."""
+    import transformers
+
+    m = MODELS[name]
+    cfg = {k: v for k, v in m["config"].items() if k not in ("model_type", "untied_lm_head")}
+    return getattr(transformers, m["classes"][0])(**cfg)
+
+
 def _build(seed: int = 0, name: str = DEFAULT_MODEL, use_cache: bool | None = None):
     import torch
     import transformers
 
     torch.manual_seed(seed)
     m = MODELS[name]
-    conf_cls, model_cls = (getattr(transformers, c) for c in m["classes"])
-    cfg = {k: v for k, v in m["config"].items() if k not in ("model_type", "untied_lm_head")}
-    model = model_cls(conf_cls(**cfg))
+    model = getattr(transformers, m["classes"][1])(_config(name))
     if m["config"].get("untied_lm_head"):  # transformers 5 always ties T5/mT5's head: untie it, as the published mT5 is
         model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
         model.config.tie_word_embeddings = False
@@ -1028,11 +1035,7 @@ def _record(args, world: int, *, note: str, device: str, structure_, setups: dic
 def _use_cache(name: str) -> bool:
     """Whether the model trains with transformers' KV cache on: its config's use_cache (zerolab keeps
     transformers' default, on; it changes what fused-QKV blocks save: memory.training_phases)."""
-    import transformers
-
-    m = MODELS[name]
-    cfg = {k: v for k, v in m["config"].items() if k not in ("model_type", "untied_lm_head")}
-    return bool(getattr(transformers, m["classes"][0])(**cfg).use_cache)
+    return bool(_config(name).use_cache)
 
 
 def _worker(rank: int, world: int, args, port: int) -> None:
