@@ -59,6 +59,15 @@ MAXBATCH = dict(model="gpt2", seq_len=512, precision="bf16-mixed")
 T0 = time.perf_counter()
 
 
+def _pinned(package: str) -> str | None:
+    """The version requirements.txt pins `package` to (None if it pins none)."""
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        name, _, version = line.split("#")[0].strip().partition("==")
+        if name.strip().lower() == package and version:
+            return version.strip()
+    return None
+
+
 def say(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.0f} s] {msg}", flush=True)
 
@@ -216,6 +225,13 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_campaign: no CUDA GPU here; run it on a GPU machine (or --dry-run for the plan)", file=sys.stderr)
         return 2
     say(f"GPU campaign on {name}: {', '.join(steps)}")
+    pinned = _pinned("transformers")
+    import transformers
+
+    if pinned and transformers.__version__ != pinned:
+        say(f"warning: transformers {transformers.__version__} here, requirements.txt pins {pinned}: the estimator models "
+            f"the pin (T5's self-attention, for one, runs another SDPA kernel before 5.23). Carry the pinned wheel: "
+            f"pip download --no-deps transformers=={pinned}, then PYTHONPATH (see benchmarks/results/h100/README.md)")
     report: dict = {}
     out = RESULTS / "gpu_campaign.json"
     if out.exists():

@@ -423,6 +423,22 @@ def test_lab3_replayed_bubble_separates_schedule_from_overhead():
         assert -0.01 < b["measured"] - b["replayed"] < 0.03, b
 
 
+
+def test_lab3_on_the_gpu_machines_host_predicts_every_rank():
+    """The GPU machine's host (16 cores) ran today's lab 3: DDP, TP (plain, SP, full recompute) and the
+    two- and four-stage pipelines under three schedules; each rank's tracked peak is within 5 % of the
+    step ledger, as on 2 cores (memory by live-tensor tracking does not depend on the cores)."""
+    import json
+
+    from vramlab import parlab
+
+    host = json.loads((ROOT / "labs" / "results" / "h100" / "lab03_parallelism_h100_host.json").read_text())
+    assert {"ddp", "tp", "tp_sp", "tp_full", "pp", "pp4"} <= set(host["runs"])
+    rows = [r for run in host["runs"].values() for r in parlab.memory_rows(run)]
+    assert len(rows) >= 20
+    assert all(abs(r["error"]) <= 0.05 for r in rows), [r for r in rows if abs(r["error"]) > 0.05]
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 8), (3, 4), (4, 8)])
 def test_replayed_bubble_of_equal_operations_is_the_formula(schedule, p, m):

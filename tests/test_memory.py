@@ -234,3 +234,28 @@ def test_subtraction_says_when_it_is_not_like_with_like():
     same = amp - estimate_training("gpt2", batch_size=4, seq_len=1024, precision="bf16-mixed")
     assert same.warning == "" and "WARNING" not in same.table()
     assert (MemoryBreakdown(parameters=3) - MemoryBreakdown(parameters=1)).warning == ""  # unlabelled: silent
+
+
+def test_t5_self_attention_on_cuda_keeps_one_mask_for_the_batch():
+    """T5's self-attention mask is the relative-position bias (it needs a gradient). On CUDA under the
+    pinned transformers the memory-efficient kernel takes it and keeps the (1, heads, s, s) mask, which
+    the batch broadcasts (one per block, whatever the batch); the CPU's math path keeps the
+    b x heads x s x s probabilities (tests/test_gpu_truth.py measures both versions on an H100)."""
+    from vramlab.memory import _saved_bytes
+
+    spec = preset("t5-small")
+    s, a = 256, spec.num_heads
+    for precision, nb in (("fp32", 4), ("bf16", 2), ("bf16-mixed", 2)):
+        cuda = layer_saved(spec, device="cuda", precision=precision)
+        masks = [x for x in cuda if x.per_score]
+        assert len(masks) == 1 and masks[0].shared_batch
+        nbytes = {"half": nb}
+        for b in (1, 8):
+            assert _saved_bytes(masks[0], tokens=b * s, scores=b * a * s * s, nbytes=nbytes, batch=b) == a * s * s * nb
+        cpu = layer_saved(spec, device="cpu", precision=precision)
+        assert any(x.per_score and not x.shared_batch for x in cpu)  # the probabilities
+    # the bias's share of a step: activations grow with the batch except the masks, one a block
+    one = activation_bytes(spec, batch_size=1, seq_len=s, device="cuda")["layers"]
+    eight = activation_bytes(spec, batch_size=8, seq_len=s, device="cuda")["layers"]
+    blocks = spec.num_layers + spec.num_decoder_layers
+    assert 8 * one - eight == 7 * blocks * a * s * s * 4

@@ -39,22 +39,9 @@ def zero_cases() -> list[tuple[str, str]]:
 
 def zero_estimate(run: dict, setup: str, device: str = "cpu"):
     """estimate_rank's phases for the run's configuration, as a user would ask for it."""
-    from vramlab import zero
-    from vramlab.zerolab import model_spec
+    from vramlab.zerolab import predict
 
-    knobs = run["deepspeed_knobs"]
-    kw = dict(micro_batch_size=run["micro_batch_size"], seq_len=run["seq_len"],
-              recipe="fp32-adam" if run["precision"] == "fp32" else "mixed-adam",
-              implementation="fsdp2" if setup == "fsdp2" else "deepspeed",
-              optimizer_impl="for-loop", device=device,
-              reduce_bucket=knobs.get("reduce_bucket_size") or zero.REDUCE_BUCKET,
-              max_live_parameters=knobs.get("stage3_max_live_parameters") or zero.MAX_LIVE,
-              persistence_threshold=knobs.get("stage3_param_persistence_threshold") or zero.PERSISTENCE,
-              prefetch_bucket=knobs.get("stage3_prefetch_bucket_size") or zero.PREFETCH,
-              # zerolab's models keep their configs' default, the KV cache on (recorded since; it was then too)
-              use_cache=run.get("use_cache", True))
-    stage = 3 if setup == "fsdp2" else int(setup)
-    return zero.rank_phases(model_spec(run["model_name"]), run["ranks"], stage, **kw)
+    return predict(run, setup, device=device, phases=True)
 
 
 def zero_row(name: str, setup: str) -> dict:

@@ -310,3 +310,19 @@ def test_nccl_without_gpus_is_one_line(module):
                        timeout=120)
     assert r.returncode == 2 and "needs CUDA GPUs and this machine has none" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_predict_asks_what_the_record_ran():
+    """zerolab.predict: a results record's own configuration into estimate_rank (the book's tables and
+    tests/test_validation.py ask through it); an unknown setup is one clear line."""
+    from vramlab.zerolab import model_spec, predict
+
+    run = json.loads((ROOT / "benchmarks" / "results" / "zero" / "gpu" / "pythia410m_fp32_4r_rank0_nocache.json").read_text())
+    assert run["use_cache"] is False
+    direct = Z.estimate_rank(model_spec("pythia-410m"), 4, 3, micro_batch_size=run["micro_batch_size"], seq_len=run["seq_len"],
+                             recipe="fp32-adam", implementation="fsdp2", optimizer_impl="for-loop", device="cuda",
+                             use_cache=False)
+    assert predict(run, "fsdp2", device="cuda").total == direct.total
+    assert predict({**run, "use_cache": True}, "fsdp2", device="cuda").total < direct.total  # the fused qkv output freed
+    with pytest.raises(ValueError, match="unknown setup '4'"):
+        predict(run, "4")

@@ -424,7 +424,7 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
     # weight gradient needed (o, the MLP's) keeps that input again: the ledger's for-weight tensors
     roles = {x.role for x in targets_}
     b, sq = batch_size, seq_len
-    led = dict(tokens=b * sq, scores=b * spec.num_heads * sq * sq, nbytes=nb)
+    led = dict(tokens=b * sq, scores=b * spec.num_heads * sq * sq, nbytes=nb, batch=b)
     lkw = dict(attention=attention, device=device, precision=precision, batch_size=b)
     blocks = [(layer_saved(spec, **lkw), spec.num_layers)]
     if spec.family == "t5":

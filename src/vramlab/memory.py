@@ -213,6 +213,7 @@ class Saved:
     width: int
     kind: str
     per_score: bool = False  # one element per attention score, i.e. b * a * s^2 in all
+    shared_batch: bool = False  # with per_score: one (1, a, s, s) tensor that the whole batch broadcasts
     part: str = "attn"  # "mlp" for the MLP's tensors (freed first in the block's backward)
     # saved only for a weight's gradient: a linear's input. Autograd saves what the gradients it
     # must compute need, so a frozen linear (PEFT's base) keeps no copy of its input
@@ -256,6 +257,16 @@ def _norm(spec: ModelSpec, name: str) -> list[Saved]:
                 Saved(name=f"{name} normalized", width=h, kind="x", for_weight=True),
                 Saved(name=f"{name} rsqrt", width=1, kind="f32")]
     return [Saved(name=f"{name} input", width=h, kind="x"), Saved(name=f"{name} mean, rstd", width=2, kind="f32")]
+
+
+def _t5_fused_self_attention(spec: ModelSpec, attention: AttentionImpl, device: str) -> bool:
+    """Does a fused SDPA kernel run T5's self-attention, whose mask is the relative-position bias
+    (which needs a gradient)? On CUDA from transformers 5.23 on, which makes the mask contiguous
+    (`create_position_bias_mask`): the memory-efficient kernel takes it (H100, torch 2.11). Up to 5.22
+    the mask was a strided view of the bias, which no fused kernel takes: the math path, as on the
+    CPU, whose kernels take no mask that needs a gradient (measured: mT5-base +0.28 GiB fp32 and
+    +0.53 GiB pure bf16 under 5.17, benchmarks/results/h100/t5_transformers_versions.json)."""
+    return spec.family == "t5" and device == "cuda" and attention == "sdpa"
 
 
 def _math_path(spec: ModelSpec, attention: AttentionImpl, device: str, precision: str | None = None) -> bool:
@@ -397,14 +408,22 @@ def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: s
                 + _drop(spec, "attn output") + _norm(spec, "attention LayerNorm")
                 + _mlp(spec, amp=amp) + _drop(spec, "output") + _norm(spec, "output LayerNorm"))
     if f == "t5":
-        # self-attention adds the relative-position bias, which needs a gradient, as SDPA's mask: no fused
-        # kernel takes it (transformers 5.17 passes a view whose last stride is not 1; a mask that needs
-        # a gradient is refused by cuDNN), so SDPA runs its math path, which in pure 16 bits upcasts
-        # q, k, v and the probabilities to fp32 (H100: mT5-base pure bf16, with the norms' fp32 copies)
-        upcast = attention == "sdpa" and precision in PURE_16BIT
+        # self-attention adds the relative-position bias, which needs a gradient, as SDPA's mask
+        if _t5_fused_self_attention(spec, attention, device):
+            # the memory-efficient kernel takes the mask, its gradient included (transformers >= 5.23
+            # passes it contiguous), and keeps q, k, v, its output, the log-sum-exp and the mask: each
+            # layer's contiguous (1, a, s, s) copy of the bias in the compute dtype (cast to 16 bits under
+            # autocast), which the batch broadcasts (H100: T5-small, mT5-small and mT5-base, 256-2048 tokens)
+            mask = Saved(name="position-bias mask (one for the batch)", width=1, kind="half", per_score=True,
+                         shared_batch=True)
+            core = _attention(spec, qkv=_qkv_separate(spec), **kw) + [mask]
+        else:
+            # no fused kernel takes it on the CPU (nor eager attention anywhere): the math path, which in
+            # pure 16 bits upcasts q, k, v and the probabilities to fp32 (mT5-base pure bf16 CPU trace)
+            upcast = attention == "sdpa" and precision in PURE_16BIT
+            core = _attention(spec, qkv=_qkv_separate(spec), **{**kw, "attention": "eager"}, math_upcast=upcast)
         self_attn = (_norm(spec, "self-attn norm") + _cast_inputs("q/k/v input", h, 3, amp=amp)
-                     + _attention(spec, qkv=_qkv_separate(spec), **{**kw, "attention": "eager"}, math_upcast=upcast)
-                     + _drop(spec, "self-attn"))
+                     + core + _drop(spec, "self-attn"))
         ff = _norm(spec, "ff norm") + _mlp(spec, dropout_inside=spec.hidden_dropout > 0, amp=amp) + _drop(spec, "ff")
         if not decoder:
             return self_attn + ff
@@ -445,9 +464,11 @@ def model_saved(spec: ModelSpec) -> list[Saved]:
     return saved
 
 
-def _saved_bytes(s: Saved, *, tokens: int, scores: int, nbytes: dict[str, int]) -> int:
-    """One saved tensor's bytes: `tokens` (or `scores`) times its width, in its kind's dtype."""
-    return s.width * nbytes[s.kind] * (scores if s.per_score else tokens)
+def _saved_bytes(s: Saved, *, tokens: int, scores: int, nbytes: dict[str, int], batch: int) -> int:
+    """One saved tensor's bytes: `tokens` (or `scores`, or the scores of one sequence for a tensor
+    the batch shares) times its width, in its kind's dtype."""
+    n = (scores // batch if s.shared_batch else scores) if s.per_score else tokens
+    return s.width * nbytes[s.kind] * n
 
 
 # saved tensors inside the heads or the MLP's width, by name (with as many query heads as h/d, q, k
@@ -470,14 +491,14 @@ def tp_split(x: Saved, spec: ModelSpec) -> bool:
     return x.width not in (spec.hidden_size, spec.word_embed_proj_dim or spec.hidden_size, 1, 2)
 
 
-def _ledger_bytes(saved: list[Saved], *, tokens: int, scores: int, nbytes: dict[str, int],
+def _ledger_bytes(saved: list[Saved], *, tokens: int, scores: int, nbytes: dict[str, int], batch: int,
                   spec: ModelSpec | None = None, tp: int = 1, sp: bool = False) -> int:
     """Bytes of saved tensors on one tensor-parallel rank (`tp_split`; with sequence parallelism the
     replicated tensors are split along the sequence too), rounded up once."""
+    size = dict(tokens=tokens, scores=scores, nbytes=nbytes, batch=batch)
     if tp == 1:
-        return sum(_saved_bytes(s, tokens=tokens, scores=scores, nbytes=nbytes) for s in saved)
-    return math.ceil(sum(Fraction(_saved_bytes(s, tokens=tokens, scores=scores, nbytes=nbytes), tp)
-                         if sp or tp_split(s, spec) else _saved_bytes(s, tokens=tokens, scores=scores, nbytes=nbytes)
+        return sum(_saved_bytes(s, **size) for s in saved)
+    return math.ceil(sum(Fraction(_saved_bytes(s, **size), tp) if sp or tp_split(s, spec) else _saved_bytes(s, **size)
                          for s in saved))
 
 
@@ -685,7 +706,7 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     tokens, scores = b * s, b * a * s * s
     t, sp = share.tp, share.sp
     kw = dict(attention=attention, device=device, precision=precision, batch_size=b, use_cache=use_cache)
-    sizes = dict(tokens=tokens, scores=scores, nbytes=nb, spec=spec, tp=t, sp=sp)
+    sizes = dict(tokens=tokens, scores=scores, nbytes=nb, batch=b, spec=spec, tp=t, sp=sp)
     seq_split = t if sp else 1  # h-wide tensors are split along the sequence under SP
 
     def keep(saved: list[Saved]) -> list[Saved]:
@@ -745,19 +766,22 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
         # relative-position buckets: an (s, s) int64 index per stack, kept by the bias embedding
         outside += 2 * s * s * nb["i64"]
         outside += tokens * spec.hidden_size * nb["x"]  # the encoder's output, read by every cross-attention
-        if not _math_path(spec, attention, device, precision):  # SDPA keeps the (zero) cross-attention bias
-            outside += a * s * s * nb["x"]
+        if not _math_path(spec, attention, device, precision):  # SDPA keeps the (zero) cross-attention bias,
+            outside += a * s * s * nb["half"]  # in the compute dtype (16 bits under autocast)
         if plan.segments:  # checkpointed blocks also keep their shared inputs: a (1, a, s, s) bias
             outside += a * s * s * nb["x"]
     # A block's backward runs the MLP first (all the block's tensors still saved, plus the MLP's
     # d(hidden)s), then attention (the MLP's tensors freed; with the scores materialised, d(probs)
     # and d(scores), b * a * s^2 each). The extra over the block's saved tensors at its worst
     # (inside the heads and the MLP width: split by t):
-    math_path = _math_path(spec, attention, device, precision) or spec.family == "t5"
+    t5_fused = _t5_fused_self_attention(spec, attention, device)
+    math_path = _math_path(spec, attention, device, precision) or (spec.family == "t5" and not t5_fused)
     # (a gated MLP's backward holds three (b, s, intermediate) tensors at once on CUDA, two on the CPU:
     # measured on every Llama-like CPU run, ZeRO-0 to FSDP2 and pipelines, tests/test_validation.py)
     mlp_grads = (3 if spec.gated_mlp and device == "cuda" else 2) * tokens * spec.intermediate_size * nb["half"]
     attn_grads = 2 * scores * nb["f32"] if math_path else 3 * tokens * spec.q_dim * nb["half"]
+    if t5_fused:  # the fused kernel's gradient of the (broadcast) bias, (b, a, s, s), before autograd sums it
+        attn_grads += scores * nb["half"]
     transient = max(-(-mlp_grads // t), -(-attn_grads // t) - mlp_part, 0)
     outside_last = _ledger_bytes([x for x in outside_saved if x.stage != "first"], **sizes) if share.last else 0
     return {"layers": layers, "one_layer": one, "outside": outside, "outside_last": outside_last, "weight_copies": copies,

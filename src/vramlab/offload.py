@@ -97,7 +97,7 @@ def _saved_tensors(spec: ModelSpec, *, batch_size: int, seq_len: int, precision:
     blocks; outside the blocks; autocast's weight casts as one tensor per linear weight)."""
     nb = _mem._dtype_bytes(precision, "cuda")
     tokens, scores = batch_size * seq_len, batch_size * spec.num_heads * seq_len * seq_len
-    size = lambda x: _mem._saved_bytes(x, tokens=tokens, scores=scores, nbytes=nb)  # noqa: E731
+    size = lambda x: _mem._saved_bytes(x, tokens=tokens, scores=scores, nbytes=nb, batch=batch_size)  # noqa: E731
     kw = dict(precision=precision, device="cuda", batch_size=batch_size)
     sizes = [size(x) for x in _mem.layer_saved(spec, **kw)] * spec.num_layers
     if spec.num_decoder_layers:

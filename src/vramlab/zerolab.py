@@ -159,6 +159,33 @@ def model_spec(name: str = DEFAULT_MODEL) -> ModelSpec:
     return from_config(MODELS[name]["config"], name=name)
 
 
+def predict(run: dict[str, Any], setup: str, *, device: str = "cpu", gpu: Any = None, phases: bool = False):
+    """What the estimator says for one setup of a results record (`zero.estimate_rank`, or with
+    `phases` every phase, `zero.rank_phases`), asked as a user would ask it: the record's model,
+    ranks, micro-batch and sequence, precision (fp32 -> "fp32-adam", else "mixed-adam"), DeepSpeed's
+    knobs (their defaults where the record left them unset), the torch.optim for-loop AdamW the ranks
+    ran, and the KV-cache setting (records before it was recorded trained with the configs' default,
+    on). `device` / `gpu` as `estimate_rank` takes them."""
+    from . import zero
+
+    if setup not in SETUPS:
+        raise ValueError(f"unknown setup {setup!r}; choose from {', '.join(SETUPS)}")
+    knobs = run.get("deepspeed_knobs") or {}
+    kw = dict(micro_batch_size=run["micro_batch_size"], seq_len=run["seq_len"],
+              recipe="fp32-adam" if run["precision"] == "fp32" else "mixed-adam",
+              implementation="fsdp2" if setup == "fsdp2" else "deepspeed", optimizer_impl="for-loop", device=device,
+              reduce_bucket=knobs.get("reduce_bucket_size") or zero.REDUCE_BUCKET,
+              max_live_parameters=knobs.get("stage3_max_live_parameters") or zero.MAX_LIVE,
+              persistence_threshold=knobs.get("stage3_param_persistence_threshold") or zero.PERSISTENCE,
+              prefetch_bucket=knobs.get("stage3_prefetch_bucket_size") or zero.PREFETCH,
+              use_cache=run.get("use_cache", True))
+    stage = 3 if setup == "fsdp2" else int(setup)
+    spec = model_spec(run["model_name"])
+    if phases:
+        return zero.rank_phases(spec, run["ranks"], stage, **kw)
+    return zero.estimate_rank(spec, run["ranks"], stage, gpu=gpu, **kw)
+
+
 class ZerolabError(RuntimeError):
     """A rank could not finish: one line that says which and why."""
 
