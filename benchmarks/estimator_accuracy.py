@@ -148,7 +148,7 @@ def side_by_side(root: Path = Path(__file__).resolve().parent / "results") -> li
     # the pin: its T5 rows come from the same H100 under 5.23 (results/h100/t5_transformers_versions.json)
     t5 = json.loads((root / "h100" / "t5_transformers_versions.json").read_text())["peaks"]["5.23.0"]
     for r in t5:
-        if r["optimizer_impl"] == "foreach" and r["model"] != "mt5-base":
+        if r["optimizer_impl"] == "foreach" and r["spec"].startswith("vramlab.preset"):
             gpu_rows[case_key(case_name(r["model"], r["overrides"], r["options"]))] = r["peak_allocated"]
     out = []
     for name, over, opts in CASES:

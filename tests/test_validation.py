@@ -276,9 +276,11 @@ def test_training_with_the_kv_cache_on_changes_fused_qkv_blocks():
 
 def test_pure_bf16_t5_keeps_fp32_copies():
     """Pure-bf16 T5 saves more than half its fp32 activations: the norm squares x.to(float32) (pow saves
-    the copy) and multiplies the 16-bit x (saved too); the self-attention's position bias needs a gradient,
-    so SDPA runs its math path, which upcasts q, k, v and the probabilities to fp32. Measured by trace (the
-    model's own saved tensors, CPU) and on the H100 (one GPU, and an FSDP2 rank): each was 8-18 % low."""
+    the copy) and multiplies the 16-bit x (saved too); on the CPU the self-attention's position bias,
+    which needs a gradient, sends SDPA down its math path, which upcasts q, k, v and the probabilities to
+    fp32 (on CUDA under the pinned transformers the memory-efficient kernel takes it: test_gpu_truth).
+    Measured by trace (the model's own saved tensors, CPU) and on the H100 (one GPU, and an FSDP2 rank,
+    transformers 5.23): each was 8-18 % low before."""
     import dataclasses
 
     from vramlab import estimate_training

@@ -324,5 +324,9 @@ def test_predict_asks_what_the_record_ran():
                              use_cache=False)
     assert predict(run, "fsdp2", device="cuda").total == direct.total
     assert predict({**run, "use_cache": True}, "fsdp2", device="cuda").total < direct.total  # the fused qkv output freed
+    for gpu in ("h100", "t4"):  # the GPU (its cuBLAS workspaces) reaches every phase too
+        phases = predict(run, "fsdp2", device="cuda", gpu=gpu, phases=True)
+        assert max(b.total for b in phases) == predict(run, "fsdp2", device="cuda", gpu=gpu).total
+    assert predict(run, "fsdp2", device="cuda", gpu="t4").total != predict(run, "fsdp2", device="cuda", gpu="h100").total
     with pytest.raises(ValueError, match="unknown setup '4'"):
         predict(run, "4")

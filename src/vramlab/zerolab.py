@@ -178,12 +178,9 @@ def predict(run: dict[str, Any], setup: str, *, device: str = "cpu", gpu: Any = 
               max_live_parameters=knobs.get("stage3_max_live_parameters") or zero.MAX_LIVE,
               persistence_threshold=knobs.get("stage3_param_persistence_threshold") or zero.PERSISTENCE,
               prefetch_bucket=knobs.get("stage3_prefetch_bucket_size") or zero.PREFETCH,
-              use_cache=run.get("use_cache", True))
+              use_cache=run.get("use_cache", True), gpu=gpu)
     stage = 3 if setup == "fsdp2" else int(setup)
-    spec = model_spec(run["model_name"])
-    if phases:
-        return zero.rank_phases(spec, run["ranks"], stage, **kw)
-    return zero.estimate_rank(spec, run["ranks"], stage, gpu=gpu, **kw)
+    return (zero.rank_phases if phases else zero.estimate_rank)(model_spec(run["model_name"]), run["ranks"], stage, **kw)
 
 
 class ZerolabError(RuntimeError):
