@@ -249,8 +249,10 @@ def test_stage_output_kept_per_micro_batch_in_flight():
     kept = P.estimate_layout(spec, layout, **kw)
     freed = P.estimate_layout(spec, layout, keep_stage_output=False, **kw)
     assert kept[0].activations - freed[0].activations == 8 * 4 * 128 * 256 * 4
-    # the last stage keeps each micro-batch's output, its logits (the loss reads them in the backward)
-    assert kept[1].activations - freed[1].activations == 8 * 4 * 128 * 512 * 4
+    # the last stage keeps each micro-batch's output, its logits (the loss reads them in the backward);
+    # its input is torch's receive buffer, counted with the buffers, where Megatron's is a fresh tensor
+    assert kept[1].activations - freed[1].activations == 8 * 4 * 128 * (512 - 256) * 4
+    assert kept[1].other - freed[1].other == 8 * 4 * 128 * 256 * 4  # the activations' receive buffers
     with pytest.raises(ValueError, match="keep_stage_output"):
         P.estimate_layout(spec, layout, keep_stage_output="yes", **kw)
 
@@ -356,3 +358,28 @@ def test_planner_bad_input(kw, msg):
     args = dict(gpus=8, gpu="h100", seq_len=1024, global_batch=16) | kw
     with pytest.raises(ValueError, match=msg):
         P.plan_layouts("llama-3.2-1b", **args)
+
+
+def test_interleaved_schedule_holds_its_sends_to_the_end_of_the_step():
+    """torch's ScheduleInterleaved1F1B waits on its sends when the step ends: each backward done adds the
+    output it had sent (all but the last virtual stage) and the input gradient it sends (all but the
+    first). p = 4, v = 2, m = 8, device 1 (virtual stages 1 and 5: both directions): the warm-up runs
+    (4 - 1 - 1) x 2 + 4 = 8 forwards, so 9 pairs are in flight at each of the 8 steady backwards, the
+    last after 7 backwards have sent 2 tensors each; every input is a receive buffer. Single-stage
+    schedules wait on each send before the next: nothing pends; nor on NCCL, whose process group frees
+    a completed send's tensors at its next call."""
+    lay = P.Layout(pp=4, micro_batches=8, schedule="interleaved", chunks=2)
+    assert P._schedule_points(lay, 1, 9, True)[0] == (9, 9, 14)
+    # device 0: its chunk 0 reads the embedding (no receive buffer), chunk 1 receives from device 3
+    n, got, sends = P._schedule_points(lay, 0, 11, True)[0]
+    assert n == 11 and got < n and sends > 0
+    assert P._schedule_points(lay, 1, 9, False) == [(9, 0, 0)]  # Megatron: frees sent outputs
+    assert P._schedule_points(lay, 1, 9, True, sends_pend=False) == [(9, 9, 0)]  # NCCL: freed on completion
+    assert P._schedule_points(P.Layout(pp=4, micro_batches=8, schedule="1f1b"), 2, 2, True) == [(2, 2, 0)]
+    # pending sends only add: the interleaved estimate is at least the one without them
+    spec = from_config(dict(model_type="gpt_neox", hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+                            num_attention_heads=8, vocab_size=4096, max_position_embeddings=512), name="neox")
+    kw = dict(micro_batch_size=4, seq_len=128, precision="fp32", device="cpu")
+    torch_pp = P.estimate_layout(spec, lay, **kw)
+    megatron = P.estimate_layout(spec, lay, keep_stage_output=False, **kw)
+    assert all(a.total > b.total for a, b in zip(torch_pp, megatron))

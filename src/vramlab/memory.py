@@ -649,6 +649,12 @@ class DeviceShare:
                     (V/t)-wide fp32 tensors where the local cross-entropy makes two
     buffers         bytes the framework holds for the whole step (torch.distributed.pipelining's receive
                     buffers: one per micro-batch and chunk, for activations and for gradients)
+    received        of the micro-batches in flight, those whose stage input is a receive buffer counted in
+                    `buffers` (torch.distributed.pipelining hands the buffer itself to the first block,
+                    which saves it): their saved input is not counted again
+    pending_sends   sent b x s x h tensors (outputs whose backward is done, input gradients) still held by
+                    their send's work: torch's interleaved schedule waits on its sends at the end of the
+                    step, and gloo's work holds its tensor until then (NCCL's frees it on completion)
     keep_gradients  gradients stay allocated between steps (Megatron's contiguous buffer, DDP with
                     zero_grad(set_to_none=False)); False: set_to_none=True, they exist from the backward on
     gradient_copies 2 with DDP's flat buckets beside the gradients (gradient_as_bucket_view=False)
@@ -666,6 +672,8 @@ class DeviceShare:
     in_flight: int = 1
     stage_output: bool = False
     buffers: int = 0
+    received: int = 0
+    pending_sends: int = 0
     keep_gradients: bool = False
     gradient_copies: int = 1
     optimizer_shards: int = 1
@@ -956,7 +964,9 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
         one_other = A - act["weight_copies"] - act["outside_last"] + -(-b * s * spec.hidden_size * nb["x"] // (t if share.sp else 1))
     else:
         one_other = A - act["weight_copies"] + boundary
-    others = (share.in_flight - 1) * one_other
+    # a received stage input is its receive buffer (in `buffers`); sends not yet waited on hold theirs
+    transfer = -(-b * s * spec.hidden_size * nb["x"] // (t if share.sp else 1))
+    others = (share.in_flight - 1) * one_other + (share.pending_sends - share.received) * transfer
     amp = _cuda_amp(precision, device)
     lsm = _loss_bytes(spec, precision)
     logits32 = b * s * vocab * lsm if last else 0  # the loss's log-softmax (and its gradient): fp32 ...

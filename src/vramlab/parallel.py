@@ -411,6 +411,55 @@ def in_flight(layout: Layout) -> tuple[int, ...]:
     return simulate(p, m, layout.schedule, chunks=layout.chunks).in_flight
 
 
+def _schedule_points(layout: Layout, stage: int, held: int, received_inputs: bool,
+                     sends_pend: bool = True) -> list[tuple[int, int, int]]:
+    """The moments of a stage's backward that may peak, as (micro-batch-chunk pairs in flight, those
+    whose input is a receive buffer, sent tensors still held). GPipe and 1F1B hold the most at one
+    moment with nothing pending (torch's single-stage schedules wait on each send before the next).
+    torch's `ScheduleInterleaved1F1B` waits on its sends only at the end of the step, and gloo's send
+    work holds its tensor until then (`sends_pend`): the outputs and input gradients it sent
+    accumulate, so a later backward with fewer micro-batches in flight may hold more; every moment
+    that can be the peak is returned. ProcessGroupNCCL hands a completed send's tensors back at the
+    group's next call (its watchdog moves them to the group's shelves): on CUDA nothing accumulates."""
+    if layout.schedule != "interleaved":
+        return [(held, held if received_inputs and stage > 0 else 0, 0)]
+    return list(_interleaved_points(layout.pp, layout.micro_batches, layout.chunks, stage, received_inputs,
+                                    received_inputs and sends_pend))
+
+
+@functools.lru_cache(maxsize=256)
+def _interleaved_points(p: int, m: int, v: int, stage: int, received_inputs: bool,
+                        sends_pend: bool) -> tuple[tuple[int, int, int], ...]:
+    last = p * v - 1
+    alive = [0] * v
+    pending, best = 0, {}
+    for kind, _, c in _orders(p, m, "interleaved", v)[stage]:
+        if kind == "F":
+            alive[c] += 1
+            continue
+        n = sum(alive)
+        got = (n - (alive[0] if stage == 0 else 0)) if received_inputs else 0
+        sends = pending if sends_pend else 0
+        if n not in best or sends - got > best[n][1] - best[n][0]:
+            best[n] = (got, sends)
+        alive[c] -= 1
+        pending += int(c * p + stage > 0) + int(c * p + stage < last)
+    if not sends_pend:  # a pair in flight weighs more than its received input: the most in flight
+        n = max(best)
+        return ((n, *best[n]),)
+    # the stage's memory grows linearly in both (pairs in flight, sends - received), so only the
+    # corners of the upper hull of those points can be its peak (fewer in flight with more pending)
+    hull: list[tuple[int, int]] = []
+    for n in sorted(best):
+        e = best[n][1] - best[n][0]
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (e - hull[-2][1])
+                                  - (hull[-1][1] - hull[-2][1]) * (n - hull[-2][0])) >= 0:
+            hull.pop()
+        hull.append((n, e))
+    top = max(hull)
+    return tuple((n, *best[n]) for n, e in reversed(hull) if n == top[0] or e > top[1])
+
+
 def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size: int, seq_len: int,
                     precision: str = "bf16-mixed", optimizer: str = "adamw", optimizer_impl: str = "foreach",
                     attention: str = "sdpa", recompute: str = "none", device: str = "cuda",
@@ -429,8 +478,9 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
     - keep_stage_output: a stage keeps the output it sent to the next stage (b x s x h) until that
       micro-batch's backward, the last stage the model's output (the logits), and every stage a
       receive buffer per micro-batch and chunk for the activations and the gradients it is sent,
-      as torch.distributed.pipelining does; Megatron-LM frees a sent output
-      (`deallocate_output_tensor`), its last stage keeps only the loss: pass False for it.
+      as torch.distributed.pipelining does (a received input is its buffer; on gloo the interleaved
+      schedule's sends hold their tensors until the step ends: `_schedule_points`); Megatron-LM frees
+      a sent output (`deallocate_output_tensor`), its last stage keeps only the loss: pass False for it.
     - With dp > 1, DDP's buckets: a flat copy of the gradients (counted with them) unless
       `gradient_as_bucket_view=True` makes the gradients views into the buckets. `layout.zero = 1`
       shards the optimizer states (and their step) over the dp replicas.
@@ -458,21 +508,28 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
     x = _mem._dtype_bytes(precision, device)["x"]
     recv = layout.micro_batches * -(-b * s * spec.hidden_size * x // (t if layout.sp else 1))
     out = []
+    torch_pp = keep_stage_output and p > 1  # torch.distributed.pipelining's buffers and sends
     for stage in (range(p) if stages is None else [_count("stage", k, lo=0, hi=p - 1) for k in stages]):
         mine = [chunks[c * p + stage] for c in range(v)]
         largest = max(mine, key=len)
-        share = _mem.DeviceShare(
-            blocks=(largest.start, largest.stop), first=stage == 0, last=stage == p - 1, tp=t, sp=layout.sp,
-            param_tensors=_stage_tensors(spec, t, p, v, stage), in_flight=held[stage],
-            stage_output=keep_stage_output and p > 1, keep_gradients=keep_gradients,
-            buffers=recv * v * (int(stage > 0 or v > 1) + int(stage < p - 1 or v > 1)) if keep_stage_output and p > 1 else 0,
-            gradient_copies=2 if layout.dp > 1 and not gradient_as_bucket_view else 1,
-            optimizer_shards=layout.dp if layout.zero else 1, embedding_grad="dense" if implementation == "dtensor" else "sharded",
-            others_at_end=v == 1, loss_parallel=implementation == "dtensor" and t > 1)
-        phases = _mem.training_phases(spec, batch_size=b, seq_len=s, precision=precision, optimizer=optimizer,
-                                      optimizer_impl=optimizer_impl, attention=attention, recompute=recompute,
-                                      device=device, gpu=gpu, share=share)
-        peak = max(phases, key=lambda x: x.total)
+        # a receive buffer for each virtual stage's input (all but the first) and for the gradient of
+        # its output (all but the last)
+        directions = sum(int(c * p + stage > 0) + int(c * p + stage < p * v - 1) for c in range(v))
+        peak = None
+        for n, got, sends in _schedule_points(layout, stage, held[stage], torch_pp, sends_pend=device == "cpu"):
+            share = _mem.DeviceShare(
+                blocks=(largest.start, largest.stop), first=stage == 0, last=stage == p - 1, tp=t, sp=layout.sp,
+                param_tensors=_stage_tensors(spec, t, p, v, stage), in_flight=n, received=got, pending_sends=sends,
+                stage_output=torch_pp, keep_gradients=keep_gradients, buffers=recv * directions if torch_pp else 0,
+                gradient_copies=2 if layout.dp > 1 and not gradient_as_bucket_view else 1,
+                optimizer_shards=layout.dp if layout.zero else 1, embedding_grad="dense" if implementation == "dtensor" else "sharded",
+                others_at_end=v == 1, loss_parallel=implementation == "dtensor" and t > 1)
+            phases = _mem.training_phases(spec, batch_size=b, seq_len=s, precision=precision, optimizer=optimizer,
+                                          optimizer_impl=optimizer_impl, attention=attention, recompute=recompute,
+                                          device=device, gpu=gpu, share=share)
+            top = max(phases, key=lambda x: x.total)
+            if peak is None or top.total > peak.total:
+                peak = top
         label = (f"{spec.name} stage {stage} of {p}, tp {t}" + (" + sp" if layout.sp else "")
                  + (" + ZeRO-1" if layout.zero else "") + f", {layout.schedule} m={layout.micro_batches}")
         out.append(dataclasses.replace(peak, label=label))
