@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from vramlab import offload as O
+from vramlab import specs
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {"llama-3.2-1b b=4 s=2048 bf16": ("llama-3.2-1b", 4, 2048), "gpt2 b=16 s=1024 bf16": ("gpt2", 16, 1024)}
@@ -115,15 +116,48 @@ def test_fsdp2_cpu_offload_against_the_h100():
 
 def test_zero_offload_keeps_the_16_bit_parameters_on_the_gpu():
     """ZeRO-Offload (not measured here: no GPU run of DeepSpeed yet): the GPU keeps 2 bytes a
-    parameter and the bucket; 16 bytes a parameter go to host memory; 8 bytes a parameter cross PCIe."""
+    parameter and the bucket; 16 bytes a parameter go to host memory; 6 bytes a parameter cross PCIe
+    as DeepSpeed 0.19 copies (fp32 gradients down, 16-bit parameters up), 4 in Ren et al. 2021."""
     from vramlab import specs
     psi = sum(n for _, n in specs.preset("gpt2").param_tensors())
     z = O.model_offload("gpt2", scheme="zero-offload", batch_size=8, seq_len=1024, reduce_bucket=10**6)
     assert z.gpu_peak.parameters == 2 * psi and z.gpu_peak.optimizer_states == 0
-    assert z.host_bytes == 16 * psi and z.moved_bytes == 8 * psi
+    assert z.host_bytes == 16 * psi and z.moved_bytes == 6 * psi
+    paper = O.model_offload("gpt2", scheme="zero-offload", batch_size=8, seq_len=1024, copies="paper")
+    assert paper.moved_bytes == 4 * psi
     big = O.model_offload("gpt2", scheme="zero-offload", batch_size=8, seq_len=1024, reduce_bucket=2 * 10**6)
     assert big.gpu_peak.total - z.gpu_peak.total == 2 * 10**6  # a bf16 bucket of 1e6 more elements
-    assert z.cpu_seconds == pytest.approx(psi * O.CPU_ADAM_SECONDS_PER_PARAM) and z.step_seconds is None
+    # ZeRO-Offload steps with DeepSpeedCPUAdam (the paper's 5.1x over torch's CPU Adam), FSDP2 with torch's
+    assert z.cpu_seconds == pytest.approx(psi * O.CPU_ADAM_SECONDS_PER_PARAM / 5.1) and z.step_seconds is None
+    fs = O.model_offload("gpt2", scheme="fsdp2-cpu", batch_size=8, seq_len=1024)
+    assert fs.cpu_seconds == pytest.approx(psi * O.CPU_ADAM_SECONDS_PER_PARAM)
+
+
+def test_zero_offload_hides_the_gradient_copies_behind_the_backward():
+    """Issue 27: the gradients go down while the backward runs (ZeRO-Offload's overlap), so a step
+    whose backward outlasts them pays only the CPU step and the parameters' upload; the one-step
+    delayed update overlaps those with the next step's GPU work. The times are the transfer model's
+    (bytes over the link at the calibrated efficiency), composed as the schedule says."""
+    psi = specs.preset("llama-3.2-1b").params
+    kw = dict(scheme="zero-offload", batch_size=4, seq_len=2048, gpu="h100")
+    down = O.transfer_seconds(4 * psi, "h100", efficiency=O.SAVE_ON_CPU_EFFICIENCY)
+    up = O.transfer_seconds(2 * psi, "h100", efficiency=O.SAVE_ON_CPU_EFFICIENCY)
+    long = O.model_offload("llama-3.2-1b", gpu_seconds=3 * down, **kw)  # backward 2 x down: hides it
+    assert long.exposed_seconds == pytest.approx(up)
+    assert long.step_seconds == pytest.approx(3 * down + long.cpu_seconds + up)
+    short = O.model_offload("llama-3.2-1b", gpu_seconds=0.75 * down, **kw)  # backward 0.5 x down
+    assert short.step_seconds == pytest.approx(0.75 * down + 0.5 * down + short.cpu_seconds + up)
+    dpu = O.model_offload("llama-3.2-1b", gpu_seconds=3 * down, delayed_update=True, **kw)
+    assert dpu.step_seconds == pytest.approx(max(3 * down, dpu.cpu_seconds + up))
+    assert dpu.step_seconds < long.step_seconds
+    # the old model: every copy in fp32, not overlapped, torch's CPU Adam: about twice as long
+    old = 3 * down + O.transfer_seconds(8 * psi, "h100", efficiency=O.SAVE_ON_CPU_EFFICIENCY) \
+        + psi * O.CPU_ADAM_SECONDS_PER_PARAM
+    assert long.step_seconds < 0.75 * old
+    for bad, match in ((dict(copies="fp8"), "copies must be one of"), (dict(delayed_update="yes"), "delayed_update"),
+                       (dict(scheme="fsdp2-cpu", copies="paper"), "describe ZeRO-Offload")):
+        with pytest.raises(ValueError, match=match):
+            O.model_offload("gpt2", **{**kw, **bad})
 
 
 def test_equal_layers_smallest_resident_is_arithmetic():
@@ -200,3 +234,39 @@ def test_smallest_resident_against_every_choice():
 def test_bad_input_is_one_clear_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_fewest_resident_is_not_least_memory():
+    """Issue 27: the buffers are as large as the largest streamed layer, so streaming more can need
+    more GPU memory. Layers of 10, 1, 1, 1 GB, 1 s each, 10 GB/s: every copy hides, so the fewest
+    resident is none, in two 10 GB buffers (20 GB, above the 13 GB of all resident); least_memory
+    streams the three small ones (10 GB resident + two 1 GB buffers). Checked against this test's own
+    enumeration of every streamed set on random uneven stacks."""
+    sizes, secs = [10e9, 1e9, 1e9, 1e9], [1.0] * 4
+    few = O.smallest_resident(sizes, secs, link_GBps=10)
+    least = O.least_memory(sizes, secs, link_GBps=10)
+    assert few.streamed == (0, 1, 2, 3) and few.gpu_bytes == 20e9 > sum(sizes)
+    assert least.streamed == (1, 2, 3) and least.gpu_bytes == 12e9 and least.hidden
+    rnd = random.Random(8)
+    for _ in range(25):
+        n = rnd.randint(1, 7)
+        sizes = [rnd.choice([0.5, 1, 2, 8]) * 1e9 for _ in range(n)]
+        secs = [rnd.uniform(0.01, 0.2) for _ in range(n)]
+        bw, buffers = rnd.uniform(5, 60), rnd.randint(1, 3)
+        runs = [O.stream_layers(sizes, secs, streamed=c, link_GBps=bw, buffers=buffers)
+                for k in range(n + 1) for c in itertools.combinations(range(n), k)]
+        want = min(r.gpu_bytes for r in runs if r.hidden)
+        got = O.least_memory(sizes, secs, link_GBps=bw, buffers=buffers)
+        assert got.hidden and got.gpu_bytes == want
+        assert got.gpu_bytes <= O.smallest_resident(sizes, secs, link_GBps=bw, buffers=buffers).gpu_bytes
+
+
+def test_thousands_of_equal_layers_are_arithmetic():
+    """2,000 equal layers (the search used to simulate every count from all streamed down: over 25 s):
+    copies twice the compute hide when at most half stream; shorter copies let every layer stream."""
+    half = O.smallest_resident([1e9] * 2000, [0.01] * 2000, link_GBps=50)
+    assert len(half.streamed) == 1000 and half.hidden and half.gpu_bytes == 1000e9 + 2e9
+    assert O.least_memory([1e9] * 2000, [0.01] * 2000, link_GBps=50).gpu_bytes == half.gpu_bytes
+    assert len(O.smallest_resident([1e9] * 2000, [0.03] * 2000, link_GBps=50).streamed) == 2000
+    with pytest.raises(ValueError, match="link_GBps"):
+        O.least_memory([1e9], [0.01], link_GBps=0)

@@ -12,10 +12,11 @@ What is here:
   al. 2021): 16-bit parameters stay on the GPU, the fp32 master weights, Adam's moments, the
   gradients and the Adam step go to the CPU. "fsdp2-cpu" (FSDP2's `CPUOffloadPolicy`, as
   ZeRO-Infinity's parameter offload): the parameters too, copied in one unit at a time;
-- `stream_layers` / `smallest_resident`: BMInf's schedule for a model bigger than the GPU (Han et
-  al., BMInf 2021): k of n layers resident, the others copied in before their turn through a few
+- `stream_layers` / `smallest_resident` / `least_memory`: BMInf's schedule for a model bigger than
+  the GPU (Han et al., BMInf 2021): k of n layers resident, the others copied in before their turn through a few
   GPU buffers, on a copy stream beside the compute stream; the time per pass, the GPU and host
-  bytes, and the smallest k whose copies hide behind compute.
+  bytes, the smallest k whose copies hide behind compute, and the hiding choice that needs the
+  least GPU memory (not the same when the layers differ: the buffers take the largest streamed one).
 """
 
 from __future__ import annotations
@@ -154,7 +155,22 @@ def activation_offload(model: ModelSpec | str, *, batch_size: int, seq_len: int,
 # 70 bytes of host memory traffic per parameter for the for-loop AdamW's kernels, so ~100 GB/s.
 # DeepSpeed's CPU-Adam (SIMD, fused) is several times faster (Ren et al. 2021): not measured here.
 CPU_ADAM_SECONDS_PER_PARAM = 0.73e-9
+# DeepSpeedCPUAdam (SIMD, fused over the flat fp32 partition): Ren et al. 2021 (ZeRO-Offload, §4.2)
+# measure it 5.1 to 6.5 times faster than PyTorch's CPU Adam; the lower end, on the same host's torch
+# rate. An assumption from the paper, not measured here (no DeepSpeed on the GPU image).
+DS_CPU_ADAM_SPEEDUP = 5.1
+DS_CPU_ADAM_SECONDS_PER_PARAM = CPU_ADAM_SECONDS_PER_PARAM / DS_CPU_ADAM_SPEEDUP
 OFFLOAD_SCHEMES = ("zero-offload", "fsdp2-cpu")
+# ZeRO-Offload's bytes over PCIe a parameter, per step: (gradients down, parameters up)
+ZERO_OFFLOAD_COPIES: dict[str, tuple[int, int]] = {
+    # Ren et al. 2021, §4: fp16 gradients down, the updated fp16 parameters up
+    "paper": (2, 2),
+    # DeepSpeed 0.19, stage_1_and_2.py `async_inplace_copy_grad_to_fp32_buffer_from_gpu`: the 16-bit
+    # gradient is cast to fp32 on the GPU (`.float()`) and that copied to the fp32 partition on the
+    # host; the updated 16-bit parameters come back up
+    "deepspeed": (4, 2),
+}
+BACKWARD_SHARE = 2 / 3  # of a step's GPU time: the backward's two matmuls a matmul, the forward's one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,22 +179,30 @@ class ModelOffload:
     gpu_peak: _mem.MemoryBreakdown
     host_bytes: int  # the model states in host memory (fp32 parameters, Adam's moments, gradients)
     moved_bytes: int  # per step, both ways together
-    transfer_seconds: float  # the copies, not overlapped
+    transfer_seconds: float  # the copies, both ways, end to end
     cpu_seconds: float  # the Adam step on the CPU
-    step_seconds: float | None  # gpu_seconds + transfer_seconds + cpu_seconds, when gpu_seconds is given
+    step_seconds: float | None  # see model_offload, when gpu_seconds is given
+    exposed_seconds: float = 0.0  # of transfer_seconds, what nothing hides
 
 
 def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_len: int,
                   gpu: GPUSpec | str = "h100-80gb", gpu_seconds: float | None = None,
-                  cpu_adam_seconds_per_param: float = CPU_ADAM_SECONDS_PER_PARAM,
-                  efficiency: float = SAVE_ON_CPU_EFFICIENCY, reduce_bucket: int | None = None) -> ModelOffload:
+                  cpu_adam_seconds_per_param: float | None = None,
+                  efficiency: float = SAVE_ON_CPU_EFFICIENCY, reduce_bucket: int | None = None,
+                  copies: str | None = None, delayed_update: bool = False) -> ModelOffload:
     """One GPU training a 16-bit model (bf16 compute) with AdamW whose states live in host memory.
 
     - "zero-offload" (DeepSpeed stage 2, `offload_optimizer: cpu`): the GPU keeps the bf16
       parameters and the reduce bucket (`reduce_bucket` elements in bf16, zero.REDUCE_BUCKET by
       default) beside the step's activations; host memory holds fp32 parameters, both moments and
-      fp32 gradients (16 bytes a parameter). Copies: the gradients down and the updated parameters
-      up, in fp32 (8 bytes a parameter).
+      fp32 gradients (16 bytes a parameter). Copies (`copies`, ZERO_OFFLOAD_COPIES): "deepspeed"
+      (the default: DeepSpeed 0.19 casts each gradient to fp32 on the GPU and copies that down, the
+      16-bit parameters come up: 6 bytes a parameter) or "paper" (Ren et al. 2021: fp16 both ways, 4).
+      Time: the gradients go down while the backward runs (hidden up to BACKWARD_SHARE of the GPU
+      step), DeepSpeedCPUAdam steps (DS_CPU_ADAM_SECONDS_PER_PARAM unless given), the parameters come
+      up; `delayed_update=True` (the paper's one-step delayed parameter update, §4.3: the step uses
+      parameters one update old) overlaps the CPU step and the upload with the next step's GPU
+      work: the step is the longer of the two. Modelled, not measured.
     - "fsdp2-cpu" (`fully_shard(..., offload_policy=CPUOffloadPolicy())` with
       `MixedPrecisionPolicy(param_dtype=bf16)`, one rank, each block its own unit): the GPU keeps no
       model state between steps; in the step, the root unit (embeddings, final norm, head) stays
@@ -186,14 +210,26 @@ def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_l
       gradient reaches the host before the next; the root's gradient waits on the GPU to the end.
       Copies: every fp32 shard up in the forward, the blocks' again in the backward, the fp32
       gradients down (12 bytes a parameter, less the root's second copy).
+      Time: `gpu_seconds` + every copy, not overlapped + torch's AdamW on the CPU
+      (CPU_ADAM_SECONDS_PER_PARAM unless given). Checked against the H100's FSDP2 probe
+      (tests/test_offload.py).
     Activations, temporaries and gradients in flight are `memory.training_phases` of a pure bf16
-    model. Time: `gpu_seconds` (the step on the GPU with no offload) + the copies at `efficiency` of
-    the link's nominal rate, not overlapped + the CPU's Adam step at `cpu_adam_seconds_per_param`.
-    Checked against the H100's FSDP2 probe (tests/test_offload.py)."""
+    model; `gpu_seconds` is the step on the GPU with no offload; copies run at `efficiency` of the
+    link's nominal rate."""
     if scheme not in OFFLOAD_SCHEMES:
         raise ValueError(f"scheme must be one of {', '.join(OFFLOAD_SCHEMES)}, got {scheme!r}")
     if gpu_seconds is not None:
         _number("gpu_seconds", gpu_seconds)
+    if scheme == "zero-offload":
+        copies = "deepspeed" if copies is None else copies
+        if copies not in ZERO_OFFLOAD_COPIES:
+            raise ValueError(f"copies must be one of {', '.join(ZERO_OFFLOAD_COPIES)}, got {copies!r}")
+    elif copies is not None or delayed_update is not False:
+        raise ValueError("copies and delayed_update describe ZeRO-Offload (scheme='zero-offload')")
+    if not isinstance(delayed_update, bool):
+        raise ValueError(f"delayed_update must be True or False, got {delayed_update!r}")
+    if cpu_adam_seconds_per_param is None:
+        cpu_adam_seconds_per_param = DS_CPU_ADAM_SECONDS_PER_PARAM if scheme == "zero-offload" else CPU_ADAM_SECONDS_PER_PARAM
     _number("cpu_adam_seconds_per_param", cpu_adam_seconds_per_param)
     bucket = _count("reduce_bucket", REDUCE_BUCKET if reduce_bucket is None else reduce_bucket, lo=0, hi=10**12)
     spec = _mem._resolve(model)
@@ -207,7 +243,8 @@ def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_l
         peak = max(step, key=lambda p: p.activations + p.temporaries + p.gradients)
         gpu_peak = dataclasses.replace(peak, optimizer_states=0, temporaries=peak.temporaries + bucket_bytes,
                                        label=f"{spec.name}: ZeRO-Offload, {batch_size} x {seq_len}")
-        moved, host = 8 * psi, 16 * psi
+        down, up = (k * psi for k in ZERO_OFFLOAD_COPIES[copies])
+        moved, host = down + up, 16 * psi
     else:
         block, root = _units(spec)
         peak = max((p for p in step if not p.phase.startswith("embedding")),
@@ -218,8 +255,18 @@ def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_l
         moved, host = 4 * psi + 4 * (psi - root) + 4 * psi, 16 * psi
     moving = transfer_seconds(moved, g, efficiency=efficiency)
     cpu = psi * cpu_adam_seconds_per_param
+    step = exposed = None
+    if scheme == "fsdp2-cpu":
+        exposed = moving
+        step = None if gpu_seconds is None else gpu_seconds + moving + cpu
+    else:
+        t_down, t_up = transfer_seconds(down, g, efficiency=efficiency), transfer_seconds(up, g, efficiency=efficiency)
+        late = t_down if gpu_seconds is None else max(0.0, t_down - BACKWARD_SHARE * gpu_seconds)
+        exposed = late + (0.0 if delayed_update else t_up)
+        if gpu_seconds is not None:
+            step = max(gpu_seconds + late, cpu + t_up) if delayed_update else gpu_seconds + late + cpu + t_up
     return ModelOffload(scheme=scheme, gpu_peak=gpu_peak, host_bytes=host, moved_bytes=moved, transfer_seconds=moving,
-                        cpu_seconds=cpu, step_seconds=None if gpu_seconds is None else gpu_seconds + moving + cpu)
+                        cpu_seconds=cpu, step_seconds=step, exposed_seconds=exposed)
 
 
 # ----------------------------------------------------------------------------- streaming (BMInf)
@@ -299,16 +346,44 @@ def stream_layers(layer_bytes, layer_seconds, *, streamed, link_GBps: float, buf
             events.append(("compute", i, ready, t))
             if i in copy_s:
                 computed.append(t)
-    streamed_bytes = [sizes[i] for i in stream]
-    buf = min(buffers, len(stream)) * max(streamed_bytes, default=0)
     return Streaming(seconds=t - pass_start, compute_seconds=sum(secs),
-                     gpu_bytes=int(sum(sizes) - sum(streamed_bytes) + buf), host_bytes=int(sum(streamed_bytes)),
+                     gpu_bytes=_gpu_bytes(sizes, stream, buffers), host_bytes=int(sum(sizes[i] for i in stream)),
                      streamed=stream,
                      events=tuple(sorted(((kind, i, s - pass_start, e - pass_start) for kind, i, s, e in events),
                                          key=lambda e: (e[2], e[0]))))
 
 
+def _gpu_bytes(sizes, stream, buffers: int) -> int:
+    """Resident layers + min(buffers, streamed) buffers, each as large as the largest streamed layer."""
+    streamed = [sizes[i] for i in stream]
+    return int(sum(sizes) - sum(streamed) + min(buffers, len(streamed)) * max(streamed, default=0))
+
+
 EXHAUSTIVE_UP_TO = 12  # layers: above this, smallest_resident tries BMInf's spaced choice only
+
+
+def _stream_choices(layer_bytes, layer_seconds, link_GBps: float):
+    """(sizes, per count m of streamed layers the choices worth simulating). A pass copies every
+    streamed layer once on one copy engine, so copies that hide take no longer than the pass's
+    compute: no more layers can stream than the smallest ones whose copies fit in it, and a choice
+    whose copies exceed it is skipped unsimulated. Every choice up to EXHAUSTIVE_UP_TO layers, BMInf's
+    spaced choice above."""
+    sizes = _numbers("layer_bytes", layer_bytes, positive=True)
+    secs = _numbers("layer_seconds", layer_seconds, positive=False)
+    if not (isinstance(link_GBps, (int, float)) and not isinstance(link_GBps, bool) and link_GBps > 0):
+        raise ValueError(f"link_GBps must be positive, got {link_GBps!r}")
+    budget = sum(secs) * (1 + 1e-9) * link_GBps * 1e9  # bytes the copy engine moves in one pass
+    n, most, total = len(sizes), 0, 0.0
+    for b in sorted(sizes):
+        if total + b > budget:
+            break
+        total, most = total + b, most + 1
+
+    def fits(c) -> bool:
+        return sum(sizes[i] for i in c) <= budget
+
+    return sizes, {m: [c for c in (itertools.combinations(range(n), m) if n <= EXHAUSTIVE_UP_TO else [spaced(n, m)])
+                       if fits(c)] for m in range(most + 1)}
 
 
 def smallest_resident(layer_bytes, layer_seconds, *, link_GBps: float, buffers: int = 2) -> Streaming:
@@ -317,15 +392,33 @@ def smallest_resident(layer_bytes, layer_seconds, *, link_GBps: float, buffers: 
     GPU memory. Up to EXHAUSTIVE_UP_TO layers every choice of streamed layers is tried (exact); above,
     only BMInf's choice of layers spaced as far apart as possible (`spaced`), which is exact for equal
     layers but can keep more resident than needed when they differ. Every layer resident always
-    hides (nothing is copied)."""
-    n = len(_numbers("layer_bytes", layer_bytes, positive=True))
-    for m in range(n, -1, -1):
-        choices = itertools.combinations(range(n), m) if n <= EXHAUSTIVE_UP_TO else [spaced(n, m)]
+    hides (nothing is copied). Fewest resident is not least GPU memory when the layers differ: the
+    buffers are as large as the largest streamed layer (`least_memory` answers that)."""
+    _count("buffers", buffers)
+    _, choices = _stream_choices(layer_bytes, layer_seconds, link_GBps)
+    for m in sorted(choices, reverse=True):
         runs = [stream_layers(layer_bytes, layer_seconds, streamed=c, link_GBps=link_GBps, buffers=buffers)
-                for c in choices]
+                for c in choices[m]]
         hiding = [r for r in runs if r.hidden]
         if hiding:
             return min(hiding, key=lambda r: (r.gpu_bytes, r.streamed))
+    raise AssertionError("unreachable: nothing streamed always hides")
+
+
+def least_memory(layer_bytes, layer_seconds, *, link_GBps: float, buffers: int = 2) -> Streaming:
+    """The choice of streamed layers that needs the least GPU memory while its copies hide behind
+    compute: what decides whether the model fits. Streaming more is not always less: with layers of
+    10, 1, 1 and 1 GB, streaming all four needs two 10 GB buffers (20 GB, more than the 13 GB of all
+    resident); streaming the three small ones needs 12 GB. The same choices as `smallest_resident`
+    (every one up to EXHAUSTIVE_UP_TO layers, BMInf's spaced ones above), simulated from the least
+    memory up until one hides; among equal memory, the fewest resident."""
+    _count("buffers", buffers)
+    sizes, choices = _stream_choices(layer_bytes, layer_seconds, link_GBps)
+    ranked = sorted((c for cs in choices.values() for c in cs), key=lambda c: (_gpu_bytes(sizes, c, buffers), -len(c), c))
+    for c in ranked:
+        run = stream_layers(layer_bytes, layer_seconds, streamed=c, link_GBps=link_GBps, buffers=buffers)
+        if run.hidden:
+            return run
     raise AssertionError("unreachable: nothing streamed always hides")
 
 
