@@ -202,3 +202,27 @@ def test_ckptlab_refuses_what_it_cannot_measure_before_any_process_starts(argv, 
     assert ckptlab.main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1 and "measured" not in err.split("ckptlab:")[0]
+
+
+@pytest.mark.parametrize("kw, needle", [(dict(segments=((3, 1),)), "empty or reversed"),
+                                        (dict(segments=((2, 2),)), "empty or reversed"),
+                                        (dict(segments=((0, 3), (2, 4))), "overlap"),
+                                        (dict(segments=((0, True),)), "pairs of block indices"),
+                                        (dict(keep="everything"), "keep must be"),
+                                        (dict(offload="yes"), "offload must be True or False")])
+def test_hand_built_plans_are_checked(kw, needle):
+    """Issue 27: a reversed or empty segment was accepted and answered a smaller peak with no recompute
+    FLOPs; a bogus `keep` was accepted. Now one line says what is wrong."""
+    from vramlab.memory import Plan
+
+    with pytest.raises(ValueError, match=needle):
+        Plan(name="mine", **kw)
+
+
+def test_a_plan_cannot_cross_from_encoder_to_decoder():
+    from vramlab.memory import Plan
+
+    with pytest.raises(ValueError, match="crosses from t5-small's encoder into its decoder"):
+        C.evaluate("t5-small", Plan(name="mine", segments=((5, 7),)), batch_size=1, seq_len=8)
+    ok = C.evaluate("t5-small", Plan(name="mine", segments=[[6, 8], [0, 2]]), batch_size=1, seq_len=8)
+    assert ok.plan.segments == ((0, 2), (6, 8)) and ok.recompute_flops > 0

@@ -371,3 +371,73 @@ def test_qlora_step_within_5_percent_of_bitsandbytes_on_cpu(autocast):
 def test_autocast_must_be_a_bool():
     with pytest.raises(ValueError, match="autocast must be True or False"):
         C.peft_training("gpt2", method="qlora", batch_size=1, seq_len=8, autocast="no")
+
+
+def test_int4_g128_is_gptq_and_awq_storage():
+    """Issue 27: GPTQ/AWQ keep an fp16 scale and a 4-bit zero point per group of 128 (4.16 bits a
+    weight), not an fp32 scale alone. The expected bytes are AutoAWQ's packed tensors, built here on
+    torch's meta device: qweight (in, out / 8) int32, qzeros (in / 128, out / 8) int32, scales
+    (in / 128, out) fp16."""
+    import torch
+
+    for out, inp in ((4096, 4096), (14336, 4096), (4096, 14336), (1024, 256)):
+        parts = [torch.empty(inp, out // 8, dtype=torch.int32, device="meta"),
+                 torch.empty(inp // 128, out // 8, dtype=torch.int32, device="meta"),
+                 torch.empty(inp // 128, out, dtype=torch.float16, device="meta")]
+        assert C.gptq_bytes(out, inp) == sum(t.numel() * t.element_size() for t in parts)
+    w = C.weight_bytes("llama-3.1-8b", "int4-g128")
+    assert 8 * w["linear"] / w["linear_params"] == pytest.approx(4 + 16 / 128 + 4 / 128)
+
+
+def test_compression_numbers_stay_finite_and_refuse_bad_blocks():
+    """Issue 27: huge weights gave inf/nan errors (their squares overflow); a block of 0 divided by
+    zero and a negative one answered 3.87 bits."""
+    e = C.quant_error([[1e300, 3e299]], bits=2)  # scale 1e300: codes 1 and 0
+    assert e.max_abs == pytest.approx(3e299) and e.rms == pytest.approx(3e299 / math.sqrt(2))
+    assert e.relative == pytest.approx(0.3 / math.sqrt(1 + 0.09))  # over sqrt((1e600 + 9e598) / 2)
+    for bad in (dict(block_size=0), dict(block_size=-64), dict(block2=0), dict(block_size=1.5)):
+        with pytest.raises(ValueError, match="block"):
+            C.nf4_bits_per_param(**bad)
+
+
+_LLAMA_GQA = from_config(dict(model_type="llama", hidden_size=384, intermediate_size=1024, num_hidden_layers=3,
+                              num_attention_heads=6, num_key_value_heads=2, vocab_size=2048,
+                              max_position_embeddings=512, tie_word_embeddings=False), name="llama-gqa")
+_OPT = dataclasses.replace(preset("opt-125m"), num_layers=2, vocab_size=2048, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+@pytest.mark.parametrize("which, targets, rank", [("gpt2", "all-linear", 64), ("llama", "all-linear", 64),
+                                                  ("llama", "default", 16), ("opt", "all-linear", 32)])
+def test_lora_on_a_bf16_base_keeps_fp32_adapters_as_peft_does(which, targets, rank):
+    """Issue 27: a LoRA base loaded in bf16 with peft's default fp32 adapters (autocast_adapter_dtype),
+    no autocast: each adapter casts its input to fp32 and keeps that copy. Measured: a real peft step
+    on the CPU (tensor tracking), families and ranks the lab does not use; adapters and their Adam
+    states in fp32, exactly."""
+    from peft import LoraConfig, get_peft_model
+
+    from vramlab.measure import measure_training
+
+    spec = {"gpt2": _GPT, "llama": _LLAMA_GQA, "opt": _OPT}[which]
+    tm = None if targets == "default" else targets
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        meas = measure_training(spec, batch_size=4, seq_len=128, mode="cpu", precision="bf16",
+                                model_hook=lambda m: get_peft_model(m, LoraConfig(r=rank, target_modules=tm)))
+    est = C.peft_training(spec, rank=rank, targets=targets, batch_size=4, seq_len=128, precision="bf16",
+                          device="cpu", autocast=False)
+    n = C.lora_params(spec, rank=rank, targets=targets)
+    assert est.parameters == meas.breakdown.parameters == 2 * (spec.params) + 4 * n  # bf16 base, fp32 adapters
+    assert abs(est.total - meas.breakdown.total) <= 0.05 * meas.breakdown.total, (est.total, meas.breakdown.total)
+    assert not est.warning
+
+
+def test_lora_under_bf16_mixed_says_its_base_is_fp32():
+    """Issue 27: bf16-mixed LoRA holds the frozen base in fp32 (GPT-3-size: 650 GiB of parameters);
+    the estimate says so and what to do."""
+    m = C.peft_training("llama-3.1-8b", method="lora", precision="bf16-mixed", batch_size=1, seq_len=512)
+    assert m.parameters >= 4 * preset("llama-3.1-8b").params and "precision='bf16'" in m.warning
+    assert "WARNING" in m.table()
+    bf16 = C.peft_training("llama-3.1-8b", method="lora", precision="bf16", batch_size=1, seq_len=512)
+    assert bf16.total < 0.5 * m.total and not bf16.warning
+    with pytest.raises(ValueError, match="adapter dtype"):
+        C.peft_training("gpt2", precision="bf16", adapter_dtype="fp8", batch_size=1, seq_len=8)

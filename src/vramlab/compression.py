@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from .memory import (MemoryBreakdown, PRECISIONS, _check_choice, _dtype_bytes, _ledger_bytes, _resolve,
                      estimate_inference, layer_saved, optimizer_state_bytes, param_bytes, training_phases)
 from .parallel import _count
+from .units import fmt_bytes
 from .specs import ModelSpec, SpecError
 
 SCHEMES: tuple[str, ...] = ("per-tensor", "per-row", "per-group")
@@ -123,8 +124,10 @@ def quant_error(weights, *, scheme: str = "per-row", bits: int = 8, group_size: 
     back = qz.dequantize()
     diffs = [a - b for r, s in zip(rows, back) for a, b in zip(r, s)]
     n = len(diffs)
-    rms = math.sqrt(sum(d * d for d in diffs) / n)
-    w_rms = math.sqrt(sum(v * v for r in rows for v in r) / n)
+    # root mean squares scaled by the largest magnitude, so that squares of 1e300 do not overflow
+    top = max(abs(v) for r in rows for v in r) or 1.0
+    rms = top * math.sqrt(sum((d / top) ** 2 for d in diffs) / n)
+    w_rms = top * math.sqrt(sum((v / top) ** 2 for r in rows for v in r) / n)
     return QuantError(max_abs=max(abs(d) for d in diffs), rms=rms, relative=rms / w_rms if w_rms else 0.0,
                       nbytes=qz.nbytes)
 
@@ -185,6 +188,7 @@ def nf4_bytes(n: int, *, double_quant: bool = True, block_size: int = NF4_BLOCK,
 def nf4_bits_per_param(*, double_quant: bool = True, block_size: int = NF4_BLOCK, block2: int = NF4_BLOCK2) -> float:
     """Bits per weight in the limit of large tensors: 4 + 32/64 = 4.5 without double quantization,
     4 + 8/64 + 32/(64 x 256) = 4.127 with it (QLoRA: constants 0.5 -> 0.127 bits)."""
+    block_size, block2 = _count("block_size", block_size, hi=1 << 20), _count("block2", block2, hi=1 << 20)
     c = 8 / block_size + 32 / (block_size * block2) if double_quant else 32 / block_size
     return 4 + c
 
@@ -306,12 +310,25 @@ def lora_params(model: ModelSpec | str, *, rank: int = 8, targets="default") -> 
 WEIGHT_FORMATS: tuple[str, ...] = ("fp32", "bf16", "int8", "int8-per-tensor", "int4-g128", "nf4", "nf4-dq")
 
 
+def gptq_bytes(rows: int, cols: int, *, group_size: int = 128, bits: int = 4) -> int:
+    """Bytes of a rows x cols (out x in) matrix in GPTQ's and AWQ's storage: `bits`-bit codes packed,
+    and per group of `group_size` input columns and output row an fp16 scale and a `bits`-bit zero
+    point, packed too (AutoAWQ's `qweight`, `scales`, `qzeros`; AutoGPTQ adds an int32 group index
+    per input column, `g_idx`, left out): 4 + 16/128 + 4/128 = 4.16 bits a weight at 4 bits in
+    groups of 128."""
+    rows, cols = _count("rows", rows, hi=1 << 40), _count("cols", cols, hi=1 << 40)
+    group_size, bits = _count("group_size", group_size, hi=1 << 24), _count("bits", bits, lo=2, hi=8)
+    groups = rows * -(-cols // group_size)
+    return -(-rows * cols * bits // 8) + 2 * groups + -(-groups * bits // 8)
+
+
 def weight_bytes(model: ModelSpec | str, fmt: str = "int8") -> dict[str, int]:
     """The model's weights for inference with its linear layers (not the LM head) stored in `fmt`
     and everything else (embeddings, norms, biases, the LM head) in bf16 (fp32 for "fp32"):
     int8 = LLM.int8()'s per-row INT8 with an fp32 scale per row (bitsandbytes Linear8bitLt);
-    int8-per-tensor = one scale a matrix; int4-g128 = 4-bit absmax in groups of 128 (GPTQ/AWQ-like
-    storage, fp32 scales); nf4 / nf4-dq = QLoRA's NF4 without / with double quantization."""
+    int8-per-tensor = one scale a matrix; int4-g128 = GPTQ's and AWQ's storage, 4-bit codes with
+    an fp16 scale and a 4-bit zero point per group of 128 (`gptq_bytes`); nf4 / nf4-dq = QLoRA's
+    NF4 without / with double quantization."""
     spec = _resolve(model)
     _check_choice(fmt, WEIGHT_FORMATS, "weight format")
     lin = linear_layers(spec)
@@ -322,8 +339,10 @@ def weight_bytes(model: ModelSpec | str, fmt: str = "int8") -> dict[str, int]:
         linear = matrix * other
     elif fmt in ("nf4", "nf4-dq"):
         linear = sum(nf4_bytes(x.d_in * x.d_out, double_quant=fmt == "nf4-dq") for x in lin)
+    elif fmt == "int4-g128":
+        linear = sum(gptq_bytes(x.d_out, x.d_in) for x in lin)
     else:
-        scheme, bits = {"int8": ("per-row", 8), "int8-per-tensor": ("per-tensor", 8), "int4-g128": ("per-group", 4)}[fmt]
+        scheme, bits = {"int8": ("per-row", 8), "int8-per-tensor": ("per-tensor", 8)}[fmt]
         linear = sum(quant_bytes(x.d_out, x.d_in, scheme=scheme, bits=bits) for x in lin)
     return {"linear": linear, "other": rest * other, "total": linear + rest * other,
             "linear_params": matrix, "other_params": rest}
@@ -378,7 +397,7 @@ _ROLE_START = {"q/k/v input": "qkv", "c_attn input": "qkv", "qkv input": "qkv", 
 def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8, targets="default",
                   batch_size: int, seq_len: int, precision: str = "fp32", optimizer: str = "adamw",
                   optimizer_impl: str = "foreach", attention: str = "sdpa", device: str = "cuda",
-                  gpu=None, autocast: bool = True) -> MemoryBreakdown:
+                  gpu=None, autocast: bool = True, adapter_dtype: str = "fp32") -> MemoryBreakdown:
     """Peak memory of one fine-tuning step (PEFT: Houlsby+19; LoRA: Hu+21; QLoRA: Dettmers+23).
 
     full:  `estimate_training` of the whole model; with optimizer "adamw-8bit", bitsandbytes'
@@ -394,6 +413,10 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
            dequantized at a time. That is a step under autocast; with `autocast=False` peft casts
            each adapter's input to the adapters' fp32, so every adapter keeps its own fp32 copy
            of its input (and A's output in fp32) where autocast shares the bf16 one.
+    The base's precision: "bf16" (or "fp16") holds the frozen base in 16 bits and, as peft does by
+    default (`autocast_adapter_dtype=True`), the adapters in fp32 (`adapter_dtype="fp32"`; "base" keeps
+    them in the base's dtype), exactly as lora-int8 and qlora hold theirs. "bf16-mixed" keeps the
+    frozen base in fp32 (4 bytes a parameter): the result carries a warning saying so.
     """
     spec = _resolve(model)
     _check_choice(method, METHODS, "fine-tuning method")
@@ -413,12 +436,19 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
         raise ValueError(f"rank {rank} gives {n:,} adapter parameters, more than {spec.name}'s own {spec.params:,}: "
                          "that is no longer parameter-efficient; choose a smaller rank")
     quant = _QUANT_BASE.get(method)
+    _check_choice(adapter_dtype, ("fp32", "base"), "adapter dtype")
     if quant:
         _check_choice(precision, PRECISIONS, "precision")
         precision = "bf16"  # the base computes in bf16; the adapters stay fp32
     phases = training_phases(spec, precision=precision, trainable_params=n, **kw)
     pb = param_bytes(precision)
-    ab = 4 if quant else pb  # the adapters' dtype (peft keeps them fp32 on a quantized base)
+    # the adapters' dtype: peft keeps them fp32 on a quantized or 16-bit base (autocast_adapter_dtype)
+    fp32_adapters = bool(quant) or (pb == 2 and adapter_dtype == "fp32")
+    ab = 4 if fp32_adapters else pb
+    warning = ""
+    if precision == "bf16-mixed":
+        warning = (f"bf16-mixed keeps the frozen base in fp32 ({fmt_bytes(4 * (spec.params))} for {spec.name}); "
+                   "load it in bf16 (precision='bf16', adapters fp32 as peft keeps them) to halve it")
     nb = _dtype_bytes(precision, device)
     # an adapter keeps A's output (r a token), and one on a layer whose input only that layer's
     # weight gradient needed (o, the MLP's) keeps that input again: the ledger's for-weight tensors
@@ -435,7 +465,7 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
     # needs no gradient, so autograd saves none of it
     first = min((i for i, x in enumerate(blocks[0][0]) if _ROLE_START.get(x.name) in roles), default=0)
     unsaved = len(blocks) * _ledger_bytes([x for x in blocks[0][0][:first] if not x.for_weight], **led)
-    if quant and not autocast:  # each adapter's own fp32 input and A output replace the shared bf16 inputs
+    if fp32_adapters and not autocast:  # each adapter's own fp32 input and A output replace the shared bf16 inputs
         shared = sum(n_blocks * _ledger_bytes([x for x in saved if not x.for_weight and _ROLE_START.get(x.name) in roles
                                                and x.kind == "half"], **led) for saved, n_blocks in blocks)
         adapters = sum(b * sq * (x.d_in + rank) * 4 for x in targets_) - shared
@@ -449,13 +479,13 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
         base_params, dequant = spec.params * pb, 0
     out = []
     for m in phases:
-        upd = dict(parameters=base_params + n * ab, precision=method if quant else precision,
+        upd = dict(parameters=base_params + n * ab, precision=method if quant else precision, warning=warning,
                    label=f"{spec.name} {method} r={rank} b={batch_size} s={seq_len}" + ("" if quant else f" {precision}"))
         if m.activations:
             upd["activations"] = m.activations + extra_act
         if m.gradients:
             upd["gradients"] = n * ab
-        if quant:  # fp32 adapters: torch.optim keeps fp32 states (Adam: m and v)
+        if fp32_adapters:  # fp32 adapters: torch.optim keeps fp32 states (Adam: m and v)
             upd["optimizer_states"] = optimizer_state_bytes(optimizer, n, "fp32")
             step = m.phase == "optimizer.step()"
             upd["temporaries"] = (n * 4 if optimizer_impl == "foreach" and optimizer in ("adamw", "adam") else 0) \

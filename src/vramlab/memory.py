@@ -535,6 +535,29 @@ class Plan:
     attention_core: bool = False
     offload: bool = False
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"a plan needs a name (a string), got {self.name!r}")
+        try:
+            segs = tuple((operator.index(a), operator.index(b)) for a, b in self.segments)
+            if any(isinstance(x, bool) for seg in self.segments for x in seg):
+                raise TypeError
+        except (TypeError, ValueError):
+            raise ValueError(f"plan {self.name!r}: segments must be (start, end) pairs of block indices, "
+                             f"got {self.segments!r}") from None
+        for a, b in segs:
+            if not 0 <= a < b:
+                raise ValueError(f"plan {self.name!r}: segment ({a}, {b}) is empty or reversed: a segment is "
+                                 "[start, end) with 0 <= start < end")
+        if any(b0 > a1 for (_, b0), (a1, _) in zip(sorted(segs), sorted(segs)[1:])):
+            raise ValueError(f"plan {self.name!r}: segments {segs} overlap: each block is in one segment at most")
+        if self.keep not in ("input", "matmuls"):
+            raise ValueError(f"plan {self.name!r}: keep must be 'input' or 'matmuls', got {self.keep!r}")
+        for flag in ("attention_core", "offload"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"plan {self.name!r}: {flag} must be True or False, got {getattr(self, flag)!r}")
+        object.__setattr__(self, "segments", tuple(sorted(segs)))
+
     def checkpointed(self) -> frozenset[int]:
         return frozenset(i for a, b in self.segments for i in range(a, b))
 
@@ -575,6 +598,10 @@ def recompute_plan(recompute: "str | Plan | Iterable[int]", model: ModelSpec | s
         bad = [x for seg in recompute.segments for x in seg if not 0 <= x <= n]
         if bad:
             raise ValueError(f"plan {recompute.name!r} has segments outside {spec.name}'s {n} blocks")
+        for a, b in recompute.segments:
+            if not any(lo <= a and b <= hi for lo, hi in stacks):
+                raise ValueError(f"plan {recompute.name!r}: segment ({a}, {b}) crosses from {spec.name}'s encoder "
+                                 f"into its decoder (blocks {stacks[0][1]}..): checkpoint each stack separately")
         return recompute
     if not isinstance(recompute, str):
         try:
