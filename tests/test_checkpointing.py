@@ -226,3 +226,18 @@ def test_a_plan_cannot_cross_from_encoder_to_decoder():
         C.evaluate("t5-small", Plan(name="mine", segments=((5, 7),)), batch_size=1, seq_len=8)
     ok = C.evaluate("t5-small", Plan(name="mine", segments=[[6, 8], [0, 2]]), batch_size=1, seq_len=8)
     assert ok.plan.segments == ((0, 2), (6, 8)) and ok.recompute_flops > 0
+
+
+def test_offload_plan_pays_its_copies_as_chapter_6_measured_them():
+    """Issue 27: the offload plan assumed its copies hide behind compute at the link's nominal rate;
+    chapter 6 measured save_on_cpu's on the compute stream at 0.62 of nominal. The step is the full
+    plan's compute plus both copies of every checkpoint (b x s x h, fp32 under autocast) at that rate."""
+    from vramlab import offload as OFF
+
+    kw = dict(batch_size=4, seq_len=2048, precision="bf16-mixed", gpu="h100-80gb")
+    spec = preset("llama-3.2-1b")
+    off, full = C.evaluate(spec, "offload", **kw), C.evaluate(spec, "full", **kw)
+    moved = spec.num_layers * 4 * 2048 * spec.hidden_size * 4
+    assert off.offload_bytes == moved
+    link = 16 * 3.938e9 * OFF.SAVE_ON_CPU_EFFICIENCY  # PCIe 5.0 x16 after line coding, as the H100 host has
+    assert off.step_seconds == pytest.approx(full.step_seconds + 2 * moved / link)

@@ -162,3 +162,19 @@ def test_every_gpu_argument_takes_a_gpuspec_or_a_name():
     assert offload.host_link_GBps(h100) == offload.host_link_GBps("h100")
     with pytest.raises(ValueError, match="custom_gpu"):
         memory.fit("gpt2", 80, seq_len=64)
+
+
+@pytest.mark.parametrize("device, memory, want", [
+    ("Tesla T4", None, "t4"), ("NVIDIA A100-SXM4-40GB", None, "a100-40gb"), ("NVIDIA A100-SXM4-80GB", None, "a100-80gb"),
+    ("NVIDIA A100 80GB PCIe", None, "a100-80gb"), ("NVIDIA A100-PCIE", 42_000_000_000, "a100-40gb"),
+    ("NVIDIA H100 80GB HBM3", None, "h100-80gb"), ("NVIDIA H100 PCIe", None, "h100-80gb"), ("NVIDIA H200", None, "h200"),
+    ("NVIDIA GeForce RTX 4090", None, "rtx-4090"), ("NVIDIA GeForce RTX 3090", None, "rtx-3090"),
+    ("NVIDIA GeForce GTX 1060 6GB", None, "gtx-1060-6gb"), ("NVIDIA L4", None, None), ("NVIDIA A10G", None, None),
+    ("NVIDIA RTX A6000", None, None), ("NVIDIA L40S", None, None)])
+def test_gpu_for_device_reads_torchs_device_names(device, memory, want):
+    """Issue 27: lab 6 predicted every GPU as an H100 (a Colab T4's PCIe 3.0 is a quarter of its link);
+    the device torch reports is looked up, and one the catalogue lacks is None, not a guess."""
+    from vramlab.specs import gpu_for_device
+
+    got = gpu_for_device(device, memory)
+    assert (got.name if got else None) == want

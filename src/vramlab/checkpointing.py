@@ -17,6 +17,7 @@ import itertools
 from dataclasses import dataclass
 
 from . import memory as _mem
+from . import offload as _off
 from .memory import MemoryBreakdown, Plan, recompute_plan
 from .specs import GPUSpec, ModelSpec, gpu as _gpu
 
@@ -93,7 +94,8 @@ def evaluate(model: ModelSpec | str, recompute: "str | Plan" = "none", *, batch_
              device: str = "cuda", gpu: GPUSpec | str | None = None, mfu: float = MFU) -> PlanResult:
     """A plan's peak memory and its cost. With `gpu`, the step time: FLOPs (plus the recompute) at
     `mfu` of the GPU's dense peak for the precision, and for "offload" the transfer of the
-    checkpoints over the host link where it exceeds the step's compute (it overlaps)."""
+    checkpoints over the host link, both ways, added to the compute: torch's `save_on_cpu` copies on
+    the compute stream, measured at SAVE_ON_CPU_EFFICIENCY of the nominal rate (chapter 6)."""
     spec = _mem._resolve(model)
     plan = recompute_plan(recompute, spec)
     if not 0 < mfu <= 1:
@@ -116,8 +118,11 @@ def evaluate(model: ModelSpec | str, recompute: "str | Plan" = "none", *, batch_
         if peak <= 0:
             raise ValueError(f"{g.name} has no FLOP/s figure: pass a GPU preset")
         compute = (f["step"] + extra) / (peak * 1e12 * mfu)
-        transfer = 2 * moved / (g.host_link_GBps * 1e9) if moved and g.host_link_GBps > 0 else 0.0
-        seconds = max(compute, transfer)
+        # the checkpoints' copies as chapter 6 measured save_on_cpu's: on the compute stream (nothing
+        # overlaps them) at SAVE_ON_CPU_EFFICIENCY of the link's nominal rate
+        transfer = 2 * _off.transfer_seconds(moved, g, efficiency=_off.SAVE_ON_CPU_EFFICIENCY) \
+            if moved and g.host_link_GBps > 0 else 0.0
+        seconds = compute + transfer
     return PlanResult(plan=plan, peak=top, phases=tuple(phases), step_flops=f["step"],
                       recompute_flops=extra, offload_bytes=moved, step_seconds=seconds, fit=fit)
 

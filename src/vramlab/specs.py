@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from dataclasses import dataclass
 from functools import cache
@@ -767,6 +768,30 @@ def gpu(name: "str | GPUSpec") -> GPUSpec:
     return GPUS[key]
 
 
+# what torch.cuda.get_device_name() says, matched in order (lower case, spaces and dashes ignored)
+_DEVICE_NAMES: tuple[tuple[str, str], ...] = (
+    ("h200", "h200"), ("h100", "h100-80gb"), ("a100", "a100-80gb"),
+    ("rtx4090", "rtx-4090"), ("rtx3090", "rtx-3090"), ("t4", "t4"), ("gtx1060", "gtx-1060-6gb"))
+
+
+def gpu_for_device(device_name: str, memory_bytes: "int | None" = None) -> "GPUSpec | None":
+    """The catalogue's entry for a device as torch names it ("Tesla T4", "NVIDIA A100-SXM4-40GB",
+    "NVIDIA H100 80GB HBM3"...), or None when the catalogue has none (then say so, rather than
+    predicting for another GPU). An A100 without its size in the name is told by `memory_bytes`."""
+    if not isinstance(device_name, str):
+        raise SpecError(f"a device name is a string (torch.cuda.get_device_name()), got {device_name!r}")
+    key = re.sub(r"[\s_\-]", "", device_name.lower())
+    for needle, name in _DEVICE_NAMES:
+        if needle == "t4" and not re.search(r"(^|tesla|nvidia)t4($|\W)", key):
+            continue
+        if needle in key:
+            small = memory_bytes is not None and memory_bytes < 60 * GiB
+            if name == "a100-80gb" and ("40gb" in key or ("80gb" not in key and small)):
+                return GPUS["a100-40gb"]
+            return GPUS[name]
+    return None
+
+
 def custom_gpu(memory: int, *, name: str = "custom", context_bytes: int | None = None) -> GPUSpec:
     """A GPU known only by its memory in bytes: what cudaMemGetInfo reports as total (speed fields
     zero). `context_bytes`: what the CUDA context takes outside PyTorch's allocator, if measured."""
@@ -779,5 +804,5 @@ def custom_gpu(memory: int, *, name: str = "custom", context_bytes: int | None =
                    measured_usable_bytes=int(memory), measured_context_bytes=context_bytes)
 
 
-__all__ = ["ModelSpec", "GPUSpec", "SpecError", "from_config", "preset", "preset_names", "gpu", "custom_gpu",
+__all__ = ["ModelSpec", "GPUSpec", "SpecError", "from_config", "preset", "preset_names", "gpu", "custom_gpu", "gpu_for_device",
            "GPUS", "MODEL_TYPES", "GB", "GiB"]
