@@ -270,3 +270,19 @@ def test_thousands_of_equal_layers_are_arithmetic():
     assert len(O.smallest_resident([1e9] * 2000, [0.03] * 2000, link_GBps=50).streamed) == 2000
     with pytest.raises(ValueError, match="link_GBps"):
         O.least_memory([1e9], [0.01], link_GBps=0)
+
+
+def test_bminf_prefill_multiplies_in_int8():
+    """Issue 27: BMInf runs its INT8 weights through INT8 matmuls (DP4A on a GTX 1060: four int8
+    multiply-adds where fp32 does one); the prefill was timed at the fp32 peak, about 4x too slow.
+    A compute-bound 512-token pass takes 2 x params x tokens at the INT8 rate; 16-bit weights keep
+    the faster of the fp32 and 16-bit peaks."""
+    from vramlab.specs import gpu
+
+    ten = O.ten_b_model()
+    block, _ = O._units(ten)
+    g = gpu("gtx-1060")
+    int8 = O.stream_model(ten, g, tokens=512, weight_bytes=1)
+    assert int8.layer_seconds == pytest.approx(2 * block * 512 / (4 * 4.4e12 * O.STREAM_MFU))
+    half = O.stream_model(ten, g, tokens=512, weight_bytes=2)
+    assert half.layer_seconds == pytest.approx(2 * block * 512 / (4.4e12 * O.STREAM_MFU))

@@ -448,8 +448,10 @@ def stream_model(model: ModelSpec | str, gpu: GPUSpec | str, *, tokens: int = 1,
     """A model's forward (one pass over its blocks, for `tokens` tokens at once: 1 per generated
     token, or a prompt's length) on `gpu` with blocks streamed from host memory as BMInf does.
     Every block holds `weight_bytes` per parameter (2: fp16/bf16; 1: int8, BMInf's choice); a block's
-    compute is the larger of its matmuls' FLOPs (2 x params x tokens at `mfu` of the faster of the
-    GPU's fp32 and 16-bit peaks) and reading its weights from GPU memory. The embeddings and head stay
+    compute is the larger of its matmuls' FLOPs (2 x params x tokens at `mfu` of the GPU's peak: its
+    INT8 rate for int8 weights, which BMInf multiplies in INT8 (Pascal's DP4A, 4x its fp32 rate; tensor
+    cores from Turing on), else the faster of its fp32 and 16-bit peaks) and reading its weights from
+    GPU memory. The embeddings and head stay
     resident. `most_resident`: the most blocks that fit in the GPU's usable memory beside them and
     `buffers` streaming buffers (activations for a few tokens are small and not counted)."""
     spec = _mem._resolve(model)
@@ -462,7 +464,8 @@ def stream_model(model: ModelSpec | str, gpu: GPUSpec | str, *, tokens: int = 1,
     block_params, rest = _units(spec)
     layer_bytes = block_params * weight_bytes
     other = rest * weight_bytes
-    peak = max(g.peak_tflops_fp32, g.peak_tflops_16) * 1e12 * mfu
+    int8 = weight_bytes == 1 and g.peak_tops_int8 > 0
+    peak = (g.peak_tops_int8 if int8 else max(g.peak_tflops_fp32, g.peak_tflops_16)) * 1e12 * mfu
     layer_s = max(2 * block_params * tokens / peak, layer_bytes / (g.bandwidth_GBps * 1e9))
     link = host_link_GBps(g) * efficiency
     usable = g.usable_bytes - g.context_bytes

@@ -707,6 +707,7 @@ class GPUSpec:
     architecture: str
     measured_usable_bytes: int | None = None  # torch.cuda.mem_get_info()[1] on this card
     measured_context_bytes: int | None = None  # device use - max_memory_reserved, on this card
+    peak_tops_int8: float = 0.0  # dense INT8 (tensor cores; Pascal's DP4A: 4x fp32), vendor figure; 0: unknown
 
     @property
     def usable_bytes(self) -> int:
@@ -738,15 +739,15 @@ def _g(name, mem_mib, bw, f32, f16, link, link_bw, arch, **measured):
 # Vendor data sheets (NVIDIA); memory as reported by nvidia-smi on each card. Measured fields:
 # benchmarks/results/h100/ (H100 80GB HBM3, driver 580.159.04, CUDA 13.0, torch 2.11).
 GPUS: dict[str, GPUSpec] = {g.name: g for g in (
-    _g("gtx-1060-6gb", 6144, 192, 4.4, 0.07, "PCIe 3.0 x16", 15.75, "Pascal"),
-    _g("t4", 15360, 320, 8.1, 65, "PCIe 3.0 x16", 15.75, "Turing"),
-    _g("rtx-3090", 24576, 936, 35.6, 71, "PCIe 4.0 x16, NVLink 112.5 GB/s", 31.5, "Ampere"),
-    _g("rtx-4090", 24564, 1008, 82.6, 165.2, "PCIe 4.0 x16", 31.5, "Ada"),
-    _g("a100-40gb", 40960, 1555, 19.5, 312, "PCIe 4.0 x16, NVLink 600 GB/s", 31.5, "Ampere"),
-    _g("a100-80gb", 81920, 2039, 19.5, 312, "PCIe 4.0 x16, NVLink 600 GB/s", 31.5, "Ampere"),
+    _g("gtx-1060-6gb", 6144, 192, 4.4, 0.07, "PCIe 3.0 x16", 15.75, "Pascal", peak_tops_int8=17.6),
+    _g("t4", 15360, 320, 8.1, 65, "PCIe 3.0 x16", 15.75, "Turing", peak_tops_int8=130),
+    _g("rtx-3090", 24576, 936, 35.6, 71, "PCIe 4.0 x16, NVLink 112.5 GB/s", 31.5, "Ampere", peak_tops_int8=284),
+    _g("rtx-4090", 24564, 1008, 82.6, 165.2, "PCIe 4.0 x16", 31.5, "Ada", peak_tops_int8=660.6),
+    _g("a100-40gb", 40960, 1555, 19.5, 312, "PCIe 4.0 x16, NVLink 600 GB/s", 31.5, "Ampere", peak_tops_int8=624),
+    _g("a100-80gb", 81920, 2039, 19.5, 312, "PCIe 4.0 x16, NVLink 600 GB/s", 31.5, "Ampere", peak_tops_int8=624),
     _g("h100-80gb", 81559, 3350, 67, 989, "PCIe 5.0 x16, NVLink 900 GB/s", 63, "Hopper",
-       measured_usable_bytes=85_017_493_504, measured_context_bytes=DEFAULT_CONTEXT_BYTES),
-    _g("h200", 143771, 4800, 67, 989, "PCIe 5.0 x16, NVLink 900 GB/s", 63, "Hopper"),
+       measured_usable_bytes=85_017_493_504, measured_context_bytes=DEFAULT_CONTEXT_BYTES, peak_tops_int8=1979),
+    _g("h200", 143771, 4800, 67, 989, "PCIe 5.0 x16, NVLink 900 GB/s", 63, "Hopper", peak_tops_int8=1979),
 )}
 _GPU_ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "gtx-1060": "gtx-1060-6gb", "gtx1060": "gtx-1060-6gb",
                 "3090": "rtx-3090", "4090": "rtx-4090", "rtx3090": "rtx-3090", "rtx4090": "rtx-4090",
