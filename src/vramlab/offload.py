@@ -35,9 +35,9 @@ PCIE_LANE_GBps: dict[int, float] = {3: 0.985, 4: 1.969, 5: 3.938}
 # save_on_cpu's effective rate as a share of the link's nominal: calibrated on the H100 host (PCIe 5.0
 # x16) with llama-3.2-1b (b 4 x 2048, bf16-mixed: 2 x 23.8 GB in 1.22 s more than the baseline step,
 # benchmarks/results/h100/offload_h100.jsonl) and checked on GPT-2 there (tests/test_offload.py).
-# What it folds in: the copies are synchronous on the compute stream (nothing overlaps them), one copy
-# per saved tensor (hundreds per step, each with its launch and sync), and pinned buffers from
-# the caching host allocator.
+# What it folds in: the copies run on the compute stream (non_blocking since torch 2.4, so the host
+# goes on, but the kernels after each copy wait for it: nothing overlaps them), one copy per saved
+# tensor (hundreds per step, each with its launch), and pinned buffers from the caching host allocator.
 SAVE_ON_CPU_EFFICIENCY = 0.62
 # Pageable copies are staged through a pinned bounce buffer by the driver: about half the pinned rate
 # (NVIDIA's CUDA C best practices guide, "pinned memory"); an assumption, not measured here.
