@@ -441,3 +441,12 @@ def test_lora_under_bf16_mixed_says_its_base_is_fp32():
     assert bf16.total < 0.5 * m.total and not bf16.warning
     with pytest.raises(ValueError, match="adapter dtype"):
         C.peft_training("gpt2", precision="bf16", adapter_dtype="fp8", batch_size=1, seq_len=8)
+
+
+def test_sparse24_keeps_half_and_a_nibble_per_four():
+    """2:4 semi-structured storage: the kept half of the values and 4 bits of metadata per group of
+    four (two 2-bit positions), 56.25 % of a 16-bit matrix; rows must group in fours."""
+    assert C.sparse24_bytes(4096, 4096) == 4096 * 2048 * 2 + 4096 * 4096 // 8
+    assert C.sparse24_bytes(8, 16) / (2 * 8 * 16) == pytest.approx(0.5625)
+    with pytest.raises(ValueError, match="divide by 4"):
+        C.sparse24_bytes(8, 6)

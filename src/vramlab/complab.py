@@ -184,6 +184,26 @@ def quantization_study(model: torch.nn.Module, val: torch.Tensor, progress=None)
                 if progress:
                     progress(f"  {kind:16s} INT{bits} {scheme:10s} loss change {rows[-1]['delta']:+.5f}")
         out["models"][kind] = {"fp32_loss": ref, "rescaling_changed_loss_by": ref - base, "rows": rows}
+    out["matrix"] = example_matrix(model)
+    return out
+
+
+EXAMPLE_MATRIX = "model.layers.1.mlp.up_proj"
+
+
+def example_matrix(model: torch.nn.Module, name: str = EXAMPLE_MATRIX) -> dict[str, Any]:
+    """One weight matrix quantized by `compression.quant_error`, as trained and with outlier
+    channels, per tensor and per row at 8 and 4 bits: what chapter 8 shows (it reads this from the
+    stored run instead of training the model again)."""
+    out: dict[str, Any] = {"name": name}
+    for kind, m in (("as trained", model), ("outlier channels", with_outliers(model))):
+        w = linear_weights(m)[name].detach()
+        out["shape"] = list(w.shape)
+        for scheme in ("per-tensor", "per-row"):
+            for bits in (8, 4):
+                e = C.quant_error(w.tolist(), scheme=scheme, bits=bits)
+                out.setdefault(kind, []).append({"scheme": scheme, "bits": bits, "relative": e.relative,
+                                                 "max_abs": e.max_abs, "bytes": e.nbytes})
     return out
 
 

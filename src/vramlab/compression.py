@@ -322,6 +322,18 @@ def gptq_bytes(rows: int, cols: int, *, group_size: int = 128, bits: int = 4) ->
     return -(-rows * cols * bits // 8) + 2 * groups + -(-groups * bits // 8)
 
 
+def sparse24_bytes(rows: int, cols: int, *, value_bytes: int = 2) -> int:
+    """Bytes of a rows x cols matrix in 2:4 semi-structured sparsity (two of every four consecutive
+    weights of a row are zero; Ampere's and later sparse tensor cores skip them): the kept half of
+    the values, and 4 bits of metadata per group of four (the two kept positions, 2 bits each), as
+    CUTLASS and `torch.sparse.to_sparse_semi_structured` store it."""
+    rows, cols = _count("rows", rows, hi=1 << 40), _count("cols", cols, hi=1 << 40)
+    if cols % 4:
+        raise ValueError(f"2:4 sparsity groups a row's weights in fours: cols must divide by 4, got {cols}")
+    _check_choice(value_bytes, (1, 2, 4), "bytes a value")
+    return rows * cols // 2 * value_bytes + rows * cols // 8
+
+
 def weight_bytes(model: ModelSpec | str, fmt: str = "int8") -> dict[str, int]:
     """The model's weights for inference with its linear layers (not the LM head) stored in `fmt`
     and everything else (embeddings, norms, biases, the LM head) in bf16 (fp32 for "fp32"):
