@@ -982,17 +982,18 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     nb = _dtype_bytes(precision, device)
     # a non-last pipeline stage keeps the output it sent until that micro-batch's backward
     vocab = -(-V // t)  # a vocabulary-parallel head and loss: V/t columns per rank
+    # the b x s x h tensor that crosses a stage boundary (a rank's 1/t of it under sequence parallelism)
+    transfer = -(-b * s * spec.hidden_size * nb["x"] // (t if share.sp else 1))
     boundary = 0
     if share.stage_output:  # the output a stage keeps until the micro-batch's backward: b x s x h, or the logits
-        boundary = b * s * vocab * nb["half"] if last else -(-b * s * spec.hidden_size * nb["x"] // (t if share.sp else 1))
+        boundary = b * s * vocab * nb["half"] if last else transfer
     # the other micro-batches in flight on this device: their saved tensors and stage outputs (autocast's
     # weight casts are cached once for all of them, inside one autocast region around the schedule)
     if last and not share.others_at_end:  # the interleaved schedule's last device: the others are in earlier chunks
-        one_other = A - act["weight_copies"] - act["outside_last"] + -(-b * s * spec.hidden_size * nb["x"] // (t if share.sp else 1))
+        one_other = A - act["weight_copies"] - act["outside_last"] + transfer
     else:
         one_other = A - act["weight_copies"] + boundary
     # a received stage input is its receive buffer (in `buffers`); sends not yet waited on hold theirs
-    transfer = -(-b * s * spec.hidden_size * nb["x"] // (t if share.sp else 1))
     others = (share.in_flight - 1) * one_other + (share.pending_sends - share.received) * transfer
     amp = _cuda_amp(precision, device)
     lsm = _loss_bytes(spec, precision)

@@ -255,7 +255,7 @@ def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_l
         moved, host = 4 * psi + 4 * (psi - root) + 4 * psi, 16 * psi
     moving = transfer_seconds(moved, g, efficiency=efficiency)
     cpu = psi * cpu_adam_seconds_per_param
-    step = exposed = None
+    step = None
     if scheme == "fsdp2-cpu":
         exposed = moving
         step = None if gpu_seconds is None else gpu_seconds + moving + cpu
@@ -325,8 +325,7 @@ def stream_layers(layer_bytes, layer_seconds, *, streamed, link_GBps: float, buf
         raise ValueError("streamed must be a list of layer indices") from None
     if any(not 0 <= i < n for i in stream):
         raise ValueError(f"streamed layers must be indices from 0 to {n - 1}")
-    if not (isinstance(link_GBps, (int, float)) and link_GBps > 0):
-        raise ValueError(f"link_GBps must be positive, got {link_GBps!r}")
+    _link(link_GBps)
     _count("buffers", buffers), _count("passes", passes)
     copy_s = {i: sizes[i] / (link_GBps * 1e9) for i in stream}
     t = copy_end = 0.0
@@ -362,28 +361,32 @@ def _gpu_bytes(sizes, stream, buffers: int) -> int:
 EXHAUSTIVE_UP_TO = 12  # layers: above this, smallest_resident tries BMInf's spaced choice only
 
 
+def _link(link_GBps) -> float:
+    if isinstance(link_GBps, bool) or not isinstance(link_GBps, (int, float)) or not link_GBps > 0:
+        raise ValueError(f"link_GBps must be positive, got {link_GBps!r}")
+    return link_GBps
+
+
 def _stream_choices(layer_bytes, layer_seconds, link_GBps: float):
-    """(sizes, per count m of streamed layers the choices worth simulating). A pass copies every
-    streamed layer once on one copy engine, so copies that hide take no longer than the pass's
-    compute: no more layers can stream than the smallest ones whose copies fit in it, and a choice
-    whose copies exceed it is skipped unsimulated. Every choice up to EXHAUSTIVE_UP_TO layers, BMInf's
-    spaced choice above."""
+    """(sizes, the most layers that can stream, choices(m): the sets of m streamed layers worth
+    simulating). A pass copies every streamed layer once on one copy engine, so copies that hide take
+    no longer than the pass's compute: no more layers can stream than the smallest ones whose copies
+    fit in it, and a set whose copies exceed it is skipped unsimulated. Every set up to
+    EXHAUSTIVE_UP_TO layers, BMInf's spaced choice above."""
     sizes = _numbers("layer_bytes", layer_bytes, positive=True)
     secs = _numbers("layer_seconds", layer_seconds, positive=False)
-    if not (isinstance(link_GBps, (int, float)) and not isinstance(link_GBps, bool) and link_GBps > 0):
-        raise ValueError(f"link_GBps must be positive, got {link_GBps!r}")
-    budget = sum(secs) * (1 + 1e-9) * link_GBps * 1e9  # bytes the copy engine moves in one pass
+    budget = sum(secs) * (1 + 1e-9) * _link(link_GBps) * 1e9  # bytes the copy engine moves in one pass
     n, most, total = len(sizes), 0, 0.0
     for b in sorted(sizes):
         if total + b > budget:
             break
         total, most = total + b, most + 1
 
-    def fits(c) -> bool:
-        return sum(sizes[i] for i in c) <= budget
+    def choices(m: int):
+        sets = itertools.combinations(range(n), m) if n <= EXHAUSTIVE_UP_TO else [spaced(n, m)]
+        return [c for c in sets if sum(sizes[i] for i in c) <= budget]
 
-    return sizes, {m: [c for c in (itertools.combinations(range(n), m) if n <= EXHAUSTIVE_UP_TO else [spaced(n, m)])
-                       if fits(c)] for m in range(most + 1)}
+    return sizes, most, choices
 
 
 def smallest_resident(layer_bytes, layer_seconds, *, link_GBps: float, buffers: int = 2) -> Streaming:
@@ -395,10 +398,10 @@ def smallest_resident(layer_bytes, layer_seconds, *, link_GBps: float, buffers: 
     hides (nothing is copied). Fewest resident is not least GPU memory when the layers differ: the
     buffers are as large as the largest streamed layer (`least_memory` answers that)."""
     _count("buffers", buffers)
-    _, choices = _stream_choices(layer_bytes, layer_seconds, link_GBps)
-    for m in sorted(choices, reverse=True):
+    _, most, choices = _stream_choices(layer_bytes, layer_seconds, link_GBps)
+    for m in range(most, -1, -1):
         runs = [stream_layers(layer_bytes, layer_seconds, streamed=c, link_GBps=link_GBps, buffers=buffers)
-                for c in choices[m]]
+                for c in choices(m)]
         hiding = [r for r in runs if r.hidden]
         if hiding:
             return min(hiding, key=lambda r: (r.gpu_bytes, r.streamed))
@@ -413,8 +416,8 @@ def least_memory(layer_bytes, layer_seconds, *, link_GBps: float, buffers: int =
     (every one up to EXHAUSTIVE_UP_TO layers, BMInf's spaced ones above), simulated from the least
     memory up until one hides; among equal memory, the fewest resident."""
     _count("buffers", buffers)
-    sizes, choices = _stream_choices(layer_bytes, layer_seconds, link_GBps)
-    ranked = sorted((c for cs in choices.values() for c in cs), key=lambda c: (_gpu_bytes(sizes, c, buffers), -len(c), c))
+    sizes, most, choices = _stream_choices(layer_bytes, layer_seconds, link_GBps)
+    ranked = sorted((c for m in range(most + 1) for c in choices(m)), key=lambda c: (_gpu_bytes(sizes, c, buffers), -len(c), c))
     for c in ranked:
         run = stream_layers(layer_bytes, layer_seconds, streamed=c, link_GBps=link_GBps, buffers=buffers)
         if run.hidden:

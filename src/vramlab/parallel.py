@@ -515,21 +515,21 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
         # a receive buffer for each virtual stage's input (all but the first) and for the gradient of
         # its output (all but the last)
         directions = sum(int(c * p + stage > 0) + int(c * p + stage < p * v - 1) for c in range(v))
-        peak = None
-        for n, got, sends in _schedule_points(layout, stage, held[stage], torch_pp, sends_pend=device == "cpu"):
-            share = _mem.DeviceShare(
-                blocks=(largest.start, largest.stop), first=stage == 0, last=stage == p - 1, tp=t, sp=layout.sp,
-                param_tensors=_stage_tensors(spec, t, p, v, stage), in_flight=n, received=got, pending_sends=sends,
-                stage_output=torch_pp, keep_gradients=keep_gradients, buffers=recv * directions if torch_pp else 0,
-                gradient_copies=2 if layout.dp > 1 and not gradient_as_bucket_view else 1,
-                optimizer_shards=layout.dp if layout.zero else 1, embedding_grad="dense" if implementation == "dtensor" else "sharded",
-                others_at_end=v == 1, loss_parallel=implementation == "dtensor" and t > 1)
-            phases = _mem.training_phases(spec, batch_size=b, seq_len=s, precision=precision, optimizer=optimizer,
-                                          optimizer_impl=optimizer_impl, attention=attention, recompute=recompute,
-                                          device=device, gpu=gpu, share=share)
-            top = max(phases, key=lambda x: x.total)
-            if peak is None or top.total > peak.total:
-                peak = top
+        share = _mem.DeviceShare(
+            blocks=(largest.start, largest.stop), first=stage == 0, last=stage == p - 1, tp=t, sp=layout.sp,
+            param_tensors=_stage_tensors(spec, t, p, v, stage),
+            stage_output=torch_pp, keep_gradients=keep_gradients, buffers=recv * directions if torch_pp else 0,
+            gradient_copies=2 if layout.dp > 1 and not gradient_as_bucket_view else 1,
+            optimizer_shards=layout.dp if layout.zero else 1, embedding_grad="dense" if implementation == "dtensor" else "sharded",
+            others_at_end=v == 1, loss_parallel=implementation == "dtensor" and t > 1)
+        # the stage's peak over the moments of its schedule that can hold the most
+        peak = max((phase for n, got, sends in _schedule_points(layout, stage, held[stage], torch_pp,
+                                                                 sends_pend=device == "cpu")
+                    for phase in _mem.training_phases(
+                        spec, batch_size=b, seq_len=s, precision=precision, optimizer=optimizer,
+                        optimizer_impl=optimizer_impl, attention=attention, recompute=recompute, device=device, gpu=gpu,
+                        share=dataclasses.replace(share, in_flight=n, received=got, pending_sends=sends))),
+                   key=lambda x: x.total)
         label = (f"{spec.name} stage {stage} of {p}, tp {t}" + (" + sp" if layout.sp else "")
                  + (" + ZeRO-1" if layout.zero else "") + f", {layout.schedule} m={layout.micro_batches}")
         out.append(dataclasses.replace(peak, label=label))
