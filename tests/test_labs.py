@@ -48,7 +48,7 @@ def _solution_lines(nb):
 def _exercises_only(nb):
     """Setup, solutions and tests only: grading the exercises without re-running the measurements."""
     nb = copy.deepcopy(nb)
-    keep = ("setup", "ex1-", "ex2-", "ex3-")
+    keep = ("setup", "ex", "stream-")
     nb.cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id", "").startswith(keep)]
     return nb
 
@@ -120,7 +120,7 @@ def test_instructor_version_full_marks_and_cpu_run(tmp_path):
 
 @pytest.mark.parametrize("lab, points", [(LAB, 9), ("lab02_collectives", 8), ("lab03_parallelism", 11),
                                          ("lab04_zero", 9), ("lab05_mixed_precision", 7),
-                                         ("lab06_offload", 8), ("lab07_checkpointing", 8), ("lab08_compression", 8)])
+                                         ("lab06_offload", 11), ("lab07_checkpointing", 9), ("lab08_compression", 15)])
 def test_student_version_scores_zero(lab, points):
     scores = tools.grade(_exercises_only(nbformat.read(released(lab), as_version=4)), lab)
     assert tools.total(scores) == (0, points), scores
@@ -571,7 +571,7 @@ def test_lab4_stored_run():
 def test_lab7_instructor_full_marks_and_cpu_run(tmp_path):
     """Lab 7 in CPU mode: full marks, every plan's traced peak within 5 % of its prediction, and the
     timed plans measured (the CPU run times the Llama-style model's none and full)."""
-    saved, executed = _run_instructor("lab07_checkpointing", 8, tmp_path)
+    saved, executed = _run_instructor("lab07_checkpointing", 9, tmp_path)
     assert "not a GPU" in saved["note"] and {"date", "torch", "platform"} <= set(saved["provenance"])
     run = saved["run"]
     assert len(run["cases"]) == 7 and all(abs(c["error_pct"]) < 5 for c in run["cases"])
@@ -588,8 +588,15 @@ WRONG_SEGMENTS = '''def segments_peak(n_blocks, k, c, a):
     return -(-n_blocks // k) * c + k * a  # counts every checkpoint, even the segment being recomputed
 '''
 
-WRONG_FRACTION = '''def recompute_fraction(l, h, V, B, s, n_checkpointed):
-    return n_checkpointed / l / 3  # a third of the step per block share: forgets the LM head
+WRONG_POLICY = '''from torch.utils.checkpoint import CheckpointPolicy
+
+
+def make_policy():
+    def policy(ctx, op, *args, **kwargs):  # the packet, not the overload: no matmul is ever saved
+        if op == torch.ops.aten.mm or "scaled_dot_product" in str(op):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
 '''
 
 WRONG_CHOICE = '''def choose_checkpoints(full, inputs, flops, outside, budget):
@@ -605,10 +612,10 @@ WRONG_CHOICE = '''def choose_checkpoints(full, inputs, flops, outside, budget):
 
 
 def test_lab7_wrong_answers_lose_their_points():
-    scores = _graded_with("lab07_checkpointing", {"ex1-solution": WRONG_SEGMENTS, "ex2-solution": WRONG_FRACTION,
+    scores = _graded_with("lab07_checkpointing", {"ex1-solution": WRONG_SEGMENTS, "ex2-solution": WRONG_POLICY,
                                                   "ex3-solution": WRONG_CHOICE})
     assert scores["ex1-test"][0] == 0 and "11 checkpoints" in scores["ex1-test"][2]
-    assert scores["ex2-test"][0] == 0 and "GPT-3" in scores["ex2-test"][2]
+    assert scores["ex2-test"][0] == 0 and "overload" in scores["ex2-test"][2], scores["ex2-test"]
     assert scores["ex3-test"][0] == 0 and ("peaks at" in scores["ex3-test"][2] or "recomputes" in scores["ex3-test"][2])
 
 
@@ -634,7 +641,7 @@ def test_lab6_instructor_full_marks_and_cpu_run(tmp_path):
     prediction from the measured per-layer times; no GPU probe is claimed. How close the times come is
     speed, not behaviour (a busy 2-core machine put the median 12 % off where a quiet one is within
     10 %): the stored run's agreement is checked in test_lab6_stored_run."""
-    saved, executed = _run_instructor("lab06_offload", 8, tmp_path)
+    saved, executed = _run_instructor("lab06_offload", 11, tmp_path)
     assert "not a GPU measurement" in saved["note"] and saved["probes"] is None
     st = saved["streaming"]
     assert st["mode"] == "cpu" and len(st["configs"]) >= 5
@@ -671,11 +678,31 @@ WRONG_FEWEST = '''def fewest_resident(layer_bytes, layer_seconds, link_GBps, buf
 '''
 
 
+WRONG_STREAM = '''def stream_forward(x, weights, streamed, link, *, run_layer, buffers=2, passes=1):
+    bufs = [link.buffer(max(weights[i].numel() for i in streamed), weights[0].dtype) for _ in range(min(buffers, len(streamed)))]
+    buf = bufs[0] if bufs else None
+    for _ in range(passes):
+        for i, w in enumerate(weights):
+            if i in streamed:  # copy, wait, run: correct numbers, no overlap at all
+                view = buf[: w.numel()]
+                link.wait(link.copy(view, w))
+                w = view
+            x = run_layer(i, x, w)
+    return x
+'''
+
+RACING_STREAM = WRONG_STREAM.replace("link.wait(link.copy(view, w))", "link.copy(view, w)")
+
+
 def test_lab6_wrong_answers_lose_their_points():
     good_pass = next(c.source for c in tools.source_notebook("lab06_offload").cells
                      if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "ex2-solution")
     scores = _graded_with("lab06_offload", {"ex1-solution": WRONG_PCIE, "ex2-solution": WRONG_PASS,
-                                            "ex3-solution": good_pass + "\n" + WRONG_FEWEST})
+                                            "ex3-solution": good_pass + "\n" + WRONG_FEWEST,
+                                            "stream-solution": WRONG_STREAM})
+    assert scores["stream-test"][0] == 0 and "slower" in scores["stream-test"][2], scores["stream-test"]
+    scores_racing = _graded_with("lab06_offload", {"stream-solution": RACING_STREAM})
+    assert scores_racing["stream-test"][0] == 0 and "before waiting" in scores_racing["stream-test"][2]
     assert scores["ex1-test"][0] == 0 and "about a second" in scores["ex1-test"][2]
     assert scores["ex2-test"][0] == 0 and "pass" in scores["ex2-test"][2]
     assert scores["ex3-test"][0] == 0 and "every choice" in scores["ex3-test"][2]
@@ -709,7 +736,7 @@ def test_lab8_instructor_full_marks_and_cpu_run(tmp_path):
     memory within 5 % of its prediction; peft's trainable count is vramlab's."""
     from vramlab.complab import probe_label
 
-    saved, executed = _run_instructor("lab08_compression", 8, tmp_path)
+    saved, executed = _run_instructor("lab08_compression", 15, tmp_path)
     assert "not a GPU" in saved["note"] and {"date", "torch", "platform"} <= set(saved["provenance"])
     run = saved["run"]
     assert abs(run["quantization"]["models"]["outlier channels"]["rescaling_changed_loss_by"]) < 1e-4
@@ -739,22 +766,72 @@ def row_int8_bytes(rows, cols):
     return rows * cols + 4 * rows
 """
 
-WRONG_LORA = """def lora_trainable(config, r, targets):
-    h = config["hidden_size"]
-    return config["num_hidden_layers"] * len(targets) * r * 2 * h  # every matrix h x h: forgets GQA and the MLP width
+WRONG_LORA = """def lora_init(d_in, d_out, r, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(r, d_in, generator=g) * 0.01).tolist(), (torch.randn(d_out, r, generator=g) * 0.01).tolist()
+
+
+def lora_forward(x, W, bias, A, B, alpha):
+    x, W, A, B = (torch.tensor(v, dtype=torch.float64) for v in (x, W, A, B))
+    y = x @ W.T + x @ A.T @ B.T  # forgets alpha / r
+    return (y + torch.tensor(bias, dtype=torch.float64) if bias is not None else y).tolist()
+
+
+def lora_merge(W, A, B, alpha):
+    return W
 """
 
-WRONG_INT8 = """def int8_model_bytes(linear_shapes, other_params):
-    return sum(o * i for o, i in linear_shapes) + 2 * other_params  # forgets the scales
+UNSCALED_LORA = WRONG_LORA.replace("return (torch.randn(r, d_in, generator=g) * 0.01).tolist(), (torch.randn(d_out, r, generator=g) * 0.01).tolist()",
+                                   "bound = d_in ** -0.5\n    return ((torch.rand(r, d_in, generator=g, dtype=torch.float64) * 2 - 1) * bound).tolist(), [[0.0] * r for _ in range(d_out)]")
+
+WRONG_INT8 = """def int8_matmul(x, w, threshold):  # every column in INT8: the outliers crush the rest of their token
+    def q(m):
+        return [([round(v / (max(abs(u) for u in r) / 127)) if any(r) else 0 for v in r], max(abs(u) for u in r) / 127)
+                for r in m]
+    return [[sum(a * b for a, b in zip(cx, cw)) * sx * sw for cw, sw in q(w)] for cx, sx in q(x)]
+"""
+
+WRONG_DISTILL = """def distill_loss(student_logits, teacher_logits, labels, T, alpha):
+    s = torch.tensor(student_logits, dtype=torch.float64)
+    t = torch.tensor(teacher_logits, dtype=torch.float64)
+    ls, lt = torch.log_softmax(s / T, dim=-1), torch.log_softmax(t / T, dim=-1)
+    soft = (lt.exp() * (lt - ls)).sum(dim=-1).mean()  # no T^2
+    return float(alpha * soft + (1 - alpha) * torch.nn.functional.cross_entropy(s, torch.tensor(labels)))
+"""
+
+WRONG_MASK = """def mask_2_4(w):
+    out = []
+    for row in w:  # the two largest values, not magnitudes
+        m = [0] * len(row)
+        for g in range(0, len(row), 4):
+            for j in sorted(range(g, g + 4), key=lambda j: row[j])[2:]:
+                m[j] = 1
+        out.append(m)
+    return out
+"""
+
+WRONG_QLORA = """def qlora_bytes(linear_shapes, other_params, r):
+    total = 2 * other_params
+    for o, i in linear_shapes:
+        n = o * i
+        total += n // 2 + 4 * (n // 64) + 16 * r * (o + i)  # fp32 absmax, no double quantization
+    return total
 """
 
 
 def test_lab8_wrong_answers_lose_their_points():
     scores = _graded_with("lab08_compression", {"ex1-solution": WRONG_QUANT, "ex2-solution": WRONG_LORA,
-                                                "ex3-solution": WRONG_INT8})
+                                                "ex3-solution": WRONG_INT8, "ex4-solution": WRONG_DISTILL,
+                                                "ex5-solution": WRONG_MASK, "ex6-solution": WRONG_QLORA})
     assert scores["ex1-test"][0] == 0 and "absmax" in scores["ex1-test"][2]
-    assert scores["ex2-test"][0] == 0 and "LoRA r=8" in scores["ex2-test"][2]
-    assert scores["ex3-test"][0] == 0 and "Llama-3.2-1B" in scores["ex3-test"][2]
+    assert scores["ex2-test"][0] == 0 and "B must start at zero" in scores["ex2-test"][2]
+    assert scores["ex3-test"][0] == 0 and "full precision" in scores["ex3-test"][2]
+    assert scores["ex4-test"][0] == 0 and "T^2" in scores["ex4-test"][2]
+    assert scores["ex5-test"][0] == 0 and "magnitude" in scores["ex5-test"][2]
+    assert scores["ex6-test"][0] == 0 and "Llama-3.1-8B" in scores["ex6-test"][2]
+    # with the right initialisation, the forward's missing alpha / r is what the check names
+    scores = _graded_with("lab08_compression", {"ex2-solution": UNSCALED_LORA})
+    assert scores["ex2-test"][0] == 0 and "alpha / r" in scores["ex2-test"][2], scores["ex2-test"]
 
 
 def test_lab8_stored_run():

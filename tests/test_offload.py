@@ -286,3 +286,12 @@ def test_bminf_prefill_multiplies_in_int8():
     assert int8.layer_seconds == pytest.approx(2 * block * 512 / (4 * 4.4e12 * O.STREAM_MFU))
     half = O.stream_model(ten, g, tokens=512, weight_bytes=2)
     assert half.layer_seconds == pytest.approx(2 * block * 512 / (4.4e12 * O.STREAM_MFU))
+
+
+def test_stream_layers_times_only_the_buffers_it_makes():
+    """One streamed layer and three buffers: only one buffer is made (and counted in the memory), so
+    a pass's copy cannot start before the previous pass's use of that buffer has computed: copy (1 s,
+    from the end of the last pass) then the layer (0.1 s). The schedule timed three buffers (copies
+    back to back: 1.0 s a pass) while counting one in the memory."""
+    r = O.stream_layers([10**8, 10**8, 10**9], [0.4, 0.4, 0.1], streamed=[2], link_GBps=1.0, buffers=3, passes=3)
+    assert r.seconds == pytest.approx(1.1) and r.gpu_bytes == 2 * 10**8 + 10**9

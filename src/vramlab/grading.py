@@ -49,7 +49,7 @@ def diagnose_param_count(fn: Callable[..., int], cfg: dict[str, Any], expected: 
 # the partial sum a ring would hold at that step.
 # the packages whose functions answer the exercises: graded answers cannot import them (the ranks
 # below, and labs/sandbox.py's answer process)
-ANSWER_PACKAGES: tuple[str, ...] = ("vramlab", "transformers", "peft", "deepspeed", "accelerate")
+ANSWER_PACKAGES: tuple[str, ...] = ("vramlab", "transformers", "peft", "deepspeed", "accelerate", "bitsandbytes")
 
 _RING_HARNESS = r"""
 import json, os, sys
@@ -1431,28 +1431,659 @@ def check_row_int8(quantize_rows: Callable, dequantize_rows: Callable, row_int8_
                   hint="one byte a weight and one fp32 scale a row", unit="bytes")
 
 
-def _llama_meta(cfg: dict):
+def _matrix_answer(got: Any, rows: int, cols: int, what: str) -> list[list[float]]:
+    """An answer's matrix (a list of rows of numbers) as floats, or AssertionError saying what is wrong."""
+    import math
+
+    if not isinstance(got, (list, tuple)) or len(got) != rows:
+        raise AssertionError(f"{what}: return a list of {rows} rows, got {type(got).__name__}"
+                             + (f" of {len(got)}" if isinstance(got, (list, tuple)) else ""))
+    out = []
+    for row in got:
+        if not isinstance(row, (list, tuple)) or len(row) != cols:
+            raise AssertionError(f"{what}: every row must hold {cols} numbers")
+        try:
+            vals = [float(v) for v in row]
+        except (TypeError, ValueError):
+            raise AssertionError(f"{what}: rows must hold numbers (plain floats; call .tolist() on a tensor)") from None
+        if not all(math.isfinite(v) for v in vals):
+            raise AssertionError(f"{what}: a value is inf or nan")
+        out.append(vals)
+    return out
+
+
+def _far(a: list[list[float]], b: list[list[float]], tol: float) -> float:
+    """The largest |a - b| over the largest |b| (0 when both are zero)."""
+    top = max((abs(v) for r in b for v in r), default=0.0) or 1.0
+    return max((abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)), default=0.0) / top - tol
+
+
+def _lora_peft(W, bias, A, B, alpha: float):
+    """The reference: peft's LoRA wrapped around a torch Linear holding W (and bias), its adapter set
+    to A and B (fp64 throughout, dropout 0)."""
     import warnings
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    with warnings.catch_warnings(), torch.device("meta"):
-        warnings.simplefilter("ignore")
-        return LlamaForCausalLM(LlamaConfig(vocab_size=1000, **cfg))
-
-
-def check_lora_count(fn: Callable, cases) -> None:
-    """`fn(config, r, targets)` against peft's trainable-parameter count for a Llama model built from
-    `config` on the meta device, LoRA of rank r on `targets`."""
-    import warnings
-
     from peft import LoraConfig, get_peft_model
 
-    for cfg, r, targets in cases:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model = get_peft_model(_llama_meta(cfg), LoraConfig(r=r, target_modules=list(targets)))
-        expected = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        check_int(fn(dict(cfg), r, list(targets)), expected, what=f"LoRA r={r} on {', '.join(targets)} of {cfg}",
-                  hint="each adapted matrix adds A (r x d_in) and B (d_out x r); k and v are num_key_value_heads x head_dim wide")
+    d_out, d_in, r = len(W), len(W[0]), len(A)
+
+    class One(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(d_in, d_out, bias=bias is not None)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(One(), LoraConfig(r=r, lora_alpha=alpha, target_modules=["proj"], lora_dropout=0.0))
+    model = model.double()
+    layer = model.base_model.model.proj
+    with torch.no_grad():
+        layer.base_layer.weight.copy_(torch.tensor(W, dtype=torch.float64))
+        if bias is not None:
+            layer.base_layer.bias.copy_(torch.tensor(bias, dtype=torch.float64))
+        layer.lora_A["default"].weight.copy_(torch.tensor(A, dtype=torch.float64))
+        layer.lora_B["default"].weight.copy_(torch.tensor(B, dtype=torch.float64))
+    return model, layer
+
+
+def lora_cases(seed: int, n: int):
+    """(W, bias or None, A, B, alpha, x): small layers of every shape, ranks 1 to 16, B not zero."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for k in range(n):
+        d_in, d_out = (int(v) for v in torch.randint(2, 40, (2,), generator=g))
+        r = [1, 2, 4, 8, 16][k % 5]
+        alpha = [16.0, 8.0, 2.0 * r, 32.0, float(r)][(k + seed) % 5]
+        w = (torch.randn(d_out, d_in, generator=g, dtype=torch.float64) / d_in ** 0.5).tolist()
+        bias = None if k % 3 == 2 else torch.randn(d_out, generator=g, dtype=torch.float64).tolist()
+        a = (torch.randn(r, d_in, generator=g, dtype=torch.float64) * 0.3).tolist()
+        b = (torch.randn(d_out, r, generator=g, dtype=torch.float64) * 0.3).tolist()
+        x = torch.randn(int(torch.randint(1, 6, (1,), generator=g)), d_in, generator=g, dtype=torch.float64).tolist()
+        cases.append((w, bias, a, b, alpha, x))
+    return cases
+
+
+def check_lora_layer(lora_init: Callable, lora_forward: Callable, lora_merge: Callable, *, seed: int = 0,
+                     n: int = 6) -> None:
+    """A LoRA linear layer in plain lists, against peft's (`peft.tuners.lora.Linear`, fp64): its
+    initialisation (A as torch.nn.Linear draws a weight, B zero: the layer starts as the frozen one),
+    its forward x W^T + b + (alpha / r) x A^T B^T for given W, A, B, and its merged weight."""
+    import math
+    import statistics
+
+    import torch
+
+    # initialisation: shapes, B zero, A within nn.Linear's bound and spread like it, different seeds differ
+    for d_in, d_out, r in ((256, 64, 16), (96, 200, 8), (7, 3, 2)):
+        got = lora_init(d_in, d_out, r, 1)
+        if not isinstance(got, (list, tuple)) or len(got) != 2:
+            raise AssertionError("lora_init must return (A, B)")
+        A = _matrix_answer(got[0], r, d_in, f"lora_init({d_in}, {d_out}, {r}): A (r x d_in)")
+        B = _matrix_answer(got[1], d_out, r, f"lora_init({d_in}, {d_out}, {r}): B (d_out x r)")
+        if any(v != 0 for row in B for v in row):
+            raise AssertionError("B must start at zero: then B A = 0 and the adapted layer starts as exactly the "
+                                 "frozen one (LoRA, section 4.1; peft's default)")
+        bound = 1 / math.sqrt(d_in)
+        vals = [v for row in A for v in row]
+        if max(abs(v) for v in vals) > bound * (1 + 1e-6):
+            raise AssertionError(f"A (d_in = {d_in}) has a value of {max(abs(v) for v in vals):.4g}, outside the bound "
+                                 f"torch.nn.Linear draws its weight within for that fan-in")
+        if len(vals) >= 1000:
+            std, want = statistics.pstdev(vals), bound / math.sqrt(3)
+            if not 0.9 * want <= std <= 1.1 * want:
+                raise AssertionError(f"A's values spread with standard deviation {std:.4g}; torch.nn.Linear's initial "
+                                     f"weights of fan-in {d_in} spread with {want:.4g} (uniform within the bound)")
+        again = lora_init(d_in, d_out, r, 2)
+        if isinstance(again, (list, tuple)) and len(again) == 2 and _matrix_answer(again[0], r, d_in, "A") == A and d_in * r > 4:
+            raise AssertionError("lora_init with another seed gave the same A: draw it at random (from the seed)")
+    for w, bias, a, b, alpha, x in lora_cases(seed, n):
+        model, layer = _lora_peft(w, bias, a, b, alpha)
+        r, d_out, d_in = len(a), len(w), len(w[0])
+        where = f"d_in {d_in}, d_out {d_out}, r {r}, alpha {alpha:g}, {'a bias' if bias else 'no bias'}"
+        with torch.no_grad():
+            want = layer(torch.tensor(x, dtype=torch.float64)).tolist()
+        got = _matrix_answer(lora_forward(x, w, bias, a, b, alpha), len(x), d_out, f"lora_forward ({where})")
+        if _far(got, want, 1e-5) > 0:
+            unscaled = (torch.tensor(x) @ torch.tensor(w).T + (torch.tensor(bias) if bias else 0)
+                        + torch.tensor(x) @ torch.tensor(a).T @ torch.tensor(b).T).tolist()
+            hint = (" — the adapter's output must be scaled by alpha / r" if alpha != r and _far(got, unscaled, 1e-5) <= 0
+                    else "")
+            raise AssertionError(f"lora_forward differs from peft's LoRA layer ({where}){hint}")
+        with torch.no_grad():
+            layer.merge()
+            merged = layer.base_layer.weight.tolist()
+        got = _matrix_answer(lora_merge(w, a, b, alpha), d_out, d_in, f"lora_merge ({where})")
+        if _far(got, merged, 1e-5) > 0:
+            raise AssertionError(f"lora_merge's weight differs from peft's merged weight ({where}): the merged layer "
+                                 "must compute what the adapted one did, with no adapter")
+
+
+def _log_softmax(row: list[float]) -> list[float]:
+    import math
+
+    top = max(row)
+    z = top + math.log(sum(math.exp(v - top) for v in row))
+    return [v - z for v in row]
+
+
+def _distill_reference(s, t, labels, T, alpha):
+    import math
+
+    soft = hard = 0.0
+    for srow, trow, y in zip(s, t, labels):
+        ls, lt = _log_softmax([v / T for v in srow]), _log_softmax([v / T for v in trow])
+        soft += sum(math.exp(b) * (b - a) for a, b in zip(ls, lt))
+        hard -= _log_softmax(srow)[y]
+    n = len(s)
+    return {"loss": alpha * T * T * soft / n + (1 - alpha) * hard / n, "soft": soft / n, "hard": hard / n}
+
+
+def distill_cases(seed: int, n: int):
+    """(student logits, teacher logits, labels, T, alpha): tokens x vocabulary, one case with logits
+    in the hundreds (a softmax computed naively overflows)."""
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for k in range(n):
+        tokens, vocab = rng.randint(1, 6), rng.randint(2, 30)
+        scale = 300.0 if k == 1 else rng.choice((1.0, 3.0))
+        s = [[rng.gauss(0, scale) for _ in range(vocab)] for _ in range(tokens)]
+        t = [[rng.gauss(0, scale) for _ in range(vocab)] for _ in range(tokens)]
+        cases.append((s, t, [rng.randrange(vocab) for _ in range(tokens)], [1.0, 2.0, 4.0, 0.5, 8.0][k % 5],
+                      [0.5, 0.9, 1.0, 0.0, 0.3][(k + seed) % 5]))
+    return cases
+
+
+def check_distill_loss(fn: Callable, *, seed: int = 0, n: int = 8) -> None:
+    """`fn(student_logits, teacher_logits, labels, T, alpha)`: Hinton et al.'s loss, the mean over
+    tokens of alpha T^2 KL(teacher_T || student_T) + (1 - alpha) cross-entropy(student, label),
+    computed here in plain Python (log-softmax with the maximum subtracted)."""
+    import math
+
+    for s, t, labels, T, alpha in distill_cases(seed, n):
+        ref = _distill_reference(s, t, labels, T, alpha)
+        where = f"{len(s)} tokens, {len(s[0])}-word vocabulary, T = {T:g}, alpha = {alpha:g}"
+        got = fn([list(r) for r in s], [list(r) for r in t], list(labels), T, alpha)
+        try:
+            got = float(got)
+        except (TypeError, ValueError):
+            raise AssertionError(f"return the loss, a float ({where}); got {got!r}") from None
+        if not math.isfinite(got):
+            raise AssertionError(f"the loss is {got} ({where}, logits up to {max(abs(v) for r in s for v in r):.0f}): "
+                                 "subtract each row's maximum before exponentiating")
+        if abs(got - ref["loss"]) <= 1e-7 * max(1.0, abs(ref["loss"])):
+            continue
+        hint = ""
+        if alpha and T != 1 and abs(got - (alpha * ref["soft"] + (1 - alpha) * ref["hard"])) <= 1e-7 * max(1.0, abs(got)):
+            hint = ": the softened term is scaled by T^2, so that its gradients keep their size whichever T is chosen"
+        else:
+            rev = sum(sum(math.exp(a) * (a - b) for a, b in zip(_log_softmax([v / T for v in sr]), _log_softmax([v / T for v in tr])))
+                      for sr, tr in zip(s, t)) / len(s)
+            if alpha and abs(got - (alpha * T * T * rev + (1 - alpha) * ref["hard"])) <= 1e-7 * max(1.0, abs(got)):
+                hint = ": the KL divergence is the teacher's distribution against the student's, KL(p_teacher || p_student)"
+        raise AssertionError(f"loss {got:.6g}, expected {ref['loss']:.6g} ({where}){hint}")
+
+
+def mask24_cases(seed: int, n: int):
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        rows, cols = rng.randint(1, 5), 4 * rng.randint(1, 6)
+        cases.append([[rng.gauss(0, 1) * (30 if rng.random() < 0.05 else 1) for _ in range(cols)] for _ in range(rows)])
+    return cases
+
+
+def check_mask_2_4(fn: Callable, *, seed: int = 0, n: int = 8) -> None:
+    """`fn(w)` returns a mask (1 keep, 0 prune) of w's shape with exactly two of every four consecutive
+    weights of a row kept: the two of largest magnitude."""
+    for w in mask24_cases(seed, n):
+        rows, cols = len(w), len(w[0])
+        got = fn([list(r) for r in w])
+        mask = _matrix_answer(got, rows, cols, f"the mask of a {rows} x {cols} matrix")
+        if any(v not in (0.0, 1.0) for r in mask for v in r):
+            raise AssertionError("the mask holds 1 (keep) and 0 (prune) only")
+        for i, (wr, mr) in enumerate(zip(w, mask)):
+            for g in range(0, cols, 4):
+                kept = [j for j in range(g, g + 4) if mr[j]]
+                if len(kept) != 2:
+                    raise AssertionError(f"row {i}, weights {g}..{g + 3}: {len(kept)} kept; 2:4 keeps exactly two of "
+                                         "every four (the sparse tensor cores' format)")
+                dropped = [j for j in range(g, g + 4) if j not in kept]
+                if min(abs(wr[j]) for j in kept) < max(abs(wr[j]) for j in dropped):
+                    hint = (" (by magnitude: a large negative weight matters as much as a large positive one)"
+                            if min(wr[j] for j in kept) >= max(wr[j] for j in dropped) else "")
+                    raise AssertionError(f"row {i}, weights {g}..{g + 3} = {[round(wr[j], 3) for j in range(g, g + 4)]}: "
+                                         f"you keep {[round(wr[j], 3) for j in kept]}, not the two largest{hint}")
+
+
+def int8_cases(seed: int, n: int):
+    """(x, w, threshold): activations with a few outlier feature columns (as LLM.int8() found in
+    every large model's hidden states), weights without; some cases with none over the threshold."""
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for k in range(n):
+        tokens, d_in, d_out = rng.randint(1, 6), rng.randint(4, 40), rng.randint(1, 12)
+        x = [[rng.gauss(0, 1) for _ in range(d_in)] for _ in range(tokens)]
+        if k % 4 != 3:
+            for j in rng.sample(range(d_in), rng.randint(1, min(3, d_in - 1))):
+                for row in x:
+                    if rng.random() < 0.7:
+                        row[j] = rng.choice((-1, 1)) * rng.uniform(15, 60)
+        w = [[rng.gauss(0, 0.05) for _ in range(d_in)] for _ in range(d_out)]
+        cases.append((x, w, 6.0))
+    return cases
+
+
+def check_int8_decomposition(fn: Callable, *, seed: int = 0, n: int = 8) -> None:
+    """`fn(x, w, threshold)` returns y = x w^T as LLM.int8() computes it: the input features (columns
+    of x) with any |x| > threshold multiplied in full precision, the rest in INT8 with vector-wise
+    absmax scales (one per row of x, one per row of w), integer products rescaled. Checked against
+    the same computed here (`compression.llm_int8`), and told apart from all-INT8 and from no INT8."""
+    from .compression import llm_int8
+
+    for x, w, threshold in int8_cases(seed, n):
+        where = f"x {len(x)} x {len(x[0])}, w {len(w)} x {len(w[0])}, threshold {threshold:g}"
+        ref = llm_int8(x, w, threshold=threshold)
+        got = _matrix_answer(fn([list(r) for r in x], [list(r) for r in w], threshold), len(x), len(w), f"y ({where})")
+        if _far(got, ref["y"], 1e-5) <= 0:
+            continue
+        exact = [[sum(a * b for a, b in zip(xr, wr)) for wr in w] for xr in x]
+        plain = llm_int8(x, w, threshold=float("inf"))["y"]
+        outl = ref["outlier_columns"]
+        if outl and _far(got, plain, 1e-5) <= 0:
+            hint = (f"you quantized every column; columns {outl} hold |x| > {threshold:g} and must be multiplied in full "
+                    "precision (their scale would crush every other value of the token to a few levels)")
+        elif _far(got, exact, 1e-9) <= 0:
+            hint = "that is the exact product: the columns under the threshold must go through INT8"
+        else:
+            hint = ("one absmax scale per row of x over the non-outlier columns, one per row of w over the same "
+                    "columns, codes rounded to the nearest integer in [-127, 127]")
+        raise AssertionError(f"y differs from LLM.int8()'s ({where}; outlier columns {outl}): {hint}")
+
+
+def qlora_reference(linear_shapes, other_params: int, r: int) -> int:
+    from .compression import nf4_bytes
+
+    return sum(nf4_bytes(o * i) + 16 * r * (o + i) for o, i in linear_shapes) + 2 * other_params
+
+
+def check_qlora_bytes(fn: Callable, cases) -> None:
+    """`fn(linear_shapes, other_params, r)`: QLoRA's resident bytes: every linear layer in bitsandbytes'
+    NF4 with double quantization (as Params4bit stores it), the rest in bf16, and LoRA on every linear
+    layer with fp32 adapters, their gradients and Adam's two moments."""
+    from .compression import nf4_bytes
+
+    for shapes, other, r, what in cases:
+        want = qlora_reference(shapes, other, r)
+        got = fn([tuple(s) for s in shapes], other, r)
+        lin = [o * i for o, i in shapes]
+        hint = ""
+        if isinstance(got, int) and not isinstance(got, bool) and got != want:
+            off = got - want
+            plain = sum(nf4_bytes(k, double_quant=False) - nf4_bytes(k) for k in lin)
+            if off == plain:
+                hint = "double quantization: the block absmaxes are themselves stored in 8 bits"
+            elif off == -sum(1024 + 64 + 4 for _ in lin):
+                hint = ("every quantized tensor also keeps its lookup tables (the 16 NF4 levels and the 256-entry map "
+                        "of the 8-bit absmaxes, fp32) and the absmaxes' fp32 mean")
+            elif off % len(shapes) == 0 and abs(off) < 4096 * len(shapes):
+                hint = "count whole blocks: a tensor whose size is not a multiple of 64 still fills its last block"
+            elif abs(off) == 8 * r * sum(o + i for o, i in shapes) or abs(off) == 4 * r * sum(o + i for o, i in shapes):
+                hint = "each adapter value trains: fp32 weight, fp32 gradient and Adam's two fp32 moments"
+        check_int(got, want, what=f"QLoRA r={r}, {what}", hint=hint, unit="bytes")
+
+
+# ----------------------------------------------------------------------------- lab 7: a selective-checkpointing policy
+# The student's make_policy() runs here, in a process of its own (sandboxed, the answer packages
+# blocked): a Transformer block (or an MLP with biases) under torch.utils.checkpoint with
+# create_selective_checkpoint_contexts(make_policy()), every forward decision logged with the op and
+# its matmul shape, the backward's FLOPs counted (FlopCounterMode) against the block without
+# checkpointing and with full recompute, and the gradients compared with the plain block's.
+_SAC_HARNESS = r"""
+import json, sys
+for _m in %BLOCKED%:
+    sys.modules[_m] = None
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy
+
+%SOURCE%
+
+
+def _block(p, attn):
+    b, s, h, heads = p["b"], p["s"], p["h"], p["heads"]
+    def norm(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    def fn(x):
+        if attn:
+            n = norm(x)
+            q, k, v = (F.linear(n, p[c]).view(b, s, heads, h // heads).transpose(1, 2) for c in "qkv")
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+            x = x + F.linear(a, p["o"])
+            n = norm(x)
+            return x + F.linear(F.silu(F.linear(n, p["g"])) * F.linear(n, p["u"]), p["d"])
+        return x + F.linear(F.gelu(F.linear(norm(x), p["g"], p["gb"])), p["d"], p["db"])
+    return fn
+
+
+def _run(case):
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(case["seed"])
+    b, s, h, f = case["b"], case["s"], case["h"], case["f"]
+    shapes = dict(q=(h, h), k=(h, h), v=(h, h), o=(h, h), g=(f, h), u=(f, h), d=(h, f), gb=(f,), db=(h,))
+    p = {k: (torch.randn(*v, dtype=torch.float64) * 0.1).requires_grad_() for k, v in shapes.items()}
+    p.update(b=b, s=s, h=h, heads=case["heads"])
+    x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
+    fn = _block(p, case["attention"])
+    leaves = [x] + [p[k] for k in shapes]
+    decisions = []
+
+    def logged(policy):
+        def wrapped(ctx, op, *args, **kwargs):
+            d = policy(ctx, op, *args, **kwargs)
+            if not ctx.is_recompute:
+                mm = [list(a.shape) for a in args if isinstance(a, torch.Tensor) and a.dim() == 2][-2:] \
+                    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) else []
+                decisions.append([str(op), getattr(d, "name", repr(d)), mm])
+            return d
+        return wrapped
+
+    def step(run):
+        for t in leaves:
+            t.grad = None
+        y = run(x)
+        with FlopCounterMode(display=False) as fc:
+            y.square().sum().backward()
+        return fc.get_total_flops(), [None if t.grad is None else t.grad.clone() for t in leaves]
+
+    plain, g0 = step(fn)
+    full, _ = step(lambda x: checkpoint(fn, x, use_reentrant=False))
+    sac, g1 = step(lambda x: checkpoint(fn, x, use_reentrant=False,
+                                        context_fn=lambda: create_selective_checkpoint_contexts(logged(%NAME%()))))
+    same = all((a is None and c is None) or (a is not None and c is not None and torch.allclose(a, c, rtol=1e-9, atol=1e-12))
+               for a, c in zip(g0, g1))
+    return {"decisions": decisions, "plain": plain, "full": full, "sac": sac, "grads_match": same}
+
+
+if __name__ == "__main__":
+    case, out = json.loads(sys.argv[1]), sys.argv[2]
+    try:
+        report = _run(case)
+    except Exception as e:
+        report = {"error": f"{type(e).__name__}: {e}"[:500]}
+    with open(out, "w") as fh:
+        json.dump(report, fh)
+"""
+
+SAC_CASES = ({"b": 2, "s": 16, "h": 32, "heads": 4, "f": 64, "attention": True, "seed": 0},
+             {"b": 1, "s": 8, "h": 24, "heads": 2, "f": 40, "attention": False, "seed": 1},
+             {"b": 3, "s": 5, "h": 16, "heads": 2, "f": 48, "attention": True, "seed": 2})
+
+
+def sac_expected(decisions: list) -> list[bool]:
+    """Which ops the policy must save, from the forward's op sequence: attention (any
+    `_scaled_dot_product_*` op) and the 1st, 3rd, 5th ... matrix multiply (aten.mm or aten.addmm);
+    everything else recomputed."""
+    count, want = 0, []
+    for op, _, _ in decisions:
+        if op.startswith(("aten.mm.", "aten.addmm.")):
+            count += 1
+            want.append(count % 2 == 1)
+        else:
+            want.append("scaled_dot_product" in op)
+    return want
+
+
+def check_sac_policy(make_policy: Callable, *, cases=SAC_CASES, timeout: float = 120.0) -> None:
+    """`make_policy()` returns a policy for torch.utils.checkpoint.create_selective_checkpoint_contexts
+    (a fresh one per checkpointed call) that saves attention's output and every second matrix
+    multiply's (the 1st, 3rd, ...) and recomputes the rest. Run on real blocks in a process of its own:
+    its decisions, its gradients, and the backward's FLOPs measured (the recompute it costs)."""
+    import json
+    import tempfile
+
+    source = _cell_source(make_policy)
+    name = make_policy.__name__
+    script = (_SAC_HARNESS.replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%SOURCE%", source)
+              .replace("%NAME%", name))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/sac_check.py"
+        with open(path, "w") as fh:
+            fh.write(script)
+        for i, case in enumerate(cases):
+            what = ("a Transformer block" if case["attention"] else "an MLP block with biases") + \
+                   f" (batch {case['b']}, {case['s']} tokens, hidden {case['h']}, MLP {case['f']})"
+            err = _run_ranks(path, [json.dumps(case), f"{tmp}/out{i}"], cwd=tmp, timeout=timeout,
+                             on_timeout=f"{what}: no answer within {timeout:.0f} s")
+            rep = _rank_report(f"{tmp}/out{i}", err)
+            if not isinstance(rep, dict):
+                raise AssertionError(f"{what}: the run did not finish")
+            if rep.get("error"):
+                raise AssertionError(f"{what}: {rep['error']}")
+            decisions = rep["decisions"]
+            saves = [d[1] in ("MUST_SAVE", "PREFER_SAVE") for d in decisions]
+            if not all(d[1] in ("MUST_SAVE", "PREFER_SAVE", "MUST_RECOMPUTE", "PREFER_RECOMPUTE") for d in decisions):
+                bad = next(d for d in decisions if d[1] not in ("MUST_SAVE", "PREFER_SAVE", "MUST_RECOMPUTE", "PREFER_RECOMPUTE"))
+                raise AssertionError(f"{what}: for {bad[0]} the policy returned {bad[1]}; return a CheckpointPolicy "
+                                     "(torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE, PREFER_RECOMPUTE, ...)")
+            want = sac_expected(decisions)
+            for (op, got, _), keep, save in zip(decisions, want, saves):
+                if keep != save:
+                    if op.startswith(("aten.mm.", "aten.addmm.")) and not any(
+                            s for (o, _, _), s in zip(decisions, saves) if o.startswith(("aten.mm.", "aten.addmm."))):
+                        hint = (" (no matrix multiply was saved: `op` is an overload such as torch.ops.aten.mm.default, "
+                                "not the packet torch.ops.aten.mm; compare with the overload or with op.overloadpacket)")
+                    elif "scaled_dot_product" in op:
+                        hint = " (attention: on this machine the op is " + op + "; match every _scaled_dot_product_ op)"
+                    elif op.startswith("aten.addmm."):
+                        hint = " (a linear layer with a bias runs aten.addmm: a matrix multiply too)"
+                    else:
+                        hint = ""
+                    raise AssertionError(f"{what}: the policy {'recomputes' if keep else 'saves'} {op} where it should "
+                                         f"{'save' if keep else 'recompute'} it{hint}")
+            if not rep["grads_match"]:
+                raise AssertionError(f"{what}: the gradients differ from the block without checkpointing")
+            recomputed = rep["sac"] - rep["plain"]
+            want_flops = sum(2 * m[0][0] * m[0][1] * m[1][1] for (op, _, m), keep in zip(decisions, want)
+                             if op.startswith(("aten.mm.", "aten.addmm.")) and not keep and len(m) == 2)
+            # the recomputation stops after the last tensor the backward needs (non-reentrant
+            # checkpoint's early stop): at most the recomputed matmuls' FLOPs, less than full recompute's
+            if recomputed > want_flops or (want_flops < rep["full"] - rep["plain"] and recomputed >= rep["full"] - rep["plain"]):
+                raise AssertionError(f"{what}: the backward recomputed {recomputed:,} FLOPs (measured); the matrix "
+                                     f"multiplies the policy recomputes cost at most {want_flops:,}")
+
+
+def sac_measure(make_policy: Callable, case: dict | None = None, timeout: float = 120.0) -> dict:
+    """The student's policy run once on a block: the backward's FLOPs without checkpointing, with
+    full recompute and with the policy (measured by FlopCounterMode), and what it saved."""
+    import json
+    import tempfile
+
+    case = dict(case or SAC_CASES[0])
+    source = _cell_source(make_policy)
+    script = (_SAC_HARNESS.replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%SOURCE%", source)
+              .replace("%NAME%", make_policy.__name__))
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/sac.py", "w") as fh:
+            fh.write(script)
+        err = _run_ranks(f"{tmp}/sac.py", [json.dumps(case), f"{tmp}/out"], cwd=tmp, timeout=timeout,
+                         on_timeout="no answer")
+        rep = _rank_report(f"{tmp}/out", err)
+    return rep if isinstance(rep, dict) else {"error": "the run did not finish"}
+
+
+# ----------------------------------------------------------------------------- lab 6: the streaming loop
+# The student's stream_forward runs here, in a process of its own, against a copy engine on a
+# virtual clock: a copy issued when the compute has reached time t starts at max(t, the end of the
+# copy before it) and lasts its bytes over the link's rate; link.wait(ticket) moves the compute to
+# the copy's end; run_layer(i, ...) moves it by layer i's seconds. Every misuse a real copy engine
+# would turn into wrong numbers or a stall is caught where it happens: a layer run on weights whose
+# copy it never waited for, a buffer refilled before its layer ran, a buffer that is not the link's.
+# The report: each pass's start and end on the virtual clock, the buffers made, the output.
+_STREAM_HARNESS = r"""
+import json, sys
+for _m in %BLOCKED%:
+    sys.modules[_m] = None
+import torch
+
+%SOURCE%
+
+
+class _Misuse(Exception):
+    pass
+
+
+class _Link:
+    def __init__(self, weights, rate):
+        self.weights, self.rate, self.clock, self.engine = weights, rate, 0.0, 0.0
+        self.buffers, self.ends, self.waited, self.holds = [], [], set(), {}
+
+    def buffer(self, numel, dtype):
+        b = torch.zeros(int(numel), dtype=dtype)
+        self.buffers.append(b)
+        return b
+
+    def _which(self, t):
+        p = t.data_ptr()
+        for k, b in enumerate(self.buffers):
+            if b.data_ptr() <= p < b.data_ptr() + b.numel() * b.element_size():
+                return k
+        return None
+
+    def copy(self, dst, src):
+        k = self._which(dst)
+        if k is None:
+            raise _Misuse("link.copy's destination must be (a view of) a buffer from link.buffer")
+        layer = next((i for i, w in enumerate(self.weights) if w.data_ptr() == src.data_ptr()), None)
+        if layer is None:
+            raise _Misuse("link.copy's source must be one of the weights")
+        if k in self.holds:
+            raise _Misuse(f"the copy of layer {layer} overwrites buffer {k} while it holds layer "
+                          f"{self.holds[k][0]}'s weights, which have not run yet")
+        start = max(self.clock, self.engine)
+        self.engine = start + src.numel() * 1e6 / self.rate
+        dst.copy_(src)
+        self.ends.append(self.engine)
+        self.holds[k] = (layer, len(self.ends) - 1)
+        return len(self.ends) - 1
+
+    def wait(self, ticket):
+        self.clock = max(self.clock, self.ends[ticket])
+        self.waited.add(ticket)
+
+
+def _run(case):
+    sizes, secs, streamed, link_GBps, buffers, passes = (case[k] for k in ("sizes", "secs", "streamed", "link", "buffers", "passes"))
+    weights = [torch.arange(s // 10**6, dtype=torch.float32) * 1e-3 + i for i, s in enumerate(sizes)]
+    link = _Link(weights, link_GBps * 1e9)
+    marks, calls = [], [0]
+
+    def run_layer(i, x, w):
+        if not isinstance(w, torch.Tensor) or w.numel() != weights[i].numel():
+            raise _Misuse(f"layer {i} ran on a weight of {getattr(w, 'numel', lambda: '?')()} values; it has {weights[i].numel()}")
+        if i in streamed:
+            k = link._which(w)
+            if k is None:
+                raise _Misuse(f"streamed layer {i} ran on its host weights, not on a device buffer")
+            held = link.holds.get(k)
+            if held is None or held[0] != i:
+                raise _Misuse(f"layer {i} ran on buffer {k}, which holds " + ("nothing" if held is None else f"layer {held[0]}'s weights"))
+            if held[1] not in link.waited:
+                raise _Misuse(f"layer {i} ran before waiting for its copy (link.wait(ticket))")
+            del link.holds[k]
+        elif w.data_ptr() != weights[i].data_ptr():
+            raise _Misuse(f"resident layer {i} must run on its own weights")
+        calls[0] += 1
+        link.clock += secs[i]
+        if calls[0] % len(weights) == 0:  # the end of a pass
+            marks.append(link.clock)
+        return x * 0.5 + float(w.double().sum()) * (i + 1)
+
+    x = torch.ones(3, dtype=torch.float64)
+    try:
+        out = stream_forward(x, weights, list(streamed), link, run_layer=run_layer, buffers=buffers, passes=passes)
+    except _Misuse as e:
+        return {"misuse": str(e)}
+    want = x
+    for _ in range(passes):
+        for i, w in enumerate(weights):
+            want = want * 0.5 + float(w.double().sum()) * (i + 1)
+    return {"marks": marks, "calls": calls[0], "buffers": [b.numel() for b in link.buffers],
+            "matches": isinstance(out, torch.Tensor) and out.shape == want.shape and bool(torch.equal(out, want))}
+
+
+if __name__ == "__main__":
+    cases, out = json.loads(sys.argv[1]), sys.argv[2]
+    reports = []
+    for case in cases:
+        try:
+            reports.append(_run(case))
+        except Exception as e:
+            reports.append({"error": f"{type(e).__name__}: {e}"[:500]})
+    with open(out, "w") as fh:
+        json.dump(reports, fh)
+"""
+
+
+def check_stream_forward(fn: Callable, *, seed: int = 0, n: int = 6, timeout: float = 120.0) -> None:
+    """`fn(x, weights, streamed, link, *, run_layer, buffers, passes)` (lab 6's streaming loop) run on
+    stacks of `stream_cases` against a copy engine on a virtual clock (a process of its own): the
+    output of every pass, the buffers it makes (min(buffers, streamed) as large as the largest
+    streamed layer), no layer run on a copy it did not wait for or on a buffer being refilled, and
+    the overlap measured: the third pass's time on the virtual clock equals exercise 2's schedule
+    (`vramlab.offload.stream_layers`), so the copies of the next layers run while this one computes."""
+    import json
+    import random
+    import tempfile
+
+    from .offload import stream_layers
+
+    rng = random.Random(seed + 2)
+    cases = []
+    for sizes, secs, link, buffers in stream_cases(seed, n):
+        for streamed in ([], list(range(len(sizes))), sorted(rng.sample(range(len(sizes)), rng.randint(1, len(sizes))))):
+            cases.append({"sizes": sizes, "secs": secs, "streamed": streamed, "link": link, "buffers": buffers, "passes": 3})
+    source = _cell_source(fn)
+    script = (_STREAM_HARNESS.replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%SOURCE%", source)
+              .replace("stream_forward(x, weights", f"{fn.__name__}(x, weights"))
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/stream_check.py", "w") as fh:
+            fh.write(script)
+        err = _run_ranks(f"{tmp}/stream_check.py", [json.dumps(cases), f"{tmp}/out"], cwd=tmp, timeout=timeout,
+                         on_timeout=f"no answer within {timeout:.0f} s: does the loop end?")
+        reports = _rank_report(f"{tmp}/out", err)
+    if not isinstance(reports, list):
+        raise AssertionError("the streaming run did not finish" + (f": {reports['error']}" if isinstance(reports, dict) else ""))
+    for case, rep in zip(cases, reports):
+        where = (f"{len(case['sizes'])} layers of {[s // 10**8 for s in case['sizes']]} x 100 MB, streamed {case['streamed']}, "
+                 f"{case['buffers']} buffer{'s' if case['buffers'] > 1 else ''}, {case['link']:g} GB/s")
+        if rep.get("error"):
+            raise AssertionError(f"{where}: {rep['error']}")
+        if rep.get("misuse"):
+            raise AssertionError(f"{where}: {rep['misuse']}")
+        if rep["calls"] != 3 * len(case["sizes"]) or not rep["matches"]:
+            raise AssertionError(f"{where}: three passes must run every layer in order and return x after the last "
+                                 f"({rep['calls']} layer runs, output {'right' if rep['matches'] else 'wrong'})")
+        want_buffers = min(case["buffers"], len(case["streamed"]))
+        largest = max((case["sizes"][i] // 10**6 for i in case["streamed"]), default=0)
+        if len(rep["buffers"]) != want_buffers or any(b != largest for b in rep["buffers"]):
+            raise AssertionError(f"{where}: made buffers of {rep['buffers']} values; the schedule holds {want_buffers} "
+                                 f"of {largest} (the largest streamed layer)")
+        want = stream_layers(case["sizes"], case["secs"], streamed=case["streamed"], link_GBps=case["link"],
+                             buffers=case["buffers"], passes=3).seconds
+        got = rep["marks"][2] - rep["marks"][1]
+        if not _close(got, want):
+            hint = (" — slower: start the next copy as soon as a buffer is free (right after the layer that used it "
+                    "runs), including the next pass's, and the first ones before the first layer" if got > want else "")
+            raise AssertionError(f"{where}: the third pass took {got * 1e3:.3f} ms on the copy engine's clock; the "
+                                 f"schedule's overlap gives {want * 1e3:.3f} ms{hint}")

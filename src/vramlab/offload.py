@@ -311,9 +311,10 @@ def stream_layers(layer_bytes, layer_seconds, *, streamed, link_GBps: float, buf
     """Run `passes` passes over the layers (each a forward over every layer, as one generated token is):
     layer i computes after layer i-1 and, when i is in `streamed`, after its copy has arrived. The
     streamed layers are copied in order, one at a time on the copy stream, each into one of `buffers`
-    GPU buffers (each as large as the largest streamed layer); a buffer is free again once the layer
-    in it has computed. The first copy of a pass may start during the previous pass: that is the
-    prefetch. Returns the last pass (steady state)."""
+    GPU buffers (each as large as the largest streamed layer; no more buffers than streamed layers
+    are made, as the memory counts them); a buffer is free again once the layer in it has computed.
+    The first copy of a pass may start during the previous pass: that is the prefetch. Returns the
+    last pass (steady state)."""
     sizes = _numbers("layer_bytes", layer_bytes, positive=True)
     secs = _numbers("layer_seconds", layer_seconds, positive=False)
     n = len(sizes)
@@ -328,6 +329,7 @@ def stream_layers(layer_bytes, layer_seconds, *, streamed, link_GBps: float, buf
     _link(link_GBps)
     _count("buffers", buffers), _count("passes", passes)
     copy_s = {i: sizes[i] / (link_GBps * 1e9) for i in stream}
+    made = min(buffers, len(stream))  # the buffers that exist (and that _gpu_bytes counts)
     t = copy_end = 0.0
     computed: list[float] = []  # compute end of each streamed layer, in copy order over all passes
     pass_start, events = 0.0, []
@@ -336,8 +338,8 @@ def stream_layers(layer_bytes, layer_seconds, *, streamed, link_GBps: float, buf
         for i in range(n):
             ready = t
             if i in copy_s:
-                m = len(computed)  # the m-th copy overall, into buffer m % buffers
-                start = max(copy_end, computed[m - buffers] if m >= buffers else 0.0)
+                m = len(computed)  # the m-th copy overall, into buffer m % made
+                start = max(copy_end, computed[m - made] if m >= made else 0.0)
                 copy_end = start + copy_s[i]
                 events.append(("copy", i, start, copy_end))
                 ready = max(t, copy_end)
