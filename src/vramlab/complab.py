@@ -7,13 +7,16 @@ table the lab draws from a seed (its entropy is the best loss any model can reac
   1. trains the teacher (the model every other step compresses);
   2. quantizes its linear layers per tensor, per row and per group, in INT8 and INT4, as it is and
      with outlier channels (a function-preserving rescaling that gives some output rows the large
-     scales trained LLMs have), and measures the loss change;
+     scales trained LLMs have), and measures the loss change; then runs its matmuls in INT8 (weights
+     only per row, vector-wise W8A8, LLM.int8()'s decomposition) as it is and with outlier
+     *activation features* (a rescaling of the norms' gains and the next layers' input columns);
   3. fine-tunes it on a second chain with LoRA (peft) and fully, and measures one step's memory
      (one process per configuration) against `compression.peft_training`: full, LoRA, and with
      bitsandbytes (CUDA, or its CPU backend) full with 8-bit AdamW and QLoRA on an NF4 base;
   4. distils a student half as wide from it, against the same student trained on the data alone;
   5. prunes attention heads (structured: whole heads by the norm of their output weights) into
-     the `compression.prune` spec, and measures loss and parameters.
+     the `compression.prune` spec, and measures loss and parameters, beside two controls: the
+     teacher trained for the same recovery steps, and the pruned shape trained from scratch.
 """
 
 from __future__ import annotations
@@ -185,6 +188,99 @@ def quantization_study(model: torch.nn.Module, val: torch.Tensor, progress=None)
                     progress(f"  {kind:16s} INT{bits} {scheme:10s} loss change {rows[-1]['delta']:+.5f}")
         out["models"][kind] = {"fp32_loss": ref, "rescaling_changed_loss_by": ref - base, "rows": rows}
     out["matrix"] = example_matrix(model)
+    out["activations"] = activation_outlier_study(model, val, progress=progress)
+    return out
+
+
+def with_activation_outliers(model: torch.nn.Module, *, factor: float = 100.0, channels: int = 4,
+                             seed: int = 7) -> torch.nn.Module:
+    """The same function with outlier *features* in the activations the linear layers read, as
+    LLM.int8() (Dettmers+22) found in every large model's hidden states: per layer, `channels`
+    hidden dimensions of both RMSNorms' gains are multiplied by `factor` and the matching input
+    columns of q/k/v_proj and gate/up_proj divided by it (exact: a norm's output reaches only those
+    linears). The normalised activations then hold values ~`factor` times the rest in those
+    columns, in every token; the weights are unchanged elsewhere. The factor is this lab's choice,
+    large enough to show the effect on a model this small."""
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            for norm, lins in ((layer.input_layernorm, (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)),
+                               (layer.post_attention_layernorm, (layer.mlp.gate_proj, layer.mlp.up_proj))):
+                idx = torch.randperm(norm.weight.shape[0], generator=g)[:channels]
+                norm.weight[idx] *= factor
+                for lin in lins:
+                    lin.weight[:, idx] /= factor
+    return m
+
+
+INT8_THRESHOLD = 6.0  # LLM.int8()'s outlier threshold (bitsandbytes' default)
+
+
+class Int8Matmul(torch.nn.Module):
+    """A linear layer whose product runs as an INT8 scheme would (simulated exactly: integer codes,
+    products summed in fp32, which holds them exactly here, then rescaled):
+      "w8-row":    weight-only per-row INT8, activations as they are;
+      "w8a8":      vector-wise INT8 of both (one absmax per token, one per output row);
+      "llm.int8":  w8a8 on the input columns without any |x| > threshold, the rest in full precision."""
+
+    def __init__(self, lin: torch.nn.Linear, scheme: str, threshold: float = INT8_THRESHOLD):
+        super().__init__()
+        self.weight, self.scheme, self.threshold = lin.weight, scheme, threshold
+        self.outlier_columns: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if self.scheme == "w8-row":
+            return x @ fake_quantize(w, "per-row", 8).T
+        x2 = x.reshape(-1, x.shape[-1])
+        out = (x2.abs() > self.threshold).any(dim=0) if self.scheme == "llm.int8" else torch.zeros(
+            x2.shape[-1], dtype=torch.bool, device=x.device)
+        self.outlier_columns.append(int(out.sum()))
+        keep = ~out
+
+        def rows(m):
+            s = m.abs().amax(dim=1, keepdim=True) / 127
+            return torch.where(s > 0, torch.round(m / s.clamp_min(1e-30)), 0.0), s
+
+        qx, sx = rows(x2[:, keep])
+        qw, sw = rows(w[:, keep])
+        y = (qx @ qw.T) * sx * sw.T + x2[:, out] @ w[:, out].T
+        return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+def int8_matmuls(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
+    """A copy of `model` whose linear layers (all but the LM head) multiply as `scheme` does."""
+    m = copy.deepcopy(model)
+    for name, mod in list(m.named_modules()):
+        if isinstance(mod, torch.nn.Linear) and "lm_head" not in name and mod.bias is None:
+            parent, _, leaf = name.rpartition(".")
+            setattr(m.get_submodule(parent), leaf, Int8Matmul(mod, scheme))
+    return m
+
+
+INT8_SCHEMES = ("w8-row", "w8a8", "llm.int8")
+
+
+def activation_outlier_study(model: torch.nn.Module, val: torch.Tensor, progress=None) -> dict[str, Any]:
+    """The loss of each INT8 matmul scheme, on the model as trained and with activation outlier
+    features (`with_activation_outliers`), and the share of input columns LLM.int8() multiplied in
+    full precision."""
+    out: dict[str, Any] = {"threshold": INT8_THRESHOLD, "models": {}}
+    for kind, m in (("as trained", model), ("activation outliers", with_activation_outliers(model))):
+        ref = evaluate(m, val)
+        rows = []
+        for scheme in INT8_SCHEMES:
+            q = int8_matmuls(m, scheme)
+            loss = evaluate(q, val)
+            sims = [mod for mod in q.modules() if isinstance(mod, Int8Matmul)]
+            cols = sum(sum(mod.outlier_columns) for mod in sims)
+            seen = sum(len(mod.outlier_columns) * mod.weight.shape[1] for mod in sims)
+            rows.append({"scheme": scheme, "loss": loss, "delta": loss - ref,
+                         "fp_column_share": cols / seen if scheme == "llm.int8" and seen else 0.0})
+            if progress:
+                progress(f"  {kind:19s} {scheme:9s} loss change {rows[-1]['delta']:+.5f}")
+        out["models"][kind] = {"fp32_loss": ref, "rescaling_changed_loss_by": ref - evaluate(model, val), "rows": rows}
     return out
 
 
@@ -294,7 +390,8 @@ def _probe(cfg: dict[str, Any]) -> dict[str, Any]:
         return held[-1]
 
     m = measure_training(spec, batch_size=cfg["batch_size"], seq_len=cfg["seq_len"], mode=cfg["mode"], model_hook=hook,
-                         optimizer=cfg.get("optimizer", "adamw"), precision=precision)
+                         optimizer=cfg.get("optimizer", "adamw"), precision=precision,
+                         recompute=cfg.get("recompute", "none"))
     bd = m.breakdown
     if method == "qlora" and cfg["mode"] != "cuda":
         bd = dataclasses.replace(bd, parameters=bd.parameters + _quant_state_bytes(held[0]))
@@ -412,6 +509,15 @@ def prune_heads(model: torch.nn.Module, heads: int) -> tuple[torch.nn.Module, Mo
 
 
 def pruning_study(model: torch.nn.Module, val: torch.Tensor, *, recover_steps: int, progress=None) -> dict[str, Any]:
+    """Each pruned model's loss, before and after `recover_steps` of training on the teacher's chain,
+    beside two controls: the unpruned teacher trained for the same extra steps (recovery is more
+    training, which a teacher that had not converged also gains from), and a model of the pruned
+    size trained from scratch for as many steps (what the pruned weights are worth)."""
+    cont = copy.deepcopy(model)
+    train(cont, Chain(seed=1, sample_seed=40), steps=recover_steps, lr=1e-3)
+    controls = {"teacher_continued": evaluate(cont, val)}
+    if progress:
+        progress(f"  control: the teacher trained {recover_steps} more steps: loss {controls['teacher_continued']:.3f}")
     rows = []
     for heads in (2, 4, 6):
         if teacher_spec().hidden_size % (teacher_spec().num_heads - heads):
@@ -421,11 +527,19 @@ def pruning_study(model: torch.nn.Module, val: torch.Tensor, *, recover_steps: i
         train(small, Chain(seed=1, sample_seed=40), steps=recover_steps, lr=1e-3)  # the teacher's chain
         rows.append({"heads_removed": heads, "heads_left": spec.num_heads, "params": sum(p.numel() for p in small.parameters()),
                      "predicted_params": spec.params, "loss_pruned": before, "loss_after_recovery": evaluate(small, val),
+                     "loss_scratch_same_steps": _scratch_loss(spec, recover_steps, val),
                      "predicted_inference_bytes": C.quantized_inference(spec, fmt="fp32", batch_size=16, seq_len=SEQ,
                                                                         device="cpu").total})
         if progress:
             progress(f"  {heads} heads removed: loss {before:.3f}, after {recover_steps} steps {rows[-1]['loss_after_recovery']:.3f}")
-    return {"teacher_loss": evaluate(model, val), "teacher_params": teacher_spec().params, "rows": rows}
+    return {"teacher_loss": evaluate(model, val), "teacher_params": teacher_spec().params, "rows": rows,
+            "recover_steps": recover_steps, **controls}
+
+
+def _scratch_loss(spec: ModelSpec, steps: int, val: torch.Tensor) -> float:
+    m = build(spec, seed=11)
+    train(m, Chain(seed=1, sample_seed=40), steps=steps, lr=1e-3)
+    return evaluate(m, val)
 
 
 def _bnb_version() -> str | None:

@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass
 
 from .memory import (MemoryBreakdown, PRECISIONS, _check_choice, _dtype_bytes, _ledger_bytes, _resolve,
-                     estimate_inference, layer_saved, optimizer_state_bytes, param_bytes, training_phases)
+                     estimate_inference, layer_saved, optimizer_state_bytes, param_bytes, recompute_plan,
+                     training_phases)
 from .parallel import _count
 from .units import fmt_bytes
 from .specs import ModelSpec, SpecError
@@ -409,7 +410,8 @@ _ROLE_START = {"q/k/v input": "qkv", "c_attn input": "qkv", "qkv input": "qkv", 
 def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8, targets="default",
                   batch_size: int, seq_len: int, precision: str = "fp32", optimizer: str = "adamw",
                   optimizer_impl: str = "foreach", attention: str = "sdpa", device: str = "cuda",
-                  gpu=None, autocast: bool = True, adapter_dtype: str = "fp32") -> MemoryBreakdown:
+                  gpu=None, autocast: bool = True, adapter_dtype: str = "fp32",
+                  recompute="none") -> MemoryBreakdown:
     """Peak memory of one fine-tuning step (PEFT: Houlsby+19; LoRA: Hu+21; QLoRA: Dettmers+23).
 
     full:  `estimate_training` of the whole model; with optimizer "adamw-8bit", bitsandbytes'
@@ -429,13 +431,17 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
     default (`autocast_adapter_dtype=True`), the adapters in fp32 (`adapter_dtype="fp32"`; "base" keeps
     them in the base's dtype), exactly as lora-int8 and qlora hold theirs. "bf16-mixed" keeps the
     frozen base in fp32 (4 bytes a parameter): the result carries a warning saying so.
+    recompute: a plan of `memory.recompute_plan` (QLoRA's 65 B on one 48 GB GPU used "full",
+    gradient checkpointing of every block): a checkpointed block keeps its input only, and its
+    adapters' tensors exist while it (its segment) is recomputed in the backward.
     """
     spec = _resolve(model)
     _check_choice(method, METHODS, "fine-tuning method")
     if not isinstance(autocast, bool):
         raise ValueError(f"autocast must be True or False, not {autocast!r}")
     kw = dict(batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, optimizer_impl=optimizer_impl,
-              attention=attention, device=device, gpu=gpu)
+              attention=attention, device=device, gpu=gpu, recompute=recompute)
+    plan = recompute_plan(recompute, spec)
     if method == "full":
         phases = training_phases(spec, precision=precision, **kw)
         if optimizer == "adamw-8bit":
@@ -483,7 +489,16 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
         adapters = sum(b * sq * (x.d_in + rank) * 4 for x in targets_) - shared
     else:
         adapters = len(targets_) * rank * b * sq * nb["half"] + reread
-    extra_act = adapters - unsaved
+    # a checkpointed block keeps no adapter tensors but while its segment is recomputed; the first
+    # block of a stack saves nothing before its first adapter only when it is not checkpointed
+    ck = plan.checkpointed() if plan.keep == "input" else frozenset()
+    total_blocks = sum(k for _, k in blocks)
+    if ck:
+        window = max(b_ - a_ for a_, b_ in plan.segments)
+        firsts = [0] + ([spec.num_layers] if len(blocks) > 1 else [])
+        adapters = adapters * (total_blocks - len(ck) + window) / total_blocks
+        unsaved = unsaved * sum(1 for f in firsts if f not in ck) / len(blocks)
+    extra_act = int(adapters - unsaved)
     if quant:
         base_params = weight_bytes(spec, quant)["total"]
         dequant = 2 * max(x.d_in * x.d_out for x in linear_layers(spec))
@@ -497,6 +512,10 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
             upd["activations"] = m.activations + extra_act
         if m.gradients:
             upd["gradients"] = n * ab
+        elif ck and m.phase.startswith("backward of a recomputed block"):
+            # the adapters of this block and of every block after it have made their gradients
+            i = int(m.phase.rsplit("block ", 1)[1].rstrip(")"))
+            upd["gradients"] = n * ab * (total_blocks - i) // total_blocks
         if fp32_adapters:  # fp32 adapters: torch.optim keeps fp32 states (Adam: m and v)
             upd["optimizer_states"] = optimizer_state_bytes(optimizer, n, "fp32")
             step = m.phase == "optimizer.step()"

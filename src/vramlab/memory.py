@@ -1045,7 +1045,8 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
         if i in segment_ends:
             block_phases.append(MemoryBreakdown(
                 **base, activations=others + boundary + alive + act["outside"] - loss_side,
-                temporaries=act["block_grad_in"], gradients=grads(head_grad + (last_block + 1 - i) * block_grads),
+                temporaries=act["block_backward"] + act["block_grad_in"],
+                gradients=grads(head_grad + (last_block + 1 - i) * block_grads),
                 phase=f"backward of a recomputed block (block {i})"))
         elif i == last_block:
             block_phases.append(MemoryBreakdown(
