@@ -47,7 +47,8 @@ CASES = [
     ("checkpointing", "book/07_checkpointing.html", [{"model": "gpt2", "plan": "sqrt", "seq_len": 1024},
                                                      {"batch_size": 32, "gpu": "t4"}, {"plan": "sac-matmuls"}]),
     ("compression", "book/08_compression.html", [{"model": "mt5-base", "bits": 32, "rank": 8, "seq_len": 128},
-                                                 {"method": "inference", "bits": 8}, {"method": "full", "bits": 16}]),
+                                                 {"method": "inference", "bits": 8}, {"method": "full", "bits": 16},
+                                                 {"recompute": "full"}]),
 ]
 
 

@@ -113,6 +113,7 @@ def vramlab_preset_params(name):
     ("offload", {"scheme": "nvme"}, "'nvme' is not one of"),
     ("streaming", {"tokens": 3}, "tokens per pass: 3 is not one of"),
     ("compression", {"rank": 3}, "LoRA rank: 3 is not one of"),
+    ("compression", {"recompute": "most"}, "'most' is not one of"),
     ("compression", {"method": "full", "bits": 4}, "full fine-tuning cannot train 4-bit weights"),
     ("compression", {"model": "gpt2", "seq_len": 4096}, "gpt2 reads at most 1,024 positions"),
     ("offload", {"batch_size": 0}, "batch size: 0 is outside"),
@@ -187,5 +188,14 @@ def test_compression_calculator_is_the_library():
     q = C.get("compression").run(model="llama-3.1-8b", method="lora", rank=16, bits=4, seq_len=2048)
     assert q.numbers["peak"][0] == COMP.peft_training("llama-3.1-8b", method="qlora", rank=16, batch_size=1, seq_len=2048,
                                                       precision="bf16", gpu="h100-80gb").total
+    # QLoRA with every block checkpointed (as QLoRA trained): peft_training(recompute="full")
+    qr = C.get("compression").run(model="llama-3.1-8b", method="lora", rank=64, bits=4, targets="all-linear",
+                                  batch_size=4, seq_len=4096, recompute="full")
+    assert qr.numbers["peak"][0] == COMP.peft_training("llama-3.1-8b", method="qlora", rank=64, targets="all-linear",
+                                                       batch_size=4, seq_len=4096, precision="bf16", gpu="h100-80gb",
+                                                       recompute="full").total
+    assert qr.numbers["peak"][0] < 0.5 * C.get("compression").run(model="llama-3.1-8b", method="lora", rank=64, bits=4,
+                                                                 targets="all-linear", batch_size=4,
+                                                                 seq_len=4096).numbers["peak"][0]
     inf = C.get("compression").run(model="llama-3.1-8b", method="inference", bits=8, seq_len=512)
     assert inf.numbers["peak"][0] == COMP.quantized_inference("llama-3.1-8b", fmt="int8", seq_len=512).total

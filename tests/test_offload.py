@@ -295,3 +295,14 @@ def test_stream_layers_times_only_the_buffers_it_makes():
     back to back: 1.0 s a pass) while counting one in the memory."""
     r = O.stream_layers([10**8, 10**8, 10**9], [0.4, 0.4, 0.1], streamed=[2], link_GBps=1.0, buffers=3, passes=3)
     assert r.seconds == pytest.approx(1.1) and r.gpu_bytes == 2 * 10**8 + 10**9
+
+
+def test_zero_offload_gpu_peak_holds_deepspeeds_fp32_gradient_cast():
+    """Issue 27: DeepSpeed 0.19's ZeRO-Offload copies each gradient down as `src_tensor.float()` on the
+    GPU (stage_1_and_2.py, async_inplace_copy_grad_to_fp32_buffer_from_gpu), one parameter at a
+    time beside the reduce bucket: the GPU peak holds the largest parameter's fp32 copy (Llama 3.1
+    8B's untied LM head, 128256 x 4096: 2.1 GB). The paper's fp16 copies make none. Unmeasured on
+    a GPU (no DeepSpeed offload probe yet)."""
+    ds = O.model_offload("llama-3.1-8b", scheme="zero-offload", batch_size=1, seq_len=2048)
+    paper = O.model_offload("llama-3.1-8b", scheme="zero-offload", batch_size=1, seq_len=2048, copies="paper")
+    assert ds.gpu_peak.total - paper.gpu_peak.total == 4 * 128256 * 4096

@@ -490,7 +490,7 @@ _TUNE = {("full", 32): ("full", "fp32", "adamw"), ("full", 16): ("full", "bf16-m
 
 
 def _compression(*, model: str, method: str, rank: int, bits: int, targets: str, batch_size: int, seq_len: int,
-                 gpu: str) -> Result:
+                 gpu: str, recompute: str = "none") -> Result:
     spec, g = specs.preset(model), specs.gpu(gpu)
     kw = dict(batch_size=batch_size, seq_len=seq_len, gpu=g)
 
@@ -500,7 +500,8 @@ def _compression(*, model: str, method: str, rank: int, bits: int, targets: str,
         if (m, b) not in _TUNE:
             raise ValueError("full fine-tuning cannot train 4-bit weights: choose LoRA at 4 bits (QLoRA)")
         how, precision, opt = _TUNE[m, b]
-        return COMP.peft_training(spec, method=how, rank=rank, targets=targets, precision=precision, optimizer=opt, **kw)
+        return COMP.peft_training(spec, method=how, rank=rank, targets=targets, precision=precision, optimizer=opt,
+                                  recompute=recompute, **kw)
 
     mine = one(method, bits)
     rows = [(f"{'infer' if m == 'inference' else m} {b}-bit", mine if (m, b) == (method, bits) else one(m, b))
@@ -534,7 +535,9 @@ COMPRESSION = Calculator(
             Input(name="targets", label="LoRA targets", kind="choice", default="default", choices=("default", "all-linear")),
             Input(name="batch_size", label="batch size", kind="int", default=1, min=1, max=128),
             Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),
-            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES)))
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
+            Input(name="recompute", label="gradient checkpointing (training)", kind="choice", default="none",
+                  choices=("none", "full"))))
 
 CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION, PARALLEL, LAYOUTS, ZERO,
                                                            OFFLOAD, STREAMING, CHECKPOINTING, COMPRESSION)}

@@ -197,7 +197,8 @@ def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_l
       default) beside the step's activations; host memory holds fp32 parameters, both moments and
       fp32 gradients (16 bytes a parameter). Copies (`copies`, ZERO_OFFLOAD_COPIES): "deepspeed"
       (the default: DeepSpeed 0.19 casts each gradient to fp32 on the GPU and copies that down, the
-      16-bit parameters come up: 6 bytes a parameter) or "paper" (Ren et al. 2021: fp16 both ways, 4).
+      16-bit parameters come up: 6 bytes a parameter; the GPU peak holds the largest parameter's
+      fp32 cast beside the bucket) or "paper" (Ren et al. 2021: fp16 both ways, 4).
       Time: the gradients go down while the backward runs (hidden up to BACKWARD_SHARE of the GPU
       step), DeepSpeedCPUAdam steps (DS_CPU_ADAM_SECONDS_PER_PARAM unless given), the parameters come
       up; `delayed_update=True` (the paper's one-step delayed parameter update, §4.3: the step uses
@@ -240,8 +241,11 @@ def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_l
     step = [p for p in phases if not p.phase.startswith("optimizer")]
     if scheme == "zero-offload":
         bucket_bytes = min(bucket, psi) * 2
+        # DeepSpeed's copy down casts each gradient to fp32 on the GPU first (one parameter's at a
+        # time, beside the bucket): the largest parameter's fp32 copy (an LM head or embedding)
+        cast = 4 * max(n for _, n in spec.param_tensors()) if copies == "deepspeed" else 0
         peak = max(step, key=lambda p: p.activations + p.temporaries + p.gradients)
-        gpu_peak = dataclasses.replace(peak, optimizer_states=0, temporaries=peak.temporaries + bucket_bytes,
+        gpu_peak = dataclasses.replace(peak, optimizer_states=0, temporaries=peak.temporaries + bucket_bytes + cast,
                                        label=f"{spec.name}: ZeRO-Offload, {batch_size} x {seq_len}")
         down, up = (k * psi for k in ZERO_OFFLOAD_COPIES[copies])
         moved, host = down + up, 16 * psi
