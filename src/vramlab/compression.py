@@ -510,12 +510,8 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
                    label=f"{spec.name} {method} r={rank} b={batch_size} s={seq_len}" + ("" if quant else f" {precision}"))
         if m.activations:
             upd["activations"] = m.activations + extra_act
-        if m.gradients:
-            upd["gradients"] = n * ab
-        elif ck and m.phase.startswith("backward of a recomputed block"):
-            # the adapters of this block and of every block after it have made their gradients
-            i = int(m.phase.rsplit("block ", 1)[1].rstrip(")"))
-            upd["gradients"] = n * ab * (total_blocks - i) // total_blocks
+        if m.gradients:  # all the adapters', or (a recomputed block's backward) those made so far
+            upd["gradients"] = m.gradients * ab // pb
         if fp32_adapters:  # fp32 adapters: torch.optim keeps fp32 states (Adam: m and v)
             upd["optimizer_states"] = optimizer_state_bytes(optimizer, n, "fp32")
             step = m.phase == "optimizer.step()"

@@ -1459,8 +1459,8 @@ def _far(a: list[list[float]], b: list[list[float]], tol: float) -> float:
 
 
 def _lora_peft(W, bias, A, B, alpha: float):
-    """The reference: peft's LoRA wrapped around a torch Linear holding W (and bias), its adapter set
-    to A and B (fp64 throughout, dropout 0)."""
+    """The reference: peft's LoRA layer wrapped around a torch Linear holding W (and bias), its adapter
+    set to A and B (fp64 throughout, dropout 0)."""
     import warnings
 
     import torch
@@ -1484,7 +1484,7 @@ def _lora_peft(W, bias, A, B, alpha: float):
             layer.base_layer.bias.copy_(torch.tensor(bias, dtype=torch.float64))
         layer.lora_A["default"].weight.copy_(torch.tensor(A, dtype=torch.float64))
         layer.lora_B["default"].weight.copy_(torch.tensor(B, dtype=torch.float64))
-    return model, layer
+    return layer
 
 
 def lora_cases(seed: int, n: int):
@@ -1540,7 +1540,7 @@ def check_lora_layer(lora_init: Callable, lora_forward: Callable, lora_merge: Ca
         if isinstance(again, (list, tuple)) and len(again) == 2 and _matrix_answer(again[0], r, d_in, "A") == A and d_in * r > 4:
             raise AssertionError("lora_init with another seed gave the same A: draw it at random (from the seed)")
     for w, bias, a, b, alpha, x in lora_cases(seed, n):
-        model, layer = _lora_peft(w, bias, a, b, alpha)
+        layer = _lora_peft(w, bias, a, b, alpha)
         r, d_out, d_in = len(a), len(w), len(w[0])
         where = f"d_in {d_in}, d_out {d_out}, r {r}, alpha {alpha:g}, {'a bias' if bias else 'no bias'}"
         with torch.no_grad():
@@ -1662,7 +1662,7 @@ def check_mask_2_4(fn: Callable, *, seed: int = 0, n: int = 8) -> None:
                                          f"you keep {[round(wr[j], 3) for j in kept]}, not the two largest{hint}")
 
 
-def int8_cases(seed: int, n: int):
+def llm_int8_cases(seed: int, n: int):
     """(x, w, threshold): activations with a few outlier feature columns (as LLM.int8() found in
     every large model's hidden states), weights without; some cases with none over the threshold."""
     import random
@@ -1689,7 +1689,7 @@ def check_int8_decomposition(fn: Callable, *, seed: int = 0, n: int = 8) -> None
     the same computed here (`compression.llm_int8`), and told apart from all-INT8 and from no INT8."""
     from .compression import llm_int8
 
-    for x, w, threshold in int8_cases(seed, n):
+    for x, w, threshold in llm_int8_cases(seed, n):
         where = f"x {len(x)} x {len(x[0])}, w {len(w)} x {len(w[0])}, threshold {threshold:g}"
         ref = llm_int8(x, w, threshold=threshold)
         got = _matrix_answer(fn([list(r) for r in x], [list(r) for r in w], threshold), len(x), len(w), f"y ({where})")
@@ -1816,18 +1816,24 @@ def _run(case):
 
 
 if __name__ == "__main__":
-    case, out = json.loads(sys.argv[1]), sys.argv[2]
-    try:
-        report = _run(case)
-    except Exception as e:
-        report = {"error": f"{type(e).__name__}: {e}"[:500]}
+    cases, out = json.loads(sys.argv[1]), sys.argv[2]
+    reports = []
+    for case in cases:
+        try:
+            reports.append(_run(case))
+        except Exception as e:
+            reports.append({"error": f"{type(e).__name__}: {e}"[:500]})
     with open(out, "w") as fh:
-        json.dump(report, fh)
+        json.dump(reports, fh)
 """
 
 SAC_CASES = ({"b": 2, "s": 16, "h": 32, "heads": 4, "f": 64, "attention": True, "seed": 0},
              {"b": 1, "s": 8, "h": 24, "heads": 2, "f": 40, "attention": False, "seed": 1},
              {"b": 3, "s": 5, "h": 16, "heads": 2, "f": 48, "attention": True, "seed": 2})
+
+
+_POLICIES = ("MUST_SAVE", "PREFER_SAVE", "MUST_RECOMPUTE", "PREFER_RECOMPUTE")
+_MATMULS = ("aten.mm.", "aten.addmm.")
 
 
 def sac_expected(decisions: list) -> list[bool]:
@@ -1836,7 +1842,7 @@ def sac_expected(decisions: list) -> list[bool]:
     everything else recomputed."""
     count, want = 0, []
     for op, _, _ in decisions:
-        if op.startswith(("aten.mm.", "aten.addmm.")):
+        if op.startswith(_MATMULS):
             count += 1
             want.append(count % 2 == 1)
         else:
@@ -1844,82 +1850,72 @@ def sac_expected(decisions: list) -> list[bool]:
     return want
 
 
+def _sac_reports(make_policy: Callable, cases, timeout: float) -> list:
+    """Run `_SAC_HARNESS` on `cases` with the answer's `make_policy`, in one process of its own:
+    one report per case (a dict, or {"error": ...})."""
+    import json
+    import tempfile
+
+    script = (_SAC_HARNESS.replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%SOURCE%", _cell_source(make_policy))
+              .replace("%NAME%", make_policy.__name__))
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/sac_check.py", "w") as fh:
+            fh.write(script)
+        err = _run_ranks(f"{tmp}/sac_check.py", [json.dumps(list(cases)), f"{tmp}/out"], cwd=tmp, timeout=timeout,
+                         on_timeout=f"the selective-checkpointing run gave no answer within {timeout:.0f} s")
+        reports = _rank_report(f"{tmp}/out", err)
+    if not isinstance(reports, list):
+        raise AssertionError("the selective-checkpointing run did not finish"
+                             + (f": {reports['error']}" if isinstance(reports, dict) else ""))
+    return reports
+
+
 def check_sac_policy(make_policy: Callable, *, cases=SAC_CASES, timeout: float = 120.0) -> None:
     """`make_policy()` returns a policy for torch.utils.checkpoint.create_selective_checkpoint_contexts
     (a fresh one per checkpointed call) that saves attention's output and every second matrix
     multiply's (the 1st, 3rd, ...) and recomputes the rest. Run on real blocks in a process of its own:
     its decisions, its gradients, and the backward's FLOPs measured (the recompute it costs)."""
-    import json
-    import tempfile
-
-    source = _cell_source(make_policy)
-    name = make_policy.__name__
-    script = (_SAC_HARNESS.replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%SOURCE%", source)
-              .replace("%NAME%", name))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = f"{tmp}/sac_check.py"
-        with open(path, "w") as fh:
-            fh.write(script)
-        for i, case in enumerate(cases):
-            what = ("a Transformer block" if case["attention"] else "an MLP block with biases") + \
-                   f" (batch {case['b']}, {case['s']} tokens, hidden {case['h']}, MLP {case['f']})"
-            err = _run_ranks(path, [json.dumps(case), f"{tmp}/out{i}"], cwd=tmp, timeout=timeout,
-                             on_timeout=f"{what}: no answer within {timeout:.0f} s")
-            rep = _rank_report(f"{tmp}/out{i}", err)
-            if not isinstance(rep, dict):
-                raise AssertionError(f"{what}: the run did not finish")
-            if rep.get("error"):
-                raise AssertionError(f"{what}: {rep['error']}")
-            decisions = rep["decisions"]
-            saves = [d[1] in ("MUST_SAVE", "PREFER_SAVE") for d in decisions]
-            if not all(d[1] in ("MUST_SAVE", "PREFER_SAVE", "MUST_RECOMPUTE", "PREFER_RECOMPUTE") for d in decisions):
-                bad = next(d for d in decisions if d[1] not in ("MUST_SAVE", "PREFER_SAVE", "MUST_RECOMPUTE", "PREFER_RECOMPUTE"))
-                raise AssertionError(f"{what}: for {bad[0]} the policy returned {bad[1]}; return a CheckpointPolicy "
-                                     "(torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE, PREFER_RECOMPUTE, ...)")
-            want = sac_expected(decisions)
-            for (op, got, _), keep, save in zip(decisions, want, saves):
-                if keep != save:
-                    if op.startswith(("aten.mm.", "aten.addmm.")) and not any(
-                            s for (o, _, _), s in zip(decisions, saves) if o.startswith(("aten.mm.", "aten.addmm."))):
-                        hint = (" (no matrix multiply was saved: `op` is an overload such as torch.ops.aten.mm.default, "
-                                "not the packet torch.ops.aten.mm; compare with the overload or with op.overloadpacket)")
-                    elif "scaled_dot_product" in op:
-                        hint = " (attention: on this machine the op is " + op + "; match every _scaled_dot_product_ op)"
-                    elif op.startswith("aten.addmm."):
-                        hint = " (a linear layer with a bias runs aten.addmm: a matrix multiply too)"
-                    else:
-                        hint = ""
-                    raise AssertionError(f"{what}: the policy {'recomputes' if keep else 'saves'} {op} where it should "
-                                         f"{'save' if keep else 'recompute'} it{hint}")
-            if not rep["grads_match"]:
-                raise AssertionError(f"{what}: the gradients differ from the block without checkpointing")
-            recomputed = rep["sac"] - rep["plain"]
-            want_flops = sum(2 * m[0][0] * m[0][1] * m[1][1] for (op, _, m), keep in zip(decisions, want)
-                             if op.startswith(("aten.mm.", "aten.addmm.")) and not keep and len(m) == 2)
-            # the recomputation stops after the last tensor the backward needs (non-reentrant
-            # checkpoint's early stop): at most the recomputed matmuls' FLOPs, less than full recompute's
-            if recomputed > want_flops or (want_flops < rep["full"] - rep["plain"] and recomputed >= rep["full"] - rep["plain"]):
-                raise AssertionError(f"{what}: the backward recomputed {recomputed:,} FLOPs (measured); the matrix "
-                                     f"multiplies the policy recomputes cost at most {want_flops:,}")
+    for case, rep in zip(cases, _sac_reports(make_policy, cases, timeout)):
+        what = ("a Transformer block" if case["attention"] else "an MLP block with biases") + \
+               f" (batch {case['b']}, {case['s']} tokens, hidden {case['h']}, MLP {case['f']})"
+        if rep.get("error"):
+            raise AssertionError(f"{what}: {rep['error']}")
+        decisions = rep["decisions"]
+        bad = next((d for d in decisions if d[1] not in _POLICIES), None)
+        if bad:
+            raise AssertionError(f"{what}: for {bad[0]} the policy returned {bad[1]}; return a CheckpointPolicy "
+                                 "(torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE, PREFER_RECOMPUTE, ...)")
+        saves = [d[1].endswith("_SAVE") for d in decisions]
+        want = sac_expected(decisions)
+        for (op, _, _), keep, save in zip(decisions, want, saves):
+            if keep != save:
+                if op.startswith(_MATMULS) and not any(s for (o, _, _), s in zip(decisions, saves) if o.startswith(_MATMULS)):
+                    hint = (" (no matrix multiply was saved: `op` is an overload such as torch.ops.aten.mm.default, "
+                            "not the packet torch.ops.aten.mm; compare with the overload or with op.overloadpacket)")
+                elif "scaled_dot_product" in op:
+                    hint = " (attention: on this machine the op is " + op + "; match every _scaled_dot_product_ op)"
+                elif op.startswith("aten.addmm."):
+                    hint = " (a linear layer with a bias runs aten.addmm: a matrix multiply too)"
+                else:
+                    hint = ""
+                raise AssertionError(f"{what}: the policy {'recomputes' if keep else 'saves'} {op} where it should "
+                                     f"{'save' if keep else 'recompute'} it{hint}")
+        if not rep["grads_match"]:
+            raise AssertionError(f"{what}: the gradients differ from the block without checkpointing")
+        recomputed = rep["sac"] - rep["plain"]
+        want_flops = sum(2 * m[0][0] * m[0][1] * m[1][1] for (op, _, m), keep in zip(decisions, want)
+                         if op.startswith(_MATMULS) and not keep and len(m) == 2)
+        # the recomputation stops after the last tensor the backward needs (non-reentrant
+        # checkpoint's early stop): at most the recomputed matmuls' FLOPs, less than full recompute's
+        if recomputed > want_flops or (want_flops < rep["full"] - rep["plain"] and recomputed >= rep["full"] - rep["plain"]):
+            raise AssertionError(f"{what}: the backward recomputed {recomputed:,} FLOPs (measured); the matrix "
+                                 f"multiplies the policy recomputes cost at most {want_flops:,}")
 
 
 def sac_measure(make_policy: Callable, case: dict | None = None, timeout: float = 120.0) -> dict:
     """The student's policy run once on a block: the backward's FLOPs without checkpointing, with
     full recompute and with the policy (measured by FlopCounterMode), and what it saved."""
-    import json
-    import tempfile
-
-    case = dict(case or SAC_CASES[0])
-    source = _cell_source(make_policy)
-    script = (_SAC_HARNESS.replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%SOURCE%", source)
-              .replace("%NAME%", make_policy.__name__))
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(f"{tmp}/sac.py", "w") as fh:
-            fh.write(script)
-        err = _run_ranks(f"{tmp}/sac.py", [json.dumps(case), f"{tmp}/out"], cwd=tmp, timeout=timeout,
-                         on_timeout="no answer")
-        rep = _rank_report(f"{tmp}/out", err)
-    return rep if isinstance(rep, dict) else {"error": "the run did not finish"}
+    return _sac_reports(make_policy, [dict(case or SAC_CASES[0])], timeout)[0]
 
 
 # ----------------------------------------------------------------------------- lab 6: the streaming loop
@@ -2011,7 +2007,7 @@ def _run(case):
 
     x = torch.ones(3, dtype=torch.float64)
     try:
-        out = stream_forward(x, weights, list(streamed), link, run_layer=run_layer, buffers=buffers, passes=passes)
+        out = %NAME%(x, weights, list(streamed), link, run_layer=run_layer, buffers=buffers, passes=passes)
     except _Misuse as e:
         return {"misuse": str(e)}
     want = x
@@ -2055,7 +2051,7 @@ def check_stream_forward(fn: Callable, *, seed: int = 0, n: int = 6, timeout: fl
             cases.append({"sizes": sizes, "secs": secs, "streamed": streamed, "link": link, "buffers": buffers, "passes": 3})
     source = _cell_source(fn)
     script = (_STREAM_HARNESS.replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%SOURCE%", source)
-              .replace("stream_forward(x, weights", f"{fn.__name__}(x, weights"))
+              .replace("%NAME%", fn.__name__))
     with tempfile.TemporaryDirectory() as tmp:
         with open(f"{tmp}/stream_check.py", "w") as fh:
             fh.write(script)

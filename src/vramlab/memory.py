@@ -1034,7 +1034,8 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     # freed by now on the last stage: the loss's log-softmax, the head's input and the shifted labels
     loss_side = b * s * (vocab * lsm + -(-e * half // (t if share.sp else 1)) + (8 if spec.is_causal_lm else 0)) if last else 0
     n_blocks = spec.num_layers + spec.num_decoder_layers
-    block_grads = spec.param_groups()["layers"] * pb // n_blocks // t if trained else 0
+    # a block's gradients; with a frozen base (PEFT) the trainable parameters are the blocks' adapters
+    block_grads = (spec.param_groups()["layers"] if trained else n_train) * pb // n_blocks // t
     # each block's backward that may peak: a recomputed segment (all it saves, at once, while its
     # gradients flow: the blocks after it have made theirs) or the device's last block (its gradients
     # in flight; small vocabularies peak here)
