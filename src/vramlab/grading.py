@@ -1742,6 +1742,22 @@ def check_qlora_bytes(fn: Callable, cases) -> None:
 
 
 # ----------------------------------------------------------------------------- lab 7: a selective-checkpointing policy
+# What the single-process harnesses below end with (appended unformatted): run `_run(case)` for every
+# case of the JSON list in argv[1] and write the reports (or the error each raised) to argv[2].
+_HARNESS_CASES = r"""
+
+if __name__ == "__main__":
+    cases, out = json.loads(sys.argv[1]), sys.argv[2]
+    reports = []
+    for case in cases:
+        try:
+            reports.append(_run(case))
+        except Exception as e:
+            reports.append({"error": f"{type(e).__name__}: {e}"[:500]})
+    with open(out, "w") as fh:
+        json.dump(reports, fh)
+"""
+
 # The student's make_policy() runs here, in a process of its own (sandboxed, the answer packages
 # blocked): a Transformer block (or an MLP with biases) under torch.utils.checkpoint with
 # create_selective_checkpoint_contexts(make_policy()), every forward decision logged with the op and
@@ -1814,17 +1830,6 @@ def _run(case):
                for a, c in zip(g0, g1))
     return {"decisions": decisions, "plain": plain, "full": full, "sac": sac, "grads_match": same}
 
-
-if __name__ == "__main__":
-    cases, out = json.loads(sys.argv[1]), sys.argv[2]
-    reports = []
-    for case in cases:
-        try:
-            reports.append(_run(case))
-        except Exception as e:
-            reports.append({"error": f"{type(e).__name__}: {e}"[:500]})
-    with open(out, "w") as fh:
-        json.dump(reports, fh)
 """
 
 SAC_CASES = ({"b": 2, "s": 16, "h": 32, "heads": 4, "f": 64, "attention": True, "seed": 0},
@@ -1857,7 +1862,7 @@ def _sac_reports(make_policy: Callable, cases, timeout: float) -> list:
     import tempfile
 
     script = (_SAC_HARNESS.replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%SOURCE%", _cell_source(make_policy))
-              .replace("%NAME%", make_policy.__name__))
+              .replace("%NAME%", make_policy.__name__)) + _HARNESS_CASES
     with tempfile.TemporaryDirectory() as tmp:
         with open(f"{tmp}/sac_check.py", "w") as fh:
             fh.write(script)
@@ -2017,17 +2022,6 @@ def _run(case):
     return {"marks": marks, "calls": calls[0], "buffers": [b.numel() for b in link.buffers],
             "matches": isinstance(out, torch.Tensor) and out.shape == want.shape and bool(torch.equal(out, want))}
 
-
-if __name__ == "__main__":
-    cases, out = json.loads(sys.argv[1]), sys.argv[2]
-    reports = []
-    for case in cases:
-        try:
-            reports.append(_run(case))
-        except Exception as e:
-            reports.append({"error": f"{type(e).__name__}: {e}"[:500]})
-    with open(out, "w") as fh:
-        json.dump(reports, fh)
 """
 
 
@@ -2051,7 +2045,7 @@ def check_stream_forward(fn: Callable, *, seed: int = 0, n: int = 6, timeout: fl
             cases.append({"sizes": sizes, "secs": secs, "streamed": streamed, "link": link, "buffers": buffers, "passes": 3})
     source = _cell_source(fn)
     script = (_STREAM_HARNESS.replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%SOURCE%", source)
-              .replace("%NAME%", fn.__name__))
+              .replace("%NAME%", fn.__name__)) + _HARNESS_CASES
     with tempfile.TemporaryDirectory() as tmp:
         with open(f"{tmp}/stream_check.py", "w") as fh:
             fh.write(script)
