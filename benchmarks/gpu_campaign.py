@@ -17,6 +17,10 @@ Steps (each configuration measured in its own process, so nothing of one can cou
              the GPU to itself -> benchmarks/results/gpu_campaign.json ("maxbatch")
 - fsdp2:     FSDP2's per-rank peak for GPU-scale models, one rank of 1-8 alone per process with torch's
              fake process group (benchmarks/fsdp2_gpu_validation.py) -> benchmarks/results/zero/gpu/
+- offload:   DeepSpeed ZeRO-Offload (stage 2, offload_optimizer: cpu) on three models, one process each:
+             the allocator's peak, the bytes each way from the profiler's memcpy records, the host step;
+             DeepSpeedCPUAdam against torch's AdamW; INT8 and bf16 matmul rates (needs deepspeed)
+             -> benchmarks/results/offload/gpu/ (benchmarks/offload_gpu_validation.py)
 - labs:      every lab's instructor version, run without a Jupyter kernel (labs/kernelless.py)
              -> labs/results/<lab>.json
 
@@ -47,7 +51,7 @@ def _use_this_checkout() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *rest])
-STEPS = ("accuracy", "inference", "maxbatch", "fsdp2", "labs")
+STEPS = ("accuracy", "inference", "maxbatch", "fsdp2", "offload", "labs")
 LABS = ("lab01_where_memory_goes", "lab02_collectives", "lab03_parallelism", "lab04_zero", "lab05_mixed_precision",
         "lab06_offload", "lab07_checkpointing", "lab08_compression")
 INFERENCE = [  # (preset, batch, prompt, new tokens or None for a prefill with all logits, dtype)
@@ -188,6 +192,13 @@ def fsdp2(dry: bool) -> None:
         mod.main(["--jobs", "3"])
 
 
+def offload(dry: bool) -> None:
+    mod = _bench("offload_gpu_validation")
+    say(f"offload: {len(mod.EXTRA) + len(mod.CASES)} cases, one process each -> benchmarks/results/offload/gpu/")
+    if not dry:
+        mod.main([])
+
+
 def labs(dry: bool) -> None:
     sys.path.insert(0, str(ROOT / "labs"))
     import kernelless
@@ -250,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             say(f"wrote {out.relative_to(ROOT)} ({step})")
     if "fsdp2" in steps:
         fsdp2(args.dry_run)
+    if "offload" in steps:
+        offload(args.dry_run)
     if "labs" in steps:
         labs(args.dry_run)
     say("done" + (" (dry run: nothing measured)" if args.dry_run else ""))

@@ -180,6 +180,53 @@ def test_stored_step_time_overhead_against_the_recompute_fraction():
         assert t["none"] == 0 and 0 < t["sac-matmuls"] < t["full"]
 
 
+def test_h100_lab_run_memory_of_every_plan_within_4_percent():
+    """Issue 27: lab 7's instructor version on an H100 (CUDA allocator peaks, one process per plan,
+    labs/results/h100/): every plan's peak within 4 % of the prediction for a CUDA device, recomputed
+    here from the case's settings. On the GPU the time overheads are not FLOP-bound at the lab's sizes
+    (chapter 7 says so); only their order is asserted: full recompute costs more than none."""
+    lab = json.loads((ROOT / "labs" / "results" / "h100" / "lab07_checkpointing_h100.json").read_text())
+    run = lab["run"]
+    assert run["mode"] == "cuda" and lab["provenance"]["gpu"].startswith("NVIDIA H100")
+    assert len(run["cases"]) == 14
+    for c in run["cases"]:
+        pred = C.evaluate(lab_spec(c["model"]), c["plan"], batch_size=c["batch_size"], seq_len=c["seq_len"],
+                          precision=c["precision"], device="cuda").peak.total
+        assert abs(pred - c["measured_bytes"]) <= 0.04 * c["measured_bytes"], (c["model"], c["plan"])
+    for model in ("gpt2", "llama-small"):
+        t = {r["plan"]: r["overhead"] for r in run["timing"] if r["model"] == model}
+        assert t["none"] == 0 and t["full"] > 0
+
+
+def test_plans_beyond_the_labs_models_where_a_recomputed_block_decides_the_peak():
+    """Issue 27: every measurable plan on OPT and GPT-NeoX models built from configs (not the lab's
+    families; a small vocabulary so that the blocks decide the peak), 8 x 1024 tokens, traced on the
+    CPU one process per configuration (benchmarks/checkpointing_validation.py). The prediction is
+    recomputed here. In this regime the peak of full, sqrt and segments-4 (and NeoX's sac-matmuls) is
+    a recomputed block's backward, and there the model errs high: OPT by about 3 %, NeoX by 6 to 9 %
+    (activations five (b, s, h) fp32 tensors too many in a parallel-residual block recomputed; the
+    cause is not yet traced). Known, bounded here, not yet fixed."""
+    run = json.loads((ROOT / "benchmarks" / "results" / "checkpointing" / "validation_trace.json").read_text())
+    assert run["mode"] == "trace" and "gpu" not in run["provenance"]
+    specs_ = {name: from_config(cfg, name=name) for name, cfg in run["models"].items()}
+    inside = 0
+    for c in run["cases"]:
+        r = C.evaluate(specs_[c["model"]], c["plan"], batch_size=c["batch_size"], seq_len=c["seq_len"],
+                       precision=c["precision"], device="cpu")
+        err = (r.peak.total - c["measured_bytes"]) / c["measured_bytes"]
+        assert -0.05 <= err <= 0.10, (c["model"], c["plan"], c["precision"], err)
+        if r.peak.phase.startswith("backward of a recomputed block"):
+            inside += 1
+            assert err >= 0, (c["model"], c["plan"])  # errs on the safe side
+            if c["model"].startswith("opt") and c["precision"] == "fp32":
+                assert err <= 0.04
+    assert inside >= 7
+    # the effect is there: checkpointing cuts each model's traced fp32 peak by more than 40 %
+    for m in specs_:
+        got = {c["plan"]: c["measured_bytes"] for c in run["cases"] if c["model"] == m and c["precision"] == "fp32"}
+        assert got["full"] < 0.6 * got["none"] and got["full"] < got["sqrt"] < got["none"]
+
+
 @pytest.mark.parametrize("plan", ["full", "sqrt", "first-2", "sac-matmuls"])
 def test_t5_checkpoints_keep_one_shared_bias_of_all_heads(plan):
     """Checkpointed T5 blocks keep their shared (1, a, s, s) position bias as an input: a = the number

@@ -413,8 +413,8 @@ def _offload(*, model: str, scheme: str, batch_size: int, seq_len: int, gpu: str
              "behind the backward, nothing else overlaps",
              f"GPU step without offload: {1e3 * gpu_s:.0f} ms at {100 * CK.MFU:.0f} % of the GPU's peak; the CPU's Adam "
              f"step: {OFF.CPU_ADAM_SECONDS_PER_PARAM * 1e9:.2f} ns a parameter for FSDP2 (torch AdamW, an H100 host's "
-             f"16 cores), {OFF.DS_CPU_ADAM_SECONDS_PER_PARAM * 1e9:.2f} ns for ZeRO-Offload (DeepSpeedCPUAdam, the "
-             "paper's speed-up)", ""]
+             f"16 cores), {OFF.DS_CPU_ADAM_SECONDS_PER_PARAM * 1e9:.2f} ns for ZeRO-Offload (DeepSpeed's host step, "
+             "measured on the same host)", ""]
     mine = dict((r[0], r) for r in rows)[scheme]
     lines += [mine[1].table(title=f"{scheme}: {mine[1].label}"), "", str(verdicts[scheme]), verdicts[scheme].explain()]
     return Result(text="\n".join(lines), svg=svg, numbers={

@@ -28,7 +28,7 @@ import re
 from . import memory as _mem
 from .parallel import _count
 from .specs import GPUSpec, ModelSpec, gpu as _gpu
-from .zero import REDUCE_BUCKET, _units
+from .zero import REDUCE_BUCKET, _block_index, _units
 
 # PCIe per lane and direction after line coding, decimal GB/s (PCI-SIG: 8, 16, 32 GT/s with 128b/130b)
 PCIE_LANE_GBps: dict[int, float] = {3: 0.985, 4: 1.969, 5: 3.938}
@@ -153,13 +153,17 @@ def activation_offload(model: ModelSpec | str, *, batch_size: int, seq_len: int,
 # H100 host's 16 cores with the FSDP2 CPUOffloadPolicy probe (llama-3.2-1b: 1.48 s step = 0.23 s
 # on the GPU + 13.8 GB of copies at SAVE_ON_CPU_EFFICIENCY + 0.90 s for 1.24e9 parameters). About
 # 70 bytes of host memory traffic per parameter for the for-loop AdamW's kernels, so ~100 GB/s.
-# DeepSpeed's CPU-Adam (SIMD, fused) is several times faster (Ren et al. 2021): not measured here.
+# DeepSpeed's CPU-Adam (SIMD, fused) is several times faster: DS_CPU_ADAM_SECONDS_PER_PARAM.
 CPU_ADAM_SECONDS_PER_PARAM = 0.73e-9
-# DeepSpeedCPUAdam (SIMD, fused over the flat fp32 partition): Ren et al. 2021 (ZeRO-Offload, §4.2)
-# measure it 5.1 to 6.5 times faster than PyTorch's CPU Adam; the lower end, on the same host's torch
-# rate. An assumption from the paper, not measured here (no DeepSpeed on the GPU image).
-DS_CPU_ADAM_SPEEDUP = 5.1
-DS_CPU_ADAM_SECONDS_PER_PARAM = CPU_ADAM_SECONDS_PER_PARAM / DS_CPU_ADAM_SPEEDUP
+# ZeRO-Offload's step on the host, seconds per parameter: the gradients' norm, DeepSpeedCPUAdam over
+# the flat fp32 partition and the updated parameters' cast to bf16 into the pinned buffer, as DeepSpeed
+# 0.19's engine runs them. Calibrated on the H100 host's 16 cores (Xeon) with llama-3.2-1b: the step's
+# host part 0.481 s, less the 2.47 GB upload at SAVE_ON_CPU_EFFICIENCY, for 1.24e9 parameters
+# (benchmarks/results/offload/gpu/zo_llama_3_2_1b.json); gpt2-medium and pythia-1b are the check
+# (tests/test_offload.py). DeepSpeedCPUAdam alone steps a 1e8-parameter tensor at 0.22 ns a
+# parameter there, 5.6 times torch's for-loop AdamW (Ren et al. 2021 measure 5.1 to 6.5) and as fast
+# as torch's fused CPU AdamW (benchmarks/results/offload/gpu/cpu_adam.json).
+DS_CPU_ADAM_SECONDS_PER_PARAM = 0.34e-9
 OFFLOAD_SCHEMES = ("zero-offload", "fsdp2-cpu")
 # ZeRO-Offload's bytes over PCIe a parameter, per step: (gradients down, parameters up)
 ZERO_OFFLOAD_COPIES: dict[str, tuple[int, int]] = {
@@ -171,6 +175,29 @@ ZERO_OFFLOAD_COPIES: dict[str, tuple[int, int]] = {
     "deepspeed": (4, 2),
 }
 BACKWARD_SHARE = 2 / 3  # of a step's GPU time: the backward's two matmuls a matmul, the forward's one
+
+
+def _gradient_in_flight(spec: ModelSpec, phase: str) -> int:
+    """Elements of the largest gradient ZeRO-Offload holds on the GPU in a phase of the step (DeepSpeed
+    0.19, stage_1_and_2.py): a gradient lives from its backward until the hook copies it into the
+    reduce bucket, casts it with .float() on the GPU (copies="deepspeed"), copies that down and
+    clears it (clear_grad_attribute), one parameter at a time, so the GPU never holds the model's
+    gradients. None exist before the backward (the logits' gradient is the largest early peak); the
+    untied head's is made in the head's backward, a block's tensors in the blocks' backward, the
+    embedding's (a tied head's with it) at the end: the largest such tensor in each phase. Measured
+    on an H100 (gpt2-medium, pythia-1b, llama-3.2-1b; benchmarks/results/offload/gpu/): the cast
+    never lands on the logits gradient's peak, which the allocator's peak equals."""
+    if phase.startswith(("forward", "backward start", "optimizer")):
+        return 0
+    tensors = spec.param_tensors()
+    head = [n for name, n in tensors if name.split(".")[0] in ("lm_head", "embed_out")]
+    if phase.startswith("LM head backward"):
+        return max(head, default=0)
+    blocks = [n for name, n in tensors if _block_index(name) is not None]
+    if phase.startswith("embedding backward") or not blocks:
+        return max((n for name, n in tensors if _block_index(name) is None
+                    and name.split(".")[0] not in ("lm_head", "embed_out")), default=0)
+    return max(blocks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,13 +224,16 @@ def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_l
       default) beside the step's activations; host memory holds fp32 parameters, both moments and
       fp32 gradients (16 bytes a parameter). Copies (`copies`, ZERO_OFFLOAD_COPIES): "deepspeed"
       (the default: DeepSpeed 0.19 casts each gradient to fp32 on the GPU and copies that down, the
-      16-bit parameters come up: 6 bytes a parameter; the GPU peak holds the largest parameter's
-      fp32 cast beside the bucket) or "paper" (Ren et al. 2021: fp16 both ways, 4).
+      16-bit parameters come up: 6 bytes a parameter; in the backward the GPU holds the gradient in
+      flight and its fp32 cast beside the bucket, never the model's gradients: _gradient_in_flight)
+      or "paper" (Ren et al. 2021: fp16 both ways, 4).
       Time: the gradients go down while the backward runs (hidden up to BACKWARD_SHARE of the GPU
-      step), DeepSpeedCPUAdam steps (DS_CPU_ADAM_SECONDS_PER_PARAM unless given), the parameters come
-      up; `delayed_update=True` (the paper's one-step delayed parameter update, §4.3: the step uses
-      parameters one update old) overlaps the CPU step and the upload with the next step's GPU
-      work: the step is the longer of the two. Modelled, not measured.
+      step), DeepSpeed steps on the host (DS_CPU_ADAM_SECONDS_PER_PARAM unless given), the parameters
+      come up; `delayed_update=True` (the paper's one-step delayed parameter update, §4.3: the step uses
+      parameters one update old; DeepSpeed 0.19 has no such option) overlaps the CPU step and the upload
+      with the next step's GPU work: the step is the longer of the two. Measured on an H100 with
+      DeepSpeed 0.19 (benchmarks/offload_gpu_validation.py): the bytes each way, the GPU peak and the
+      host step's time; the overlap of the copies with the backward and the delayed update are not.
     - "fsdp2-cpu" (`fully_shard(..., offload_policy=CPUOffloadPolicy())` with
       `MixedPrecisionPolicy(param_dtype=bf16)`, one rank, each block its own unit): the GPU keeps no
       model state between steps; in the step, the root unit (embeddings, final norm, head) stays
@@ -241,11 +271,15 @@ def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_l
     step = [p for p in phases if not p.phase.startswith("optimizer")]
     if scheme == "zero-offload":
         bucket_bytes = min(bucket, psi) * 2
-        # DeepSpeed's copy down casts each gradient to fp32 on the GPU first (one parameter's at a
-        # time, beside the bucket): the largest parameter's fp32 copy (an LM head or embedding)
-        cast = 4 * max(n for _, n in spec.param_tensors()) if copies == "deepspeed" else 0
-        peak = max(step, key=lambda p: p.activations + p.temporaries + p.gradients)
-        gpu_peak = dataclasses.replace(peak, optimizer_states=0, temporaries=peak.temporaries + bucket_bytes + cast,
+
+        def held(p) -> tuple[int, int]:  # (the bf16 gradient in flight, its fp32 cast)
+            n = _gradient_in_flight(spec, p.phase)
+            return 2 * n, (4 * n if copies == "deepspeed" else 0)
+
+        peak = max(step, key=lambda p: p.activations + p.temporaries + sum(held(p)))
+        grad, cast = held(peak)
+        gpu_peak = dataclasses.replace(peak, optimizer_states=0, gradients=grad,
+                                       temporaries=peak.temporaries + bucket_bytes + cast,
                                        label=f"{spec.name}: ZeRO-Offload, {batch_size} x {seq_len}")
         down, up = (k * psi for k in ZERO_OFFLOAD_COPIES[copies])
         moved, host = down + up, 16 * psi
