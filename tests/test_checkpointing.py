@@ -203,9 +203,10 @@ def test_plans_beyond_the_labs_models_where_a_recomputed_block_decides_the_peak(
     families; a small vocabulary so that the blocks decide the peak), 8 x 1024 tokens, traced on the
     CPU one process per configuration (benchmarks/checkpointing_validation.py). The prediction is
     recomputed here. In this regime the peak of full, sqrt and segments-4 (and NeoX's sac-matmuls) is
-    a recomputed block's backward, and there the model errs high: OPT by about 3 %, NeoX by 6 to 9 %
-    (activations five (b, s, h) fp32 tensors too many in a parallel-residual block recomputed; the
-    cause is not yet traced). Known, bounded here, not yet fixed."""
+    a recomputed block's backward, and there the model errs high by 0 to 4 %, as on the H100's lab run
+    (not yet traced apart). This run found the model holding one (b, s, intermediate) tensor too many
+    in a GELU MLP's backward (NeoX was 5.5 to 9 % high): the down projection's input is freed before
+    the activation's gradient is made."""
     run = json.loads((ROOT / "benchmarks" / "results" / "checkpointing" / "validation_trace.json").read_text())
     assert run["mode"] == "trace" and "gpu" not in run["provenance"]
     specs_ = {name: from_config(cfg, name=name) for name, cfg in run["models"].items()}
@@ -214,12 +215,10 @@ def test_plans_beyond_the_labs_models_where_a_recomputed_block_decides_the_peak(
         r = C.evaluate(specs_[c["model"]], c["plan"], batch_size=c["batch_size"], seq_len=c["seq_len"],
                        precision=c["precision"], device="cpu")
         err = (r.peak.total - c["measured_bytes"]) / c["measured_bytes"]
-        assert -0.05 <= err <= 0.10, (c["model"], c["plan"], c["precision"], err)
+        assert -0.05 <= err <= 0.045, (c["model"], c["plan"], c["precision"], err)
         if r.peak.phase.startswith("backward of a recomputed block"):
             inside += 1
             assert err >= 0, (c["model"], c["plan"])  # errs on the safe side
-            if c["model"].startswith("opt") and c["precision"] == "fp32":
-                assert err <= 0.04
     assert inside >= 7
     # the effect is there: checkpointing cuts each model's traced fp32 peak by more than 40 %
     for m in specs_:

@@ -813,7 +813,11 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     math_path = _math_path(spec, attention, device, precision) or (spec.family == "t5" and not t5_fused)
     # (a gated MLP's backward holds three (b, s, intermediate) tensors at once on CUDA, two on the CPU:
     # measured on every Llama-like CPU run, ZeRO-0 to FSDP2 and pipelines, tests/test_validation.py)
-    mlp_grads = (3 if spec.gated_mlp and device == "cuda" else 2) * tokens * spec.intermediate_size * nb["half"]
+    # An ungated MLP whose activation is one kernel saving only its input (GELU): the down projection's
+    # input is freed when its backward ends, before the activation's gradient is made, so one more
+    # (b, s, intermediate) tensor at a time (traced: GPT-NeoX blocks recomputed in their backward)
+    one_kernel = not spec.gated_mlp and spec.activation == "gelu"
+    mlp_grads = (3 if spec.gated_mlp and device == "cuda" else 1 if one_kernel else 2) * tokens * spec.intermediate_size * nb["half"]
     attn_grads = 2 * scores * nb["f32"] if math_path else 3 * tokens * spec.q_dim * nb["half"]
     if t5_fused:  # the fused kernel's gradient of the (broadcast) bias, (b, a, s, s), before autograd sums it
         attn_grads += scores * nb["half"]
