@@ -652,9 +652,19 @@ def test_lab6_instructor_full_marks_and_cpu_run(tmp_path):
     assert "No GPU" in out and "fewest resident" in out
 
 
-WRONG_PCIE = '''def pcie_seconds(nbytes, generation, lanes=16, pinned=True):
-    rate = {3: 8e9, 4: 16e9, 5: 32e9}[generation] / 8 * lanes  # forgets 128b/130b
-    return nbytes / (rate if pinned else rate / 2)
+WRONG_LINK = '''def link_GBps(link, host, repeats=5):
+    buf = link.buffer(host.numel(), host.dtype)
+    t0 = link.clock()
+    for _ in range(repeats):  # every copy, the first one's setup included, and their mean
+        link.wait(link.copy(buf, host))
+    return host.numel() * host.element_size() * repeats / (link.clock() - t0) / 1e9
+'''
+
+RACING_LINK = '''def link_GBps(link, host, repeats=5):
+    buf = link.buffer(host.numel(), host.dtype)
+    t0 = link.clock()
+    link.copy(buf, host)  # the clock is read before the copy has ended
+    return host.numel() * host.element_size() / (link.clock() - t0) / 1e9
 '''
 
 WRONG_PASS = '''def stream_pass(layer_bytes, layer_seconds, streamed, link_GBps, buffers):
@@ -697,13 +707,14 @@ RACING_STREAM = WRONG_STREAM.replace("link.wait(link.copy(view, w))", "link.copy
 def test_lab6_wrong_answers_lose_their_points():
     good_pass = next(c.source for c in tools.source_notebook("lab06_offload").cells
                      if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "ex2-solution")
-    scores = _graded_with("lab06_offload", {"ex1-solution": WRONG_PCIE, "ex2-solution": WRONG_PASS,
+    scores = _graded_with("lab06_offload", {"ex1-solution": WRONG_LINK, "ex2-solution": WRONG_PASS,
                                             "ex3-solution": good_pass + "\n" + WRONG_FEWEST,
                                             "stream-solution": WRONG_STREAM})
     assert scores["stream-test"][0] == 0 and "slower" in scores["stream-test"][2], scores["stream-test"]
-    scores_racing = _graded_with("lab06_offload", {"stream-solution": RACING_STREAM})
+    scores_racing = _graded_with("lab06_offload", {"stream-solution": RACING_STREAM, "ex1-solution": RACING_LINK})
     assert scores_racing["stream-test"][0] == 0 and "before waiting" in scores_racing["stream-test"][2]
-    assert scores["ex1-test"][0] == 0 and "about a second" in scores["ex1-test"][2]
+    assert scores_racing["ex1-test"][0] == 0 and "did not move" in scores_racing["ex1-test"][2]
+    assert scores["ex1-test"][0] == 0 and "median" in scores["ex1-test"][2]
     assert scores["ex2-test"][0] == 0 and "pass" in scores["ex2-test"][2]
     assert scores["ex3-test"][0] == 0 and "every choice" in scores["ex3-test"][2]
 

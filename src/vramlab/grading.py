@@ -2077,3 +2077,135 @@ def check_stream_forward(fn: Callable, *, seed: int = 0, n: int = 6, timeout: fl
                     "runs), including the next pass's, and the first ones before the first layer" if got > want else "")
             raise AssertionError(f"{where}: the third pass took {got * 1e3:.3f} ms on the copy engine's clock; the "
                                  f"schedule's overlap gives {want * 1e3:.3f} ms{hint}")
+
+
+# ----------------------------------------------------------------------------- lab 6: measuring the link
+# The student's link_GBps(link, host) runs here, in a process of its own, against a copy engine on a
+# virtual clock: link.copy(buffer, host) queues a copy that lasts its bytes over the link's rate (the
+# first one also pays a one-time setup, as a driver's first copy does, and one later copy is slowed
+# threefold, as by other traffic); link.wait(ticket) moves the compute's clock to the copy's end;
+# link.clock() reads that clock. A clock read before waiting has not moved.
+_LINK_HARNESS = r"""
+import json, math, statistics, sys
+for _m in %BLOCKED%:
+    sys.modules[_m] = None
+import torch
+
+%SOURCE%
+
+
+class _Misuse(Exception):
+    pass
+
+
+class _Link:
+    def __init__(self, host, rate, setup, slow):
+        self.host, self.rate, self.setup, self.slow = host, rate, setup, slow
+        self.now, self.engine, self.ends, self.buffers, self.waits = 0.0, 0.0, [], [], 0
+
+    def buffer(self, numel, dtype):
+        b = torch.empty(int(numel), dtype=dtype)
+        self.buffers.append(b)
+        return b
+
+    def copy(self, dst, src):
+        if not any(b.data_ptr() <= dst.data_ptr() < b.data_ptr() + b.numel() * b.element_size() for b in self.buffers):
+            raise _Misuse("link.copy's destination must be (a view of) a buffer from link.buffer")
+        if src.data_ptr() != self.host.data_ptr() or src.numel() != self.host.numel():
+            raise _Misuse("copy the whole host tensor: link.copy(buffer, host)")
+        if dst.numel() != src.numel() or dst.dtype != src.dtype:
+            raise _Misuse(f"the buffer holds {dst.numel()} {dst.dtype} values, the host tensor {src.numel()} {src.dtype}")
+        k = len(self.ends)
+        seconds = src.numel() * src.element_size() / self.rate
+        if k == 0:
+            seconds += self.setup
+        if k == self.slow:
+            seconds *= 3
+        self.engine = max(self.now, self.engine) + seconds
+        self.ends.append(self.engine)
+        dst.copy_(src)
+        return k
+
+    def wait(self, ticket):
+        self.now = max(self.now, self.ends[ticket])
+        self.waits += 1
+
+    def clock(self):
+        return self.now
+
+
+def _run(case):
+    host = torch.arange(case["numel"], dtype=getattr(torch, case["dtype"]))
+    link = _Link(host, case["GBps"] * 1e9, case["setup"], case["slow"])
+    try:
+        got = %NAME%(link, host)
+    except _Misuse as e:
+        return {"misuse": str(e)}
+    except ZeroDivisionError:
+        return {"zero": True, "copies": len(link.ends), "waits": link.waits}
+    return {"got": float(got), "copies": len(link.ends), "waits": link.waits}
+
+"""
+
+
+def link_cases(seed: int, n: int = 6) -> list[dict]:
+    """Host tensors (elements, dtype) and links (GB/s, the first copy's setup, which copy is slowed)."""
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        numel = rng.choice((1, 2, 3, 5, 8)) * 10 ** rng.randint(5, 6)
+        dtype = rng.choice(("float32", "bfloat16"))
+        rate = rng.choice((6.0, 12.0, 25.0, 50.0, 55.0))
+        one = numel * (4 if dtype == "float32" else 2) / (rate * 1e9)
+        cases.append({"numel": numel, "dtype": dtype, "GBps": rate, "setup": round(rng.uniform(3, 10), 2) * one,
+                      "slow": rng.choice((2, 3))})
+    return cases
+
+
+def check_link_GBps(fn: Callable, *, seed: int = 0, n: int = 6, timeout: float = 120.0) -> None:
+    """`fn(link, host)` (lab 6's link measurement) run against copy engines on a virtual clock (a
+    process of its own): it must return the link's rate in GB/s (bytes a second / 1e9) to within one
+    part in a million, although the first copy pays a one-time setup and one later copy is slowed:
+    copies waited for before the clock is read, a warm-up, several timed copies and their median."""
+    import json
+    import tempfile
+
+    cases = link_cases(seed, n)
+    source = _cell_source(fn)
+    script = (_LINK_HARNESS.replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%SOURCE%", source)
+              .replace("%NAME%", fn.__name__)) + _HARNESS_CASES
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/link_check.py", "w") as fh:
+            fh.write(script)
+        err = _run_ranks(f"{tmp}/link_check.py", [json.dumps(cases), f"{tmp}/out"], cwd=tmp, timeout=timeout,
+                         on_timeout=f"no answer within {timeout:.0f} s: does the measurement end?")
+        reports = _rank_report(f"{tmp}/out", err)
+    if not isinstance(reports, list):
+        raise AssertionError("the measurement did not finish" + (f": {reports['error']}" if isinstance(reports, dict) else ""))
+    for case, rep in zip(cases, reports):
+        size = case["numel"] * (4 if case["dtype"] == "float32" else 2)
+        where = f"a {case['GBps']:g} GB/s link, {case['numel']:,} {case['dtype']} values ({size / 1e6:g} MB)"
+        if rep.get("error"):
+            raise AssertionError(f"{where}: {rep['error']}")
+        if rep.get("misuse"):
+            raise AssertionError(f"{where}: {rep['misuse']}")
+        if rep.get("zero") or (rep.get("waits") == 0 and rep.get("copies")):
+            raise AssertionError(f"{where}: the clock did not move: a copy runs on the copy engine while the compute "
+                                 "goes on; read link.clock() after link.wait(ticket)")
+        got, want = rep["got"], case["GBps"]
+        if abs(got - want) <= 1e-6 * want:
+            continue
+        if abs(got - want * 1e9) <= 1e-6 * want * 1e9:
+            hint = ": in GB/s, bytes a second / 1e9"
+        elif any(abs(got * f - want) <= 1e-6 * want for f in (2, 4)):
+            hint = ": count bytes (numel x element_size()), not values"
+        elif rep["copies"] < 3:
+            hint = f" from {rep['copies']} cop{'y' if rep['copies'] == 1 else 'ies'}: time several"
+        elif got < want:
+            hint = (": slower than the link: the first copy pays a one-time setup and another copy was slowed; "
+                    "time several copies after a warm-up and take the median")
+        else:
+            hint = ""
+        raise AssertionError(f"{where}: measured {got:.6g} GB/s, the link runs at {want:g} GB/s{hint}")

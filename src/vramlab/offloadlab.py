@@ -82,6 +82,10 @@ class CpuLink:
     def wait(self, ticket) -> None:
         ticket.result()
 
+    def clock(self) -> float:
+        """Seconds, as the compute sees them: a copy it has not waited for may still be running."""
+        return time.perf_counter()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -112,6 +116,12 @@ class CudaLink:
 
     def wait(self, ticket) -> None:
         torch.cuda.current_stream().wait_event(ticket)
+
+    def clock(self) -> float:
+        """Seconds, once the compute stream's work has finished (a copy it has not waited for, on the
+        copy stream, may still be running)."""
+        torch.cuda.current_stream().synchronize()
+        return time.perf_counter()
 
     def close(self) -> None:
         torch.cuda.synchronize()
