@@ -1923,16 +1923,10 @@ def sac_measure(make_policy: Callable, case: dict | None = None, timeout: float 
     return _sac_reports(make_policy, [dict(case or SAC_CASES[0])], timeout)[0]
 
 
-# ----------------------------------------------------------------------------- lab 6: the streaming loop
-# The student's stream_forward runs here, in a process of its own, against a copy engine on a
-# virtual clock: a copy issued when the compute has reached time t starts at max(t, the end of the
-# copy before it) and lasts its bytes over the link's rate; link.wait(ticket) moves the compute to
-# the copy's end; run_layer(i, ...) moves it by layer i's seconds. Every misuse a real copy engine
-# would turn into wrong numbers or a stall is caught where it happens: a layer run on weights whose
-# copy it never waited for, a buffer refilled before its layer ran, a buffer that is not the link's.
-# The report: each pass's start and end on the virtual clock, the buffers made, the output.
-_STREAM_HARNESS = r"""
-import json, sys
+# What the copy-engine harnesses below begin with (the answer's source in a process whose answer
+# packages cannot be imported; a misuse raised where it happens), and how one is run on its cases.
+_HARNESS_HEAD = r"""
+import json, math, statistics, sys
 for _m in %BLOCKED%:
     sys.modules[_m] = None
 import torch
@@ -1943,7 +1937,37 @@ import torch
 class _Misuse(Exception):
     pass
 
+"""
 
+
+def _harness_reports(harness: str, fn: Callable, cases: list, *, what: str, timeout: float, on_timeout: str) -> list:
+    """`harness` (after `_HARNESS_HEAD`, with the answer `fn`) run on `cases` in one process of its own:
+    one report per case (a dict, or {"error": ...}); AssertionError naming `what` if it did not finish."""
+    import json
+    import tempfile
+
+    script = ((_HARNESS_HEAD + harness).replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%SOURCE%", _cell_source(fn))
+              .replace("%NAME%", fn.__name__)) + _HARNESS_CASES
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/check.py", "w") as fh:
+            fh.write(script)
+        err = _run_ranks(f"{tmp}/check.py", [json.dumps(cases), f"{tmp}/out"], cwd=tmp, timeout=timeout,
+                         on_timeout=on_timeout)
+        reports = _rank_report(f"{tmp}/out", err)
+    if not isinstance(reports, list):
+        raise AssertionError(f"the {what} did not finish" + (f": {reports['error']}" if isinstance(reports, dict) else ""))
+    return reports
+
+
+# ----------------------------------------------------------------------------- lab 6: the streaming loop
+# The student's stream_forward runs here, in a process of its own, against a copy engine on a
+# virtual clock: a copy issued when the compute has reached time t starts at max(t, the end of the
+# copy before it) and lasts its bytes over the link's rate; link.wait(ticket) moves the compute to
+# the copy's end; run_layer(i, ...) moves it by layer i's seconds. Every misuse a real copy engine
+# would turn into wrong numbers or a stall is caught where it happens: a layer run on weights whose
+# copy it never waited for, a buffer refilled before its layer ran, a buffer that is not the link's.
+# The report: each pass's start and end on the virtual clock, the buffers made, the output.
+_STREAM_HARNESS = r"""
 class _Link:
     def __init__(self, weights, rate):
         self.weights, self.rate, self.clock, self.engine = weights, rate, 0.0, 0.0
@@ -2032,9 +2056,7 @@ def check_stream_forward(fn: Callable, *, seed: int = 0, n: int = 6, timeout: fl
     streamed layer), no layer run on a copy it did not wait for or on a buffer being refilled, and
     the overlap measured: the third pass's time on the virtual clock equals exercise 2's schedule
     (`vramlab.offload.stream_layers`), so the copies of the next layers run while this one computes."""
-    import json
     import random
-    import tempfile
 
     from .offload import stream_layers
 
@@ -2043,17 +2065,8 @@ def check_stream_forward(fn: Callable, *, seed: int = 0, n: int = 6, timeout: fl
     for sizes, secs, link, buffers in stream_cases(seed, n):
         for streamed in ([], list(range(len(sizes))), sorted(rng.sample(range(len(sizes)), rng.randint(1, len(sizes))))):
             cases.append({"sizes": sizes, "secs": secs, "streamed": streamed, "link": link, "buffers": buffers, "passes": 3})
-    source = _cell_source(fn)
-    script = (_STREAM_HARNESS.replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%SOURCE%", source)
-              .replace("%NAME%", fn.__name__)) + _HARNESS_CASES
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(f"{tmp}/stream_check.py", "w") as fh:
-            fh.write(script)
-        err = _run_ranks(f"{tmp}/stream_check.py", [json.dumps(cases), f"{tmp}/out"], cwd=tmp, timeout=timeout,
-                         on_timeout=f"no answer within {timeout:.0f} s: does the loop end?")
-        reports = _rank_report(f"{tmp}/out", err)
-    if not isinstance(reports, list):
-        raise AssertionError("the streaming run did not finish" + (f": {reports['error']}" if isinstance(reports, dict) else ""))
+    reports = _harness_reports(_STREAM_HARNESS, fn, cases, what="streaming run", timeout=timeout,
+                               on_timeout=f"no answer within {timeout:.0f} s: does the loop end?")
     for case, rep in zip(cases, reports):
         where = (f"{len(case['sizes'])} layers of {[s // 10**8 for s in case['sizes']]} x 100 MB, streamed {case['streamed']}, "
                  f"{case['buffers']} buffer{'s' if case['buffers'] > 1 else ''}, {case['link']:g} GB/s")
@@ -2086,18 +2099,6 @@ def check_stream_forward(fn: Callable, *, seed: int = 0, n: int = 6, timeout: fl
 # threefold, as by other traffic); link.wait(ticket) moves the compute's clock to the copy's end;
 # link.clock() reads that clock. A clock read before waiting has not moved.
 _LINK_HARNESS = r"""
-import json, math, statistics, sys
-for _m in %BLOCKED%:
-    sys.modules[_m] = None
-import torch
-
-%SOURCE%
-
-
-class _Misuse(Exception):
-    pass
-
-
 class _Link:
     def __init__(self, host, rate, setup, slow):
         self.host, self.rate, self.setup, self.slow = host, rate, setup, slow
@@ -2169,21 +2170,9 @@ def check_link_GBps(fn: Callable, *, seed: int = 0, n: int = 6, timeout: float =
     process of its own): it must return the link's rate in GB/s (bytes a second / 1e9) to within one
     part in a million, although the first copy pays a one-time setup and one later copy is slowed:
     copies waited for before the clock is read, a warm-up, several timed copies and their median."""
-    import json
-    import tempfile
-
     cases = link_cases(seed, n)
-    source = _cell_source(fn)
-    script = (_LINK_HARNESS.replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%SOURCE%", source)
-              .replace("%NAME%", fn.__name__)) + _HARNESS_CASES
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(f"{tmp}/link_check.py", "w") as fh:
-            fh.write(script)
-        err = _run_ranks(f"{tmp}/link_check.py", [json.dumps(cases), f"{tmp}/out"], cwd=tmp, timeout=timeout,
-                         on_timeout=f"no answer within {timeout:.0f} s: does the measurement end?")
-        reports = _rank_report(f"{tmp}/out", err)
-    if not isinstance(reports, list):
-        raise AssertionError("the measurement did not finish" + (f": {reports['error']}" if isinstance(reports, dict) else ""))
+    reports = _harness_reports(_LINK_HARNESS, fn, cases, what="measurement", timeout=timeout,
+                               on_timeout=f"no answer within {timeout:.0f} s: does the measurement end?")
     for case, rep in zip(cases, reports):
         size = case["numel"] * (4 if case["dtype"] == "float32" else 2)
         where = f"a {case['GBps']:g} GB/s link, {case['numel']:,} {case['dtype']} values ({size / 1e6:g} MB)"
