@@ -28,7 +28,7 @@ import re
 from . import memory as _mem
 from .parallel import _count
 from .specs import GPUSpec, ModelSpec, gpu as _gpu
-from .zero import REDUCE_BUCKET, _block_index, _units
+from .zero import REDUCE_BUCKET, _block_index, _block_tensor_sizes, _units
 
 # PCIe per lane and direction after line coding, decimal GB/s (PCI-SIG: 8, 16, 32 GT/s with 128b/130b)
 PCIE_LANE_GBps: dict[int, float] = {3: 0.985, 4: 1.969, 5: 3.938}
@@ -189,14 +189,13 @@ def _gradient_in_flight(spec: ModelSpec, phase: str) -> int:
     never lands on the logits gradient's peak, which the allocator's peak equals."""
     if phase.startswith(("forward", "backward start", "optimizer")):
         return 0
-    tensors = spec.param_tensors()
-    head = [n for name, n in tensors if name.split(".")[0] in ("lm_head", "embed_out")]
+    outside = [(name.split(".")[0] in ("lm_head", "embed_out"), n) for name, n in spec.param_tensors()
+               if _block_index(name) is None]  # (an untied head's?, elements)
     if phase.startswith("LM head backward"):
-        return max(head, default=0)
-    blocks = [n for name, n in tensors if _block_index(name) is not None]
+        return max((n for head, n in outside if head), default=0)
+    blocks = _block_tensor_sizes(spec)
     if phase.startswith("embedding backward") or not blocks:
-        return max((n for name, n in tensors if _block_index(name) is None
-                    and name.split(".")[0] not in ("lm_head", "embed_out")), default=0)
+        return max((n for head, n in outside if not head), default=0)
     return max(blocks)
 
 
