@@ -55,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         for m, p, prec in todo:
             print(f"{m:18s} {p:12s} {prec} b={BATCH} s={SEQ}")
         return 0
+    try:  # before the minutes of tracing, not after
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        if a.out.is_dir():
+            raise IsADirectoryError(f"{a.out} is a folder")
+    except OSError as e:
+        print(f"checkpointing_validation: cannot write --out {a.out}: {e.strerror or e}", file=sys.stderr)
+        return 2
     from vramlab.ckptlab import _case
     from vramlab.measure import provenance
 

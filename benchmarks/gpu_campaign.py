@@ -22,7 +22,8 @@ Steps (each configuration measured in its own process, so nothing of one can cou
              DeepSpeedCPUAdam against torch's AdamW; INT8 and bf16 matmul rates (needs deepspeed)
              -> benchmarks/results/offload/gpu/ (benchmarks/offload_gpu_validation.py)
 - labs:      every lab's instructor version, run without a Jupyter kernel (labs/kernelless.py)
-             -> labs/results/<lab>.json
+             -> labs/results/<gpu>/<lab>_<gpu>.json (<gpu>: the catalogue's key, h100 on an H100, else
+             the device's name; labs/results/<lab>.json holds each lab's CPU run)
 
 Needs torch and transformers (peft for nothing here); not the Jupyter stack, not the network: it
 runs on a bare GPU image from a checkout, without installing vramlab. Later chapters add their labs and cases here.
@@ -199,14 +200,27 @@ def offload(dry: bool) -> None:
         mod.main([])
 
 
-def labs(dry: bool) -> None:
+def gpu_tag(name: str) -> str:
+    """The folder a GPU's lab runs go in: the catalogue's name for the device where it has one
+    (labs/results/h100/ on any H100, t4/ on a Colab T4), else the device's name as a file name."""
+    from vramlab.specs import gpu_for_device
+
+    spec = gpu_for_device(name)
+    if spec is not None:
+        return {"h100-80gb": "h100"}.get(spec.name, spec.name)
+    return "-".join("".join(c if c.isalnum() else " " for c in name.lower()).split()) or "gpu"
+
+
+def labs(dry: bool, tag: str) -> None:
     sys.path.insert(0, str(ROOT / "labs"))
     import kernelless
 
     for lab in LABS:
-        say(f"labs: {lab} (instructor version, no kernel) -> labs/results/{lab}.json")
+        out = ROOT / "labs" / "results" / tag / f"{lab}_{tag}.json"
+        say(f"labs: {lab} (instructor version, no kernel) -> {out.relative_to(ROOT)}")
         if not dry:
-            kernelless.run(lab, command=f"python benchmarks/gpu_campaign.py (labs/kernelless.py {lab})")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            kernelless.run(lab, results=out, command=f"python benchmarks/gpu_campaign.py (labs/kernelless.py {lab})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if "offload" in steps:
         offload(args.dry_run)
     if "labs" in steps:
-        labs(args.dry_run)
+        labs(args.dry_run, gpu_tag(name))
     say("done" + (" (dry run: nothing measured)" if args.dry_run else ""))
     return 0
 

@@ -52,21 +52,18 @@ def _cpu_model() -> str:
 
 
 def _provenance() -> dict:
-    import platform
-
+    """vramlab.measure.provenance's keys (gpu, driver, cuda, torch, transformers, date), and the host's
+    CPU and DeepSpeed: the host runs the optimizer step here."""
     import torch
 
-    out = {"date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()), "python": platform.python_version(),
-           "torch": torch.__version__, "platform": platform.platform(), "cpu": _cpu_model(),
-           "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
-    if torch.cuda.is_available():
-        out["device"] = torch.cuda.get_device_name(0)
-        out["cuda"] = torch.version.cuda
-    for pkg in ("deepspeed", "transformers"):
-        try:
-            out[pkg] = __import__(pkg).__version__
-        except ImportError:
-            pass
+    from vramlab.measure import provenance
+
+    out = provenance("cuda" if torch.cuda.is_available() else None)
+    out.update(cpu=_cpu_model(), cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads())
+    try:
+        out["deepspeed"] = __import__("deepspeed").__version__
+    except ImportError:
+        pass
     return out
 
 

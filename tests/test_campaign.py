@@ -66,3 +66,20 @@ def test_parallel_runs_stay_within_the_memory_budget():
     held, peak, running = [0], [0, 0], [0]
     out = campaign.run_parallel(_jobs([120, 10], held, peak, running, lock), budget=100, workers=4)
     assert sorted(out.values()) == [10, 120] and peak[1] == 1  # a job larger than the budget runs alone
+
+
+def test_lab_runs_on_a_gpu_go_in_that_gpus_folder():
+    """The labs step writes beside the stored H100 runs (labs/results/h100/<lab>_h100.json), never
+    over a lab's CPU run (labs/results/<lab>.json)."""
+    import os
+
+    src = str(ROOT / "src")
+    if src not in sys.path:
+        sys.path.insert(0, src)
+    assert campaign.gpu_tag("NVIDIA H100 80GB HBM3") == "h100"
+    assert campaign.gpu_tag("Tesla T4") == "t4"
+    assert campaign.gpu_tag("NVIDIA L4") == "nvidia-l4"
+    r = run("--dry-run", "--only", "labs")
+    assert r.returncode == 0, r.stderr
+    assert os.path.join("labs", "results", "h100", "lab08_compression_h100.json") in r.stdout
+    assert (ROOT / "labs" / "results" / "h100" / "lab06_offload_h100.json").exists()

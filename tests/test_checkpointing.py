@@ -226,6 +226,16 @@ def test_plans_beyond_the_labs_models_where_a_recomputed_block_decides_the_peak(
         assert got["full"] < 0.6 * got["none"] and got["full"] < got["sqrt"] < got["none"]
 
 
+def test_validation_benchmark_refuses_an_unwritable_out_before_tracing(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "checkpointing_validation.py"), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "cannot write --out" in r.stderr
+
+
 @pytest.mark.parametrize("plan", ["full", "sqrt", "first-2", "sac-matmuls"])
 def test_t5_checkpoints_keep_one_shared_bias_of_all_heads(plan):
     """Checkpointed T5 blocks keep their shared (1, a, s, s) position bias as an input: a = the number

@@ -331,7 +331,7 @@ def test_zero_offload_matches_deepspeed_on_an_h100():
     assert len(ZO_RUNS) == 3
     for f in ZO_RUNS:
         r = json.loads(f.read_text())
-        assert r["provenance"]["device"].startswith("NVIDIA H100") and r["optimizer"] == "DeepSpeedCPUAdam"
+        assert r["provenance"]["gpu"].startswith("NVIDIA H100") and r["optimizer"] == "DeepSpeedCPUAdam"
         got = O.model_offload(r["model"], scheme="zero-offload", batch_size=r["batch_size"], seq_len=r["seq_len"],
                               reduce_bucket=r["reduce_bucket"])
         psi = specs.preset(r["model"]).params
