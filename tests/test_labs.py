@@ -886,6 +886,14 @@ def _activation_outliers_and_controls(run):
     assert 0 < out["llm.int8"]["fp_column_share"] < 0.25
     plain = {r["scheme"]: r for r in acts["as trained"]["rows"]}
     assert all(abs(r["delta"]) < 1e-3 for r in plain.values())
-    pr = run["pruning"]
-    assert pr["recover_steps"] > 0 and pr["teacher_continued"] < pr["teacher_loss"]
-    assert all(r["loss_scratch_same_steps"] > r["loss_after_recovery"] for r in pr["rows"])
+    # issue 27: the controls need a teacher that has converged: within 0.06 nats of the chain's own
+    # loss on the same tokens, and the same extra steps move it by less than 0.01 (so a recovered
+    # model cannot end below it by more training); recovery helps, and beats the pruned shape from scratch
+    pr, t = run["pruning"], run["teacher"]
+    assert 0 < t["val_loss"] - t["oracle_loss"] < 0.06 and abs(t["oracle_loss"] - t["entropy"]) < 0.05
+    assert pr["recover_steps"] > 0 and abs(pr["teacher_continued"] - pr["teacher_loss"]) < 0.01
+    for r in pr["rows"]:
+        assert r["loss_after_recovery"] < r["loss_pruned"] and r["loss_after_recovery"] > pr["teacher_continued"] - 0.01
+        assert r["loss_scratch_same_steps"] > r["loss_after_recovery"] + 0.2
+    lo = run["lora"]  # LoRA r=8 on every linear layer ends near full fine-tuning on the related task
+    assert lo["lora"]["loss"] < lo["before"] - 0.5 and lo["lora"]["loss"] - lo["full"]["loss"] < 0.25

@@ -2,9 +2,10 @@
 
     python -m vramlab.complab --out results.json        # CPU: minutes; a GPU adds its allocator's peaks
 
-Nothing is downloaded: the "language" is an order-1 Markov chain over 512 tokens whose next-token
+Nothing is downloaded: the "language" is an order-1 Markov chain over 128 tokens whose next-token
 table the lab draws from a seed (its entropy is the best loss any model can reach). The lab
-  1. trains the teacher (the model every other step compresses);
+  1. trains the teacher (the model every other step compresses) until more steps gain next to
+     nothing (warm-up and cosine decay; its loss beside the chain's own on the same tokens);
   2. quantizes its linear layers per tensor, per row and per group, in INT8 and INT4, as it is and
      with outlier channels (a function-preserving rescaling that gives some output rows the large
      scales trained LLMs have), and measures the loss change; then runs its matmuls in INT8 (weights
@@ -38,7 +39,7 @@ import torch
 from . import compression as C
 from .specs import ModelSpec, from_config
 
-VOCAB, SEQ = 512, 64
+VOCAB, SEQ = 128, 64
 TEACHER = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
            "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 32, "vocab_size": VOCAB,
            "max_position_embeddings": 256, "tie_word_embeddings": False, "hidden_act": "silu"}
@@ -67,6 +68,13 @@ class Chain:
         self.probs = torch.tensor(NEXT_PROBS)
         self.g = torch.Generator().manual_seed(seed + 1 if sample_seed is None else sample_seed)
 
+    def oracle_loss(self, x: torch.Tensor) -> float:
+        """Nats a token that the chain itself scores the transitions of `x` (batch x seq) with: the
+        best loss any model can have on those very tokens (the entropy, up to sampling noise)."""
+        table = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+        table.scatter_add_(1, self.next, self.probs.to(torch.float64).expand(VOCAB, -1).contiguous())
+        return -table[x[:, :-1], x[:, 1:]].log().mean().item()
+
     @property
     def entropy(self) -> float:
         """Nats a token: the loss of a model that knows the chain."""
@@ -89,13 +97,19 @@ def build(spec: ModelSpec, seed: int = 0) -> torch.nn.Module:
 
 
 def train(model: torch.nn.Module, chain: Chain, *, steps: int, batch: int = 16, lr: float = 3e-3,
-          loss_fn: Callable | None = None, progress=None, label: str = "") -> list[float]:
-    """AdamW on fresh samples of the chain; `loss_fn(model, x)` replaces the LM loss (distillation)."""
+          loss_fn: Callable | None = None, progress=None, label: str = "", cosine: bool = False) -> list[float]:
+    """AdamW on fresh samples of the chain; `loss_fn(model, x)` replaces the LM loss (distillation).
+    `cosine`: a linear warm-up over the first 10 % of the steps, then a cosine decay to 2 % of `lr`
+    (what lets a model settle at the bottom in few steps); else a constant `lr`."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     model.train()
     losses = []
     for i in range(steps):
+        if cosine:
+            f = min(1.0, (i + 1) / max(1, steps // 10)) * 0.5 * (1 + math.cos(math.pi * i / steps))
+            for g in opt.param_groups:
+                g["lr"] = lr * max(f, 0.02)
         x = chain.sample(batch)
         loss = loss_fn(model, x) if loss_fn else model(input_ids=x, labels=x).loss
         loss.backward()
@@ -114,11 +128,18 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor) -> float:
     return model(input_ids=x, labels=x).loss.item()
 
 
+TEACHER_BATCH, TEACHER_LR = 32, 5e-3
+RECOVER_LR = 0.02 * TEACHER_LR  # the rate the teacher's schedule ends at: further training of a settled model
+
+
 def train_teacher(steps: int = 250, progress=None) -> tuple[torch.nn.Module, Chain]:
-    """The lab's trained model (deterministic: the same weights on every CPU run)."""
+    """The lab's trained model (deterministic: the same weights on every CPU run): batches of 32,
+    warm-up and cosine decay, so that 150 steps bring it within a few hundredths of a nat of the
+    chain's own loss and more steps gain next to nothing (the controls of distillation and pruning
+    need a teacher that has converged)."""
     chain = Chain(seed=1)
     model = build(teacher_spec())
-    train(model, chain, steps=steps, progress=progress, label="teacher")
+    train(model, chain, steps=steps, batch=TEACHER_BATCH, lr=TEACHER_LR, cosine=True, progress=progress, label="teacher")
     return model, chain
 
 
@@ -474,7 +495,8 @@ def distillation_study(teacher: torch.nn.Module, chain: Chain, val: torch.Tensor
         return alpha * soft / x.shape[1] + (1 - alpha) * out.loss
 
     res: dict[str, Any] = {"teacher_loss": evaluate(teacher, val), "teacher_params": teacher_spec().params,
-                           "student_params": student_spec().params, "entropy": chain.entropy}
+                           "student_params": student_spec().params, "entropy": chain.entropy,
+                           "oracle_loss": chain.oracle_loss(val)}
     for how in ("scratch", "distilled"):
         m = build(student_spec(), seed=3)
         src = Chain(seed=1, sample_seed=30)  # the teacher's chain, fresh samples
@@ -509,12 +531,13 @@ def prune_heads(model: torch.nn.Module, heads: int) -> tuple[torch.nn.Module, Mo
 
 
 def pruning_study(model: torch.nn.Module, val: torch.Tensor, *, recover_steps: int, progress=None) -> dict[str, Any]:
-    """Each pruned model's loss, before and after `recover_steps` of training on the teacher's chain,
-    beside two controls: the unpruned teacher trained for the same extra steps (recovery is more
-    training, which a teacher that had not converged also gains from), and a model of the pruned
-    size trained from scratch for as many steps (what the pruned weights are worth)."""
+    """Each pruned model's loss, before and after `recover_steps` of training on the teacher's chain
+    (at the rate the teacher's schedule ended at), beside two controls: the unpruned teacher trained
+    for the same extra steps (if it still improves, recovery is partly just more training), and a
+    model of the pruned size trained from scratch for as many steps with the teacher's own recipe
+    (what the pruned weights are worth)."""
     cont = copy.deepcopy(model)
-    train(cont, Chain(seed=1, sample_seed=40), steps=recover_steps, lr=1e-3)
+    train(cont, Chain(seed=1, sample_seed=40), steps=recover_steps, batch=TEACHER_BATCH, lr=RECOVER_LR)
     controls = {"teacher_continued": evaluate(cont, val)}
     if progress:
         progress(f"  control: the teacher trained {recover_steps} more steps: loss {controls['teacher_continued']:.3f}")
@@ -524,7 +547,7 @@ def pruning_study(model: torch.nn.Module, val: torch.Tensor, *, recover_steps: i
             continue
         small, spec = prune_heads(model, heads)
         before = evaluate(small, val)
-        train(small, Chain(seed=1, sample_seed=40), steps=recover_steps, lr=1e-3)  # the teacher's chain
+        train(small, Chain(seed=1, sample_seed=40), steps=recover_steps, batch=TEACHER_BATCH, lr=RECOVER_LR)
         rows.append({"heads_removed": heads, "heads_left": spec.num_heads, "params": sum(p.numel() for p in small.parameters()),
                      "predicted_params": spec.params, "loss_pruned": before, "loss_after_recovery": evaluate(small, val),
                      "loss_scratch_same_steps": _scratch_loss(spec, recover_steps, val),
@@ -538,7 +561,7 @@ def pruning_study(model: torch.nn.Module, val: torch.Tensor, *, recover_steps: i
 
 def _scratch_loss(spec: ModelSpec, steps: int, val: torch.Tensor) -> float:
     m = build(spec, seed=11)
-    train(m, Chain(seed=1, sample_seed=40), steps=steps, lr=1e-3)
+    train(m, Chain(seed=1, sample_seed=40), steps=steps, batch=TEACHER_BATCH, lr=TEACHER_LR, cosine=True)
     return evaluate(m, val)
 
 
@@ -574,7 +597,7 @@ def run(*, mode: str = "auto", steps: int = 250, progress=print) -> dict[str, An
     prune = pruning_study(teacher, val, recover_steps=max(1, steps // 10), progress=progress)
     return {"experiment": "compression", "mode": mode_, "provenance": provenance("cuda" if mode_ == "cuda" else "cpu"),
             "teacher": {"params": teacher_spec().params, "steps": steps, "val_loss": evaluate(teacher, val),
-                        "entropy": chain.entropy},
+                        "entropy": chain.entropy, "oracle_loss": chain.oracle_loss(val)},
             "quantization": quant, "lora": lora, "memory": probes, "distillation": distil, "pruning": prune,
             "bitsandbytes": _bnb_version(), "wall_seconds": round(time.perf_counter() - t0, 1)}
 
