@@ -3,8 +3,9 @@
 Standard library only, and started as `python -I answer_worker.py REQ_FD RESP_FD` in a scratch
 directory (inside a sandbox where one can be made): the grader (`labs/sandbox.py`) sends the
 submission's solution cells, this process runs them, then answers the grader's requests (call this
-function, read that attribute) with plain values: ints, floats, strings, lists, tuples, dicts, None,
-or a reference to an object that stays here. Nothing of the student's code ever runs in the
+function, read that attribute) with plain values: ints, floats, strings, lists, tuples, dicts, sets,
+None (subclasses and numpy's scalars and arrays as the built-in values they stand for), or a
+reference to an object that stays here. Nothing of the student's code ever runs in the
 grader, and nothing of the grader's (its tests, its expected values) is sent here.
 
 Before any student code runs: resource limits (file size, memory, no core files), and the packages
@@ -62,8 +63,31 @@ class Refs:
         return ref
 
 
+def plain(x):
+    """The built-in value a plain value stands for, or None when `x` is not one: a subclass of int,
+    float, str, list, tuple, dict, set or frozenset read through the built-in type's own methods (so
+    an overridden __eq__ or __iter__ is never asked), and numpy's own scalars and arrays (exactly its
+    types) through .item() and .tolist(). (type, value)."""
+    t = type(x)
+    for base, read in ((int, int.__int__), (float, float.__float__), (str, str.__str__),
+                       (list, lambda v: list(list.__iter__(v))), (tuple, lambda v: tuple(tuple.__iter__(v))),
+                       (dict, lambda v: dict(dict.items(v))), (frozenset, lambda v: list(frozenset.__iter__(v))),
+                       (set, lambda v: list(set.__iter__(v)))):
+        if isinstance(x, base) and t is not bool:
+            return base, read(x)
+    if getattr(t, "__module__", None) == "numpy":
+        if t.__name__ == "ndarray" and x.size <= 100_000:
+            return list, x.tolist()
+        if hasattr(t, "item") and getattr(x, "shape", None) == ():
+            v = x.item()
+            if type(v) in (bool, int, float, complex, str) or v is None:
+                return type(v), v
+    return None
+
+
 def encode(x, refs, depth=0):
-    """Exact built-in types only (a subclass, a numpy number, anything else: a reference)."""
+    """Built-in values as themselves (plain(): subclasses and numpy's values as the built-in value
+    they stand for); anything else, a reference to the object, which stays here."""
     t = type(x)
     if x is None or t is bool or t is str:
         return x
@@ -76,11 +100,30 @@ def encode(x, refs, depth=0):
         return items if t is list else {"$t": items}
     if depth < 32 and t is dict and len(x) <= 100_000:
         return {"$d": [[encode(k, refs, depth + 1), encode(v, refs, depth + 1)] for k, v in x.items()]}
+    if depth < 32 and t in (set, frozenset) and len(x) <= 100_000:
+        return {"$s" if t is set else "$fs": [encode(v, refs, depth + 1) for v in x]}
+    try:
+        as_plain = plain(x) if depth < 32 else None
+    except Exception:  # noqa: BLE001 - an object whose reading fails is handed over as a reference
+        as_plain = None
+    if as_plain is not None and type(as_plain[1]) is not complex:
+        base, v = as_plain
+        if base in (set, frozenset):
+            return encode(base(v), refs, depth + 1) if all(_hashable(i) for i in v) else {"$r": refs.add(x), "type": t.__name__}
+        return encode(v, refs, depth + 1)
     ref = {"$r": refs.add(x), "type": t.__name__, "callable": callable(x)}
     name = getattr(x, "__name__", None) if isinstance(x, type) or callable(x) else None
     if type(name) is str:
         ref["name"] = name
     return ref
+
+
+def _hashable(v):
+    try:
+        hash(v)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def decode(x, refs):
@@ -91,6 +134,8 @@ def decode(x, refs):
             return float(x["$f"])
         if "$t" in x:
             return tuple(decode(v, refs) for v in x["$t"])
+        if "$s" in x or "$fs" in x:
+            return (set if "$s" in x else frozenset)(decode(v, refs) for v in x.get("$s", x.get("$fs")))
         if "$d" in x:
             return {decode(k, refs): decode(v, refs) for k, v in x["$d"]}
         if "$r" in x:

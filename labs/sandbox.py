@@ -131,20 +131,33 @@ def sandbox_prefix() -> tuple[list[str], str]:
     return _PROBE["result"]
 
 
-def fingerprint() -> dict[str, tuple[int, int]]:
-    """(size, mtime) of every file of the checkout's labs/ and src/ and of the Python packages the
-    grader imports: an answer that writes to any of them (possible without a sandbox) is caught."""
+def fingerprint() -> dict[str, tuple]:
+    """Each file's change time (ctime: any write, rename, chmod or utime moves it, and a process
+    cannot set it back, so writing the same number of bytes and restoring the mtime is seen) and
+    size, for every file of the checkout's labs/ and src/ (with its content's SHA-256) and of the
+    Python packages the grader imports (with its inode): an answer that writes to any of them
+    (possible without a sandbox) is caught, as is a file added (a sitecustomize.py on the grader's
+    path)."""
+    import hashlib
+
+    course = [str(r) for r in (LABS, ROOT / "src")]
     roots = _outermost([LABS, ROOT / "src", *[p for p in sys.path if p and "-packages" in p]])
-    seen: dict[str, tuple[int, int]] = {}
+    seen: dict[str, tuple] = {}
     for root in roots:
+        by_content = any(str(root) == c or str(root).startswith(c + os.sep) for c in course)
         for dirpath, dirnames, files in os.walk(root):
             dirnames[:] = [d for d in dirnames if d != "__pycache__"]
             for f in files:
                 if f.endswith(".pyc"):
                     continue
+                path = os.path.join(dirpath, f)
                 try:
-                    st = os.stat(os.path.join(dirpath, f))
-                    seen[os.path.join(dirpath, f)] = (st.st_size, st.st_mtime_ns)
+                    st = os.stat(path)
+                    if by_content:
+                        with open(path, "rb") as fh:
+                            seen[path] = (st.st_size, st.st_ctime_ns, hashlib.sha256(fh.read()).hexdigest())
+                    else:
+                        seen[path] = (st.st_size, st.st_ino, st.st_ctime_ns)
                 except OSError:
                     pass
     return seen
@@ -217,8 +230,13 @@ class Worker:
         self.log = Path(scratch) / "answer-output.txt"
         _become_subreaper()
         self.others = _children()  # this process's children before the answer's (not to be killed)
+        # without a sandbox the answer's process is not this one's child: a small go-between is (so
+        # that os.kill(os.getppid(), ...) from an answer ends the go-between, not the grader)
+        from vramlab.grading import go_between
+
+        between = [] if prefix else go_between((req_r, resp_w))
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([*prefix, sys.executable, "-I", str(script), str(req_r), str(resp_w)],
+            self.proc = subprocess.Popen([*prefix, *between, sys.executable, "-I", str(script), str(req_r), str(resp_w)],
                                          cwd=scratch, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          pass_fds=(req_r, resp_w), start_new_session=True,
                                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": scratch,
@@ -337,6 +355,8 @@ class Worker:
             return items if t is list else {"$t": items}
         if t is dict and depth < 32:
             return {"$d": [[self.encode(k, depth + 1), self.encode(v, depth + 1)] for k, v in x.items()]}
+        if t in (set, frozenset) and depth < 32:
+            return {"$s" if t is set else "$fs": [self.encode(v, depth + 1) for v in x]}
         raise TypeError(f"the grader cannot send a {t.__name__} to the answer's process")
 
     def decode(self, x: Any, depth: int = 0) -> Any:
@@ -349,6 +369,12 @@ class Worker:
                 return float(x["$f"])
             if isinstance(x.get("$t"), list):
                 return tuple(self.decode(v, depth + 1) for v in x["$t"])
+            for key, kind in (("$s", set), ("$fs", frozenset)):
+                if isinstance(x.get(key), list):
+                    try:
+                        return kind(self.decode(v, depth + 1) for v in x[key])
+                    except TypeError:  # an unhashable member
+                        self._stop("the answer's process sent a set with an unhashable member")
             if isinstance(x.get("$d"), list):
                 out = {}
                 for kv in x["$d"]:

@@ -230,8 +230,10 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
     # (in the sandbox they are read-only, and a change would be someone else's)
     before = sb.fingerprint() if not prefix else {}
     scores = {}
-    saved_prefix = list(vramlab.grading.SANDBOX_PREFIX)
-    vramlab.grading.SANDBOX_PREFIX[:] = prefix  # lab 2's ring check runs the answer's ranks in it too
+    saved_prefix, saved_limits = list(vramlab.grading.SANDBOX_PREFIX), dict(vramlab.grading.RANK_LIMITS)
+    vramlab.grading.SANDBOX_PREFIX[:] = prefix  # labs 2-4's checks run the answer's ranks in it too
+    vramlab.grading.RANK_LIMITS.clear()  # ... under the answer worker's limits and --timeout
+    vramlab.grading.RANK_LIMITS.update(timeout=timeout, memory_bytes=int(memory_gib * 2**30))
     try:
         with tempfile.TemporaryDirectory(prefix="vramlab-grade-") as scratch:
             for i, cell in enumerate(nb.cells):
@@ -257,6 +259,8 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
                 scores[gid] = (points if ok else 0, points, why)
     finally:
         vramlab.grading.SANDBOX_PREFIX[:] = saved_prefix
+        vramlab.grading.RANK_LIMITS.clear()
+        vramlab.grading.RANK_LIMITS.update(saved_limits)
     after = sb.fingerprint() if not prefix else {}
     changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
     if changed:

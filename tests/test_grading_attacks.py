@@ -297,7 +297,7 @@ class BucketedDDP:  # averages every gradient through the C++ process group's mo
 
 @pytest.mark.parametrize("lab, gid, code, test, reason", [
     (LAB, "ex1-solution", PATCH_THE_CHECKS, "ex1-test", "expected 124,439,808"),
-    (LAB, "ex1-solution", LYING_INT, "ex1-test", "return an int"),
+    (LAB, "ex1-solution", LYING_INT, "ex1-test", "got 0, expected"),  # arrives as the int it holds
     ("lab02_collectives", "ex1-solution", WRAP_VRAMLAB_2, "ex1-test", "cannot be used by a graded answer"),
     ("lab05_mixed_precision", "ex2-solution", WRAP_VRAMLAB_5, "ex2-test", "cannot be used by a graded answer"),
     ("lab02_collectives", "ex3-solution", RING_CALLS_ALL_REDUCE, "ex3-test", "dist.all_reduce is not available"),
@@ -338,7 +338,7 @@ if _found:
 
 
 def test_without_a_sandbox_a_changed_file_voids_the_grading():
-    """Without a sandbox an answer can write to the checkout: the grader notices (sizes and times of
+    """Without a sandbox an answer can write to the checkout: the grader notices (change times, sizes and contents of
     labs/, src/ and the Python packages) and scores nothing, saying which file."""
     readme = ROOT / "labs" / "README.md"
     code = solutions()["ex1-solution"] + f"\nimport os\nos.utime({str(readme)!r})\n"
@@ -374,3 +374,290 @@ def test_several_submissions_in_one_command(tmp_path):
     totals = [(Path(x["notebook"]).parent.name, x["total"]) for x in json.loads((tmp_path / "scores.json").read_text())]
     assert totals == [("alice", [9, 9]), ("bob", [0, 9]), ("carol", [0, 9])]
     assert r.stdout.count("total ") == 3
+
+
+def _source_solutions(lab: str) -> tuple[nbformat.NotebookNode, dict[str, str]]:
+    """The lab's setup, exercises and tests (no measurement cells), and its solution cells' code."""
+    nb = tools.source_notebook(lab)
+    sols = {c.metadata["nbgrader"]["grade_id"]: c.source for c in nb.cells if c.metadata.get("nbgrader", {}).get("solution")}
+    nb.cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id", "").startswith(("setup", "ex"))]
+    return nb, sols
+
+
+def _graded(lab: str, nb, answers: dict[str, str]) -> dict:
+    nb = copy.deepcopy(nb)
+    for c in nb.cells:
+        gid = c.metadata.get("nbgrader", {}).get("grade_id")
+        if gid in answers:
+            c.source = answers[gid]
+    return tools.grade(nb, lab, timeout=300)
+
+
+def test_correct_answers_in_plain_containers_score_full_marks():
+    """Issue 28: a correct answer is a correct answer whatever plain value carries it: lab 7's
+    checkpoint choice as a set, lab 6's rates and times as numpy floats (and float subclasses), a
+    tuple of numpy integers. They come back to the grader as the built-in values they stand for."""
+    nb7, s7 = _source_solutions("lab07_checkpointing")
+    as_set = s7["ex3-solution"].replace("return None if best is None else best[1]",
+                                        "return None if best is None else set(best[1])")
+    assert as_set != s7["ex3-solution"]
+    scores = _graded("lab07_checkpointing", nb7, {"ex3-solution": as_set})
+    assert scores["ex3-test"][0] == scores["ex3-test"][1] > 0, scores["ex3-test"]
+    nb6, s6 = _source_solutions("lab06_offload")
+    numpy_floats = {
+        "ex1-solution": s6["ex1-solution"].replace(
+            "return host.numel() * host.element_size() / statistics.median(seconds) / 1e9",
+            "import numpy as np\n    return np.float64(host.numel() * host.element_size() / statistics.median(seconds) / 1e9)"),
+        "ex2-solution": s6["ex2-solution"].replace(
+            "return t - pass_start, device",
+            "import numpy as np\n    class F(float):\n        def __eq__(self, other):\n            return True\n"
+            "    return np.float32(t - pass_start).item() and F(t - pass_start), np.int64(device)"),
+    }
+    for gid, src in numpy_floats.items():
+        assert src != s6[gid], gid
+    scores = _graded("lab06_offload", nb6, numpy_floats)
+    for gid in ("ex1-test", "ex2-test"):
+        assert scores[gid][0] == scores[gid][1] > 0, (gid, scores[gid])
+
+
+def test_a_float_subclass_that_equals_everything_is_read_as_its_value():
+    """An answer cannot win by returning an object whose __eq__ says yes: a float subclass comes back
+    as its float, a list subclass as its items (read through list's own iterator)."""
+    nb7, s7 = _source_solutions("lab07_checkpointing")
+    liar = ("class L(list):\n    def __eq__(self, other):\n        return True\n    def __iter__(self):\n        return iter([])\n"
+            "def choose_checkpoints(full, inputs, flops, outside, budget):\n    return L([0])\n")
+    scores = _graded("lab07_checkpointing", nb7, {"ex3-solution": liar})
+    assert scores["ex3-test"][0] == 0, scores["ex3-test"]
+
+
+def test_int8_check_computes_its_own_scales():
+    """Issue 28: lab 8's per-row INT8 check measured the error against the answer's own scales, so
+    scales of 1e300 with every weight dequantized to 0 passed. The reference scale is now the row's
+    absmax / 127, from the weights; the answer's scales, codes and dequantized values are checked
+    against it (and must be finite numbers)."""
+    nb8, s8 = _source_solutions("lab08_compression")
+    huge = s8["ex1-solution"] + (
+        "\n\n_q = quantize_rows\n\ndef quantize_rows(w):\n    q, s = _q(w)\n    return q, [1e300] * len(w)\n\n"
+        "def dequantize_rows(q, scales):\n    return [[0.0] * len(r) for r in q]\n")
+    nan = s8["ex1-solution"] + "\n\ndef dequantize_rows(q, scales):\n    return [[float('nan')] * len(r) for r in q]\n"
+    for attack in (huge, nan):
+        scores = _graded("lab08_compression", nb8, {"ex1-solution": attack})
+        assert scores["ex1-test"][0] == 0, scores["ex1-test"]
+    honest = _graded("lab08_compression", nb8, {})
+    assert honest["ex1-test"][0] == honest["ex1-test"][1] > 0
+
+
+ZERO1_FULL_STATES = {
+    "an AdamW object in state": 'def zero1_adamw_step(params, grads, state, rank, world_size, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):\n    import torch\n    import torch.distributed as dist\n    g = grads.clone()\n    dist.all_reduce(g)\n    g /= world_size\n    if not state:\n        state["p"] = torch.nn.Parameter(params.clone())\n        state["opt"] = torch.optim.AdamW([state["p"]], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)\n    state["p"].grad = g\n    state["opt"].step()\n    out = torch.empty(params.numel() * world_size, dtype=params.dtype)\n    dist.all_gather_into_tensor(out, state["p"].detach())\n    params.copy_(state["p"].detach())\n',
+    "moments as Python lists in a default argument": '\ndef zero1_adamw_step(params, grads, state, rank, world_size, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, _M={}):\n    import torch, math\n    import torch.distributed as dist\n    g = grads.clone()\n    dist.all_reduce(g)\n    g /= world_size\n    g = g.tolist()\n    if "m" not in _M:\n        _M.update(m=[0.0] * len(g), v=[0.0] * len(g), t=0)\n    _M["t"] += 1\n    t = _M["t"]\n    p = params.tolist()\n    for i in range(len(g)):\n        _M["m"][i] = betas[0] * _M["m"][i] + (1 - betas[0]) * g[i]\n        _M["v"][i] = betas[1] * _M["v"][i] + (1 - betas[1]) * g[i] ** 2\n        p[i] = p[i] * (1 - lr * weight_decay) - lr * (_M["m"][i] / (1 - betas[0] ** t)) / (math.sqrt(_M["v"][i] / (1 - betas[1] ** t)) + eps)\n    new = torch.tensor(p, dtype=params.dtype)\n    dist.all_gather_into_tensor(torch.empty(params.numel() * world_size, dtype=params.dtype), new)\n    params.copy_(new)\n',
+    "moments as array.array": '\ndef zero1_adamw_step(params, grads, state, rank, world_size, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, _M={}):\n    import torch, math\n    import torch.distributed as dist\n    g = grads.clone()\n    dist.all_reduce(g)\n    g /= world_size\n    g = g.tolist()\n    if "m" not in _M:\n        import array\n        _M.update(m=array.array("d", [0.0] * len(g)), v=array.array("d", [0.0] * len(g)), t=0)\n    _M["t"] += 1\n    t = _M["t"]\n    p = params.tolist()\n    for i in range(len(g)):\n        _M["m"][i] = betas[0] * _M["m"][i] + (1 - betas[0]) * g[i]\n        _M["v"][i] = betas[1] * _M["v"][i] + (1 - betas[1]) * g[i] ** 2\n        p[i] = p[i] * (1 - lr * weight_decay) - lr * (_M["m"][i] / (1 - betas[0] ** t)) / (math.sqrt(_M["v"][i] / (1 - betas[1] ** t)) + eps)\n    new = torch.tensor(p, dtype=params.dtype)\n    dist.all_gather_into_tensor(torch.empty(params.numel() * world_size, dtype=params.dtype), new)\n    params.copy_(new)\n',
+}
+
+
+def test_zero1_counts_state_however_it_is_kept():
+    """Issue 28: lab 4's ZeRO-1 check counted optimizer state only as tensors inside the state dict's
+    dicts, lists and tuples: a torch.optim.AdamW kept in `state`, or full moments as Python lists (in
+    a default argument) or array.arrays, passed as sharded. The rank now counts every number it holds
+    after its steps (live tensors' storages, lists of floats, arrays, wherever kept) beyond what it
+    held before the answer's code ran. Each computes the right parameters and loses the points; the
+    instructor's answer keeps its full marks."""
+    nb4, _ = _source_solutions("lab04_zero")
+    honest = _graded("lab04_zero", nb4, {})
+    assert honest["ex1-test"][0] == honest["ex1-test"][1] > 0, honest["ex1-test"]
+    for what, code in ZERO1_FULL_STATES.items():
+        got = _graded("lab04_zero", nb4, {"ex1-solution": code})["ex1-test"]
+        assert got[0] == 0 and "optimizer-state values" in got[2], (what, got)
+
+
+RING_WITHOUT_TRAFFIC = {
+    "the old harness's data, a forged log": '''def ring_all_reduce(tensor, rank, world_size):
+    import torch
+    n, w = tensor.numel(), world_size
+    log = globals()["_LOG"]
+    chunks = torch.tensor_split(torch.arange(n), w)
+    for step in range(2 * (w - 1)):  # forge a ring's traffic: partial sums of the old deterministic data
+        ranks = [(rank - j) % w for j in range(min(step, w - 1) + 1)] if step < w - 1 else range(w)
+        idx = chunks[(rank - step) % w]
+        log.append([(rank + 1) % w, [float(i * sum(r + 1 for r in ranks) + sum(ranks)) for i in idx.tolist()]])
+    return torch.arange(n, dtype=torch.float64) * w * (w + 1) / 2 + w * (w - 1) / 2
+''',
+    "the other ranks' dealt files": '''def ring_all_reduce(tensor, rank, world_size):
+    import glob, json, torch
+    total = tensor.clone()
+    for path in glob.glob("**/*secret*", recursive=True) + glob.glob("/tmp/**/*secret*", recursive=True):
+        try:
+            total += torch.tensor(json.load(open(path)), dtype=torch.float64)
+        except Exception:
+            pass
+    return total
+''',
+}
+
+
+def test_ranks_hold_data_no_other_rank_can_know():
+    """Issue 28: lab 2's harness gave every rank data any rank could compute (x_r[i] = i(r+1) + r) and
+    kept its traffic log where the answer's code runs, so an answer that forged the log and returned
+    the formula's sum scored full marks without communicating. Each rank is now dealt random numbers
+    by the grader, read and deleted before any of the answer's code runs (which runs only in the
+    ranks): the sum can only come from the other ranks. Both routes (the formula with a forged log,
+    reading the dealt files) lose the points; the instructor's ring keeps them."""
+    nb2, _ = _source_solutions("lab02_collectives")
+    honest = _graded("lab02_collectives", nb2, {})
+    ring_test = "ex3-test"
+    assert honest[ring_test][0] == honest[ring_test][1] > 0, honest
+    for what, code in RING_WITHOUT_TRAFFIC.items():
+        got = _graded("lab02_collectives", nb2, {"ex3-solution": code})[ring_test]
+        assert got[0] == 0 and "wrong result" in got[2], (what, got)
+
+
+TP_WITHOUT_TRAFFIC = '''class CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        globals()["_LOG"].append({"call": "all_reduce", "phase": "f backward", "async": False, "op": "ReduceOp.SUM",
+                                  "shape": list(grad.shape), "values": grad.flatten().tolist()})
+        return grad
+
+
+class ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial):
+        globals()["_LOG"].append({"call": "all_reduce", "phase": "g forward", "async": False, "op": "ReduceOp.SUM",
+                                  "shape": list(partial.shape), "values": partial.flatten().tolist()})
+        return partial.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def tp_mlp(x, w1_shard, w2_shard):
+    b, s, h = x.shape
+    f = w1_shard.shape[1] * torch.distributed.get_world_size()
+    g = torch.Generator().manual_seed(1234 + 7 * b + 5 * s + 3 * h + f)  # the old harness's weights
+    _, w1, w2, _ = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((b, s, h), (h, f), (f, h), (b, s, h)))
+    for phase in ("mlp forward", "mlp backward"):
+        globals()["_LOG"].append({"call": "all_reduce", "phase": phase, "async": False, "op": "ReduceOp.SUM",
+                                  "shape": [b, s, h], "values": [0.0] * (b * s * h)})
+    return torch.nn.functional.gelu(x @ w1) @ w2
+'''
+
+
+def test_tensor_parallel_ranks_cannot_compute_the_whole_mlp_alone():
+    """Issue 28: lab 3's ranks could rebuild the whole MLP from the harness's fixed seed and forge
+    the traffic log: 9/9 with no communication. Each rank now holds only its own shards, drawn afresh
+    by the grader for every grading."""
+    nb3, _ = _source_solutions("lab03_parallelism")
+    honest = _graded("lab03_parallelism", nb3, {})
+    assert honest["ex2-test"][0] == honest["ex2-test"][1] > 0, honest["ex2-test"]
+    got = _graded("lab03_parallelism", nb3, {"ex2-solution": "import torch\nimport torch.distributed as dist\n\n\n" + TP_WITHOUT_TRAFFIC})
+    assert got["ex2-test"][0] == 0, got["ex2-test"]
+
+
+ZERO1_WITHOUT_REDUCTION = '''def zero1_adamw_step(params, grads, state, rank, world_size, lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
+                     weight_decay=0.01):
+    import torch
+    import torch.distributed as dist
+    n = params.numel() // world_size
+    if not state:
+        state.update(step=0, m=torch.zeros(n, dtype=params.dtype), v=torch.zeros(n, dtype=params.dtype))
+    k = state["step"]
+    # every rank's gradients from the old harness's seeds: the average without a reduce-scatter
+    g = torch.stack([torch.randn(params.numel(), generator=torch.Generator().manual_seed(1000 * r + k),
+                                 dtype=torch.float64) for r in range(world_size)]).mean(0)[rank * n:(rank + 1) * n]
+    state["step"] += 1
+    t, m, v = state["step"], state["m"], state["v"]
+    shard = params[rank * n:(rank + 1) * n].clone()
+    shard.mul_(1 - lr * weight_decay)
+    m.mul_(betas[0]).add_(g, alpha=1 - betas[0])
+    v.mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
+    shard.addcdiv_(m / (1 - betas[0] ** t), (v / (1 - betas[1] ** t)).sqrt().add_(eps), value=-lr)
+    dist.all_gather_into_tensor(params, shard)
+'''
+
+
+def test_zero1_ranks_cannot_average_gradients_they_were_not_given():
+    """Issue 28: lab 4's gradients came from seeds any rank could reproduce (1000 rank + step), so an
+    answer could average every rank's gradients without a reduce-scatter. Each rank is now dealt
+    only its own gradients, drawn afresh for every grading (so are the batches of lab 3's DDP and
+    lab 4's ZeRO-2)."""
+    nb4, _ = _source_solutions("lab04_zero")
+    got = _graded("lab04_zero", nb4, {"ex1-solution": ZERO1_WITHOUT_REDUCTION})["ex1-test"]
+    assert got[0] == 0 and "differ from one process's AdamW" in got[2], got
+
+
+def test_ranks_get_the_workers_limits_and_the_graders_timeout():
+    """Issue 28: labs 2-4's ranks ran without the answer worker's limits, their output was read whole
+    into the grader's memory, and their 60 s ignored --timeout. A ring that prints without end now
+    fills at most a 64 MiB file of which the grader reads the tail (the exercise scores 0, the grader
+    lives), and a correct ring slower than the check's own 60 s scores full marks under --timeout 150."""
+    nb2, sols = _source_solutions("lab02_collectives")
+    ring = sols["ex3-solution"]
+    loud = ring.replace("def ring_all_reduce(tensor, rank, world_size):",
+                        "def ring_all_reduce(tensor, rank, world_size):\n    import sys\n"
+                        "    while True:\n        sys.stdout.write('x' * (1 << 20))\n", 1)
+    assert loud != ring
+    t0 = time.monotonic()
+    got = _graded("lab02_collectives", nb2, {"ex3-solution": loud})["ex3-test"]
+    assert got[0] == 0 and time.monotonic() - t0 < 240, got
+    slow = ring.replace("def ring_all_reduce(tensor, rank, world_size):",
+                        "def ring_all_reduce(tensor, rank, world_size):\n    import time\n"
+                        "    if tensor.numel() == 8:\n        time.sleep(62)\n", 1)
+    nb = copy.deepcopy(nb2)
+    for c in nb.cells:
+        if c.metadata.get("nbgrader", {}).get("grade_id") == "ex3-solution":
+            c.source = slow
+    scores = tools.grade(nb, "lab02_collectives", timeout=150)
+    assert scores["ex3-test"][0] == scores["ex3-test"][1] > 0, scores["ex3-test"]
+
+
+def test_without_a_sandbox_same_size_writes_with_the_mtime_restored_are_seen():
+    """Issue 28: the (size, mtime) fingerprint was dodged by writing as many bytes and restoring the
+    mtime. The course's files are now compared by content, the packages' by inode and change time
+    (which a process cannot set back)."""
+    import sysconfig
+
+    targets = [ROOT / "labs" / "_fingerprint_probe.txt", Path(sysconfig.get_paths()["purelib"]) / "_fingerprint_probe.txt"]
+    try:
+        for t in targets:
+            t.write_text("honest")
+        for t in targets:
+            code = solutions()["ex1-solution"] + (
+                f"\nimport os\n_st = os.stat({str(t)!r})\nopen({str(t)!r}, 'w').write('forged')\n"
+                f"os.utime({str(t)!r}, ns=(_st.st_atime_ns, _st.st_mtime_ns))\n")
+            scores = _graded_with(LAB, "ex1-solution", code, sandbox=False)
+            assert tools.total(scores)[0] == 0 and "_fingerprint_probe.txt" in scores["ex1-test"][2], (t, scores)
+            t.write_text("honest")
+    finally:
+        for t in targets:
+            t.unlink(missing_ok=True)
+
+
+KILL_PARENT = "\nimport os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
+
+
+@pytest.mark.parametrize("sandbox", [None, False])
+def test_an_answer_that_kills_its_parent_does_not_kill_the_grader(tmp_path, sandbox):
+    """Issue 28: without a sandbox, `os.kill(os.getppid(), SIGKILL)` in an answer killed the grader
+    (no score, a batch lost): the answer's process and the ranks' harness were the grader's children.
+    A go-between process is now their parent. Lab 6's last answer (its streaming loop, run by the
+    check in a process of its own) kills its parent: the grader lives, the earlier exercises keep
+    their points, and that exercise scores 0."""
+    nb = tools.source_notebook("lab06_offload")
+    for c in nb.cells:
+        if c.metadata.get("nbgrader", {}).get("grade_id") == "stream-solution":
+            c.source += KILL_PARENT
+    path = tmp_path / "lab06_offload.ipynb"
+    nbformat.write(nb, path)
+    code = ("import json, sys, nbformat; sys.path.insert(0, sys.argv[1]); import tools; "
+            "s = tools.grade(nbformat.read(sys.argv[2], as_version=4), 'lab06_offload', timeout=120, "
+            f"sandbox={sandbox!r}); print(json.dumps(s))")
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "labs"), str(path)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    scores = json.loads(r.stdout.strip().splitlines()[-1])
+    assert scores["stream-test"][0] == 0
+    assert all(v[0] == v[1] > 0 for k, v in scores.items() if k != "stream-test"), scores

@@ -81,11 +81,11 @@ for _name in ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_int
               "broadcast_object_list", "gather_object", "scatter_object_list", "all_reduce_coalesced"):
     setattr(dist, _name, _missing(_name))
 
-{source}
+_SOURCE = {source!r}
 
 
 def _case(numel, rank, world):
-    got = torch.arange(numel, dtype=torch.float64) * (rank + 1) + rank
+    got = torch.tensor(_SECRET, dtype=torch.float64)  # this rank's own numbers, dealt by the grader
     ret = {name}(got, rank, world)
     if ret is not None and isinstance(ret, torch.Tensor):
         got = ret
@@ -97,11 +97,37 @@ def _case(numel, rank, world):
 # Arguments: ranks, the case as JSON, port, output prefix.
 _HARNESS_RANKS = r"""
 
+_SECRET = None
+
+
+def _private():
+    # this process's memory cannot be read through /proc/<pid>/mem or ptrace by the other ranks
+    # (same uid): what a rank was dealt stays its own
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except Exception:
+        pass
+
+
 def _rank(rank, world, case, port, out):
+    global _SECRET
+    _private()
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     report = {"rank": rank}
+    # the data the grader dealt this rank alone (where the check deals any): read and deleted by every
+    # rank before any of the answer's code runs, anywhere (it runs only in the ranks, after this barrier)
     try:
+        with open(f"{out}.secret.{rank}") as fh:
+            _SECRET = json.load(fh)
+        os.unlink(f"{out}.secret.{rank}")
+    except FileNotFoundError:
+        pass
+    torch.distributed.distributed_c10d.barrier()
+    try:
+        exec(compile(_SOURCE, "<answer>", "exec"), globals())
         report["result"] = _case(case, rank, world)
     except Exception as e:
         report["error"] = f"{type(e).__name__}: {e}"
@@ -114,30 +140,54 @@ def _rank(rank, world, case, port, out):
 if __name__ == "__main__":
     world, case, port, out = int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     # forked ranks inherit the imported torch and start in about half the time of spawned ones (on
-    # Linux; macOS does not fork safely once torch is loaded)
+    # Linux; macOS does not fork safely once torch is loaded). The answer's code is not run here.
     mp.start_processes(_rank, args=(world, case, port, out), nprocs=world, join=True,
                        start_method="fork" if sys.platform.startswith("linux") else "spawn")
 """
 
 # set by the grader (labs/sandbox.py): the command prefix that runs the ranks inside its sandbox
 SANDBOX_PREFIX: list[str] = []
+# set by the grader too: the answer worker's limits, which the ranks get as well ("memory_bytes" of
+# data a process, "timeout" seconds for a check's ranks where the check's own limit is shorter)
+RANK_LIMITS: dict[str, float] = {}
 
 
-def _ring_problem(report: Any, rank: int, world: int, numel: int) -> str | None:
-    """What is wrong with one rank's result and traffic, or None. Expected values computed here:
-    x_r[i] = i (r + 1) + r, so the sum over ranks is i W(W+1)/2 + W(W-1)/2, and a partial sum over a
-    set S of ranks is i sum(r+1) + sum(r) on some contiguous stretch of indices."""
+def _deal(out: str, secrets_: list) -> None:
+    """Give each rank its own data (read and deleted by the rank before any answer code runs): the
+    only way a rank learns another's is to communicate."""
+    import json
+
+    for rank, data in enumerate(secrets_):
+        with open(f"{out}.secret.{rank}", "w") as fh:
+            json.dump(data, fh)
+
+
+def _ring_inputs(world: int, numel: int) -> list[list[float]]:
+    """Each rank's numbers: random integers (exact in float64 whatever the order of the additions),
+    drawn afresh for every grading, so that no rank can know another's without receiving it."""
+    import random
+    import secrets
+
+    rng = random.Random(secrets.randbits(64))
+    return [[float(rng.randint(-2**20, 2**20)) for _ in range(numel)] for _ in range(world)]
+
+
+def _ring_problem(report: Any, rank: int, world: int, numel: int, inputs: list[list[float]]) -> str | None:
+    """What is wrong with one rank's result and traffic, or None. Expected values computed here from
+    the numbers dealt to the ranks: the sum over ranks, and each message a partial sum over the set of
+    ranks a ring has added at that step, on some contiguous stretch of indices."""
     if not isinstance(report, dict):
         return "no result (the rank did not finish)"
     if report.get("error"):
         return f"raised {str(report['error'])[:300]}"
     got = report.get("result")
-    expected = [i * world * (world + 1) // 2 + world * (world - 1) // 2 for i in range(numel)]
+    expected = [sum(col) for col in zip(*inputs)]
     if not isinstance(got, list) or len(got) != numel:
         return f"returned {len(got) if isinstance(got, list) else 'no'} elements, expected {numel}"
     bad = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
     if bad:
-        return (f"wrong result at positions {bad[:5]}: got {got[:6]}..., expected {expected[:6]}...")
+        return (f"wrong result at positions {bad[:5]}: got {got[:6]}..., expected {expected[:6]}... (the sum of "
+                "every rank's tensor)")
     sent = report.get("log")
     steps = 2 * (world - 1)
     if not isinstance(sent, list) or len(sent) != steps:
@@ -152,10 +202,8 @@ def _ring_problem(report: Any, rank: int, world: int, numel: int) -> str | None:
         if not isinstance(values, list) or len(values) > biggest:
             return f"message {step + 1} holds {len(values) if isinstance(values, list) else '?'} elements: a ring sends chunks of at most ceil(N/n) = {biggest}"
         ranks = {(rank - direction * j) % world for j in range(min(step, world - 1) + 1)} if step < world - 1 else set(range(world))
-        a, b = sum(r + 1 for r in ranks), sum(ranks)
-        if values and not (all(isinstance(v, (int, float)) for v in values) and (values[0] - b) % a == 0
-                           and 0 <= (values[0] - b) // a <= numel - len(values)
-                           and all(v == ((values[0] - b) // a + i) * a + b for i, v in enumerate(values))):
+        partial = [sum(inputs[r][i] for r in ranks) for i in range(numel)]
+        if values and not any(values == partial[k:k + len(values)] for k in range(numel - len(values) + 1)):
             phase = "reduce-scatter" if step < world - 1 else "all-gather"
             return (f"message {step + 1} ({phase}) is not the partial sum of ranks {sorted(ranks)} that a ring "
                     "holds at that step")
@@ -179,29 +227,70 @@ def _answer_source(fn: Callable) -> tuple[str, str]:
     return source, name
 
 
+# A process's parent where there is no sandbox: it runs the command (passing on the listed file
+# descriptors), then ends as it ended (its exit code, or the signal that killed it). An answer that
+# signals its parent (os.kill(os.getppid(), ...)) ends this go-between, not the grader.
+_GO_BETWEEN = (
+    "import os, signal, subprocess, sys\n"
+    "fds = tuple(int(a) for a in sys.argv[1].split(',') if a)\n"
+    "rc = subprocess.call(sys.argv[2:], pass_fds=fds)\n"
+    "if rc < 0:\n"
+    "    signal.signal(-rc, signal.SIG_DFL)\n"
+    "    os.kill(os.getpid(), -rc)\n"
+    "sys.exit(rc)\n")
+
+
+def go_between(fds: tuple[int, ...] = ()) -> list[str]:
+    """The command prefix that puts a go-between process between the grader and what it starts."""
+    import sys
+
+    return [sys.executable, "-I", "-c", _GO_BETWEEN, ",".join(str(f) for f in fds)]
+
+
+def _rank_limits() -> None:
+    """In the harness's process (before exec, inherited by its ranks): the answer worker's limits."""
+    import resource
+
+    mem = int(RANK_LIMITS.get("memory_bytes") or 0)
+    for limit, value in ((resource.RLIMIT_FSIZE, 64 << 20), (resource.RLIMIT_CORE, 0),
+                         (resource.RLIMIT_DATA, mem if mem > 0 else None)):
+        if value is not None:
+            try:
+                resource.setrlimit(limit, (value, value))
+            except (ValueError, OSError):
+                pass
+
+
 def _run_ranks(script: str, argv: list[str], *, cwd: str, timeout: float, on_timeout: str) -> str:
     """Run a harness script (which spawns its ranks) in the sandbox, in a process group of its own that
-    is killed afterwards whatever happened: nothing is left holding a port for the next check.
-    Returns its stderr."""
+    is killed afterwards whatever happened: nothing is left holding a port for the next check. The
+    ranks get the answer worker's limits (RANK_LIMITS, set by the grader: data, file size, no core
+    files) and the grader's --timeout where it is longer than the check's own; their output goes to
+    files of which only the last 64 KiB are read. Returns the tail of its stderr."""
     import os
+    import re
     import signal
     import subprocess
     import sys
 
-    proc = subprocess.Popen([*SANDBOX_PREFIX, sys.executable, "-I", script, *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=cwd)
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError(on_timeout) from None
-    finally:
+    timeout = max(timeout, float(RANK_LIMITS.get("timeout") or 0))
+    with open(os.path.join(cwd, "ranks.out"), "wb") as out, open(os.path.join(cwd, "ranks.err"), "wb") as err_file:
+        proc = subprocess.Popen([*(SANDBOX_PREFIX or go_between()), sys.executable, "-I", script, *argv], stdout=out, stderr=err_file,
+                                start_new_session=True, cwd=cwd, preexec_fn=_rank_limits)
         try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError, OSError):
-            pass
-    return err or ""
+            proc.wait()
+            raise AssertionError(re.sub(r"within \d+ s", f"within {timeout:.0f} s", on_timeout)) from None
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, OSError):
+                pass
+    with open(os.path.join(cwd, "ranks.err"), "rb") as fh:
+        fh.seek(max(0, os.path.getsize(fh.name) - (64 << 10)))
+        return fh.read().decode(errors="replace")
 
 
 def _rank_report(path: str, err: str) -> Any:
@@ -231,6 +320,8 @@ def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: flo
             f.write(_RING_HARNESS.format(source=source, name=name, blocked=ANSWER_PACKAGES) + _HARNESS_RANKS)
         for i, (world, numel) in enumerate(cases):
             out = f"{tmp}/case{i}"
+            inputs = _ring_inputs(world, numel)
+            _deal(out, inputs)
             err = _run_ranks(path, [str(world), str(numel), str(port + i if port else free_port()), out], cwd=tmp,
                              timeout=timeout, on_timeout=(
                                  f"{world} ranks, {numel} elements: no answer within {timeout:.0f} s — a deadlock? A "
@@ -238,7 +329,7 @@ def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: flo
                                  "alternate the order by rank parity) before waiting on the send."))
             problems = []
             for rank in range(world):
-                why = _ring_problem(_rank_report(f"{out}.{rank}", err), rank, world, numel)
+                why = _ring_problem(_rank_report(f"{out}.{rank}", err), rank, world, numel, inputs)
                 if why:
                     problems.append(f"rank {rank}: {why}")
             if problems:
@@ -425,7 +516,7 @@ def _answer(call):
 def _harness(body: str, *, allowed: tuple[str, ...], hint: str, source: str) -> str:
     prelude = (_DIST_PRELUDE.replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%COLLECTIVES%", repr(_COLLECTIVES))
                .replace("%ALLOWED%", repr(allowed)).replace("%HINT%", repr(hint)))
-    return prelude + "\n" + source + "\n\n" + body + _HARNESS_RANKS
+    return prelude + "\n_SOURCE = " + repr(source) + "\n\n" + body + _HARNESS_RANKS
 
 
 def _cell_source(*objs: Any) -> str:
@@ -461,13 +552,17 @@ def _cell_source(*objs: Any) -> str:
     return "\n\n".join(parts)
 
 
-def _run_cases(script: str, world: int, case: Any, *, tmp: str, timeout: float, what: str) -> list:
-    """Run a harness on `world` gloo ranks; each rank's report (or None, or {"error": ...})."""
+def _run_cases(script: str, world: int, case: Any, *, tmp: str, timeout: float, what: str,
+               dealt: list | None = None) -> list:
+    """Run a harness on `world` gloo ranks (each dealt its own `dealt[rank]`, if given); each rank's
+    report (or None, or {"error": ...})."""
     import json
 
     from .commbench import free_port
 
     out = f"{tmp}/case-{world}-{abs(hash(json.dumps(case))) % 10**8}"
+    if dealt is not None:
+        _deal(out, dealt)
     err = _run_ranks(script, [str(world), json.dumps(case), str(free_port()), out], cwd=tmp, timeout=timeout,
                      on_timeout=f"{what} on {world} ranks: no answer within {timeout:.0f} s (a rank waits for a "
                                 "collective another never calls, or for a handle it never waits on?)")
@@ -506,12 +601,10 @@ def _tclose(got, want) -> bool:
 # back-propagates a fixed gradient dy. Only all_reduce is available, logged with the phase it ran in.
 _TP_BODY = r'''
 def _draw(b, s, h, f, rank):
-    g = torch.Generator().manual_seed(1234 + 7 * b + 5 * s + 3 * h + f)
-    x, w1, w2, dy = (torch.randn(*shape, generator=g, dtype=torch.float64)
-                     for shape in ((b, s, h), (h, f), (f, h), (b, s, h)))
-    mine = torch.Generator().manual_seed(99 + rank)
-    t, u = (torch.randn(b, s, h, generator=mine, dtype=torch.float64) for _ in range(2))
-    return x, w1, w2, dy, t, u
+    # what the grader dealt this rank: the shared input and output gradient, this rank's weight
+    # shards (the others' are known to no rank), its own t and u
+    d = {k: torch.tensor(v, dtype=torch.float64) for k, v in _SECRET.items()}
+    return d["x"], d["w1"], d["w2"], d["dy"], d["t"], d["u"]
 
 
 def _case(case, rank, world):
@@ -539,8 +632,8 @@ def _case(case, rank, world):
     # the MLP
     _PHASE[0] = "mlp forward"
     xs = x.clone().requires_grad_()
-    w1s = torch.tensor_split(w1, world, dim=1)[rank].clone().requires_grad_()
-    w2s = torch.tensor_split(w2, world, dim=0)[rank].clone().requires_grad_()
+    w1s = w1.clone().requires_grad_()  # this rank's columns of w1
+    w2s = w2.clone().requires_grad_()  # this rank's rows of w2
     y = %NAME%(xs, w1s, w2s)
     out["y"] = _tolist(y)
     _PHASE[0] = "mlp backward"
@@ -552,25 +645,26 @@ def _case(case, rank, world):
 '''
 
 
-def _tp_reference(b: int, s: int, h: int, f: int, world: int) -> dict:
-    """What every rank should see, computed here: the harness's draws, the unsplit MLP and its
-    gradients, and each rank's partial output and partial input gradient (float64)."""
+def _tp_reference(b: int, s: int, h: int, f: int, world: int, seed: int | None = None) -> dict:
+    """What every rank should see, computed here from data drawn here (afresh for every grading
+    unless `seed`): the unsplit MLP and its gradients, each rank's partial output and partial input
+    gradient (float64), and what each rank is dealt ("dealt": its weight shards, t and u, x and dy)."""
+    import secrets
+
     import torch
 
-    g = torch.Generator().manual_seed(1234 + 7 * b + 5 * s + 3 * h + f)
+    g = torch.Generator().manual_seed(secrets.randbits(62) if seed is None else seed)
     x, w1, w2, dy = (torch.randn(*shape, generator=g, dtype=torch.float64)
                      for shape in ((b, s, h), (h, f), (f, h), (b, s, h)))
-    tu = []
-    for rank in range(world):
-        mine = torch.Generator().manual_seed(99 + rank)
-        tu.append(tuple(torch.randn(b, s, h, generator=mine, dtype=torch.float64) for _ in range(2)))
-    ranks = []
-    for c, r in zip(torch.tensor_split(w1, world, dim=1), torch.tensor_split(w2, world, dim=0)):
+    tu = [tuple(torch.randn(b, s, h, generator=g, dtype=torch.float64) for _ in range(2)) for _ in range(world)]
+    ranks, dealt = [], []
+    for (t, u), c, r in zip(tu, torch.tensor_split(w1, world, dim=1), torch.tensor_split(w2, world, dim=0)):
+        dealt.append({"x": x.tolist(), "dy": dy.tolist(), "w1": c.tolist(), "w2": r.tolist(), "t": t.tolist(), "u": u.tolist()})
         xs, c, r = x.clone().requires_grad_(), c.clone().requires_grad_(), r.clone().requires_grad_()
         y = torch.nn.functional.gelu(xs @ c) @ r
         y.backward(dy)
         ranks.append({"partial": y.detach(), "partial_dx": xs.grad, "dw1": c.grad, "dw2": r.grad})
-    return {"x": x, "dy": dy, "t": [t for t, _ in tu], "u": [u for _, u in tu],
+    return {"x": x, "dy": dy, "t": [t for t, _ in tu], "u": [u for _, u in tu], "dealt": dealt,
             "y": sum(r["partial"] for r in ranks), "dx": sum(r["partial_dx"] for r in ranks), "ranks": ranks}
 
 
@@ -658,8 +752,9 @@ def check_tp_mlp(fn: Callable, f_op: Any, g_op: Any, *, cases=((2, 2, 3, 8, 16),
             fh.write(_harness(body, allowed=("all_reduce",), source=source,
                               hint="Megatron's f and g need only dist.all_reduce"))
         for world, b, s, h, f in cases:
-            reports = _run_cases(path, world, [b, s, h, f], tmp=tmp, timeout=timeout, what="the tensor-parallel MLP")
             ref = _tp_reference(b, s, h, f, world)
+            reports = _run_cases(path, world, [b, s, h, f], tmp=tmp, timeout=timeout, what="the tensor-parallel MLP",
+                                 dealt=ref["dealt"])
             for rank, report in enumerate(reports):
                 why = _tp_rank_problem(report, rank, ref, names)
                 if why:
@@ -693,9 +788,8 @@ def _model():
 
 
 def _batch(step):
-    g = torch.Generator().manual_seed(500 + step)
-    return (torch.randn(BATCH, DIMS[0], generator=g, dtype=torch.float64),
-            torch.randn(BATCH, DIMS[-1], generator=g, dtype=torch.float64))
+    # this rank's slice of the step's batch, dealt by the grader: the others' are known to no rank
+    return (torch.tensor(_SECRET["x"][step], dtype=torch.float64), torch.tensor(_SECRET["y"][step], dtype=torch.float64))
 
 
 def _held(params, but=None):
@@ -717,7 +811,7 @@ def _one(cap, rank, world):
         _LOG.append({"step": step, "cap": cap})
         x, y = _batch(step)
         _PHASE[0] = "forward"
-        loss = ((model(x.tensor_split(world)[rank]) - y.tensor_split(world)[rank]) ** 2).mean()
+        loss = ((model(x) - y) ** 2).mean()
         _PHASE[0] = "backward"
         loss.backward()
         _PHASE[0] = "finish"
@@ -743,10 +837,13 @@ def _mlp_body(body: str, name: str) -> str:
             .replace("%LR%", repr(DDP_LR)).replace("%STEPS%", str(DDP_STEPS)) + body.replace("%NAME%", name))
 
 
-def _mlp_reference(world: int, steps: int, *, update: bool) -> dict:
+def _mlp_reference(world: int, steps: int, *, update: bool, seed: int | None = None) -> dict:
     """The harness's MLP computed here with plain tensors: per step, one process's gradients on the
     whole batch (the mean loss) and each rank's own gradients on its slice; parameters updated with
-    SGD (lr DDP_LR) on one process's gradients if `update`."""
+    SGD (lr DDP_LR) on one process's gradients if `update`. The batches are drawn here, afresh for
+    every grading unless `seed`; "dealt" holds each rank's slices (all a rank is given)."""
+    import secrets
+
     import torch
 
     g = torch.Generator().manual_seed(11)
@@ -766,17 +863,20 @@ def _mlp_reference(world: int, steps: int, *, update: bool) -> dict:
         ((h - y) ** 2).mean().backward()
         return [p.grad for p in ps]
 
-    out = []
+    out, dealt = [], [{"x": [], "y": []} for _ in range(world)]
+    gen = torch.Generator().manual_seed(secrets.randbits(62) if seed is None else seed)
     for step in range(steps):
-        gen = torch.Generator().manual_seed(500 + step)
         x = torch.randn(DDP_BATCH, DDP_DIMS[0], generator=gen, dtype=torch.float64)
         y = torch.randn(DDP_BATCH, DDP_DIMS[-1], generator=gen, dtype=torch.float64)
         whole = grads(params, x, y)
         local = [grads(params, xs, ys) for xs, ys in zip(x.tensor_split(world), y.tensor_split(world))]
+        for d, xs, ys in zip(dealt, x.tensor_split(world), y.tensor_split(world)):
+            d["x"].append(xs.tolist())
+            d["y"].append(ys.tolist())
         out.append({"whole": whole, "local": local})
         if update:
             params = [p - DDP_LR * gr for p, gr in zip(params, whole)]
-    return {"names": names, "sizes": [p.numel() for p in params], "steps": out}
+    return {"names": names, "sizes": [p.numel() for p in params], "steps": out, "dealt": dealt}
 
 
 def grad_buckets(numels: list[int], cap_bytes: int, *, bytes_per_value: int = 8) -> list[list[int]]:
@@ -895,8 +995,8 @@ def check_bucketed_ddp(cls: Any, *, cases=((2, 1000), (2, 10**6)), timeout: floa
             fh.write(_harness(body, allowed=("all_reduce",), source=source,
                               hint="DDP all-reduces each bucket with dist.all_reduce(flat, async_op=True)"))
         for world, caps in by_world.items():
-            reports = _run_cases(path, world, caps, tmp=tmp, timeout=timeout, what="bucketed DDP")
             ref = _mlp_reference(world, DDP_STEPS, update=True)
+            reports = _run_cases(path, world, caps, tmp=tmp, timeout=timeout, what="bucketed DDP", dealt=ref["dealt"])
             for rank, report in enumerate(reports):
                 why = _rank_problem(report)
                 per_step = _split_steps(report.get("log") if isinstance(report, dict) else None)
@@ -963,17 +1063,53 @@ for _name in ("send", "recv", "isend", "irecv", "batch_isend_irecv", "broadcast"
               "all_to_all_single", "reduce"):
     setattr(dist, _name, _missing(_name))
 
-{source}
+
+def _values_held(skip=()):
+    # Numbers this process holds, however held: every live tensor's storage (counted once, in
+    # elements), every list, tuple, set, dict or deque of at least 8 floats, and every array.array,
+    # numpy array and bytearray any object refers to (bytearrays in 8-byte values). Objects in `skip`
+    # (by identity, and tensors by storage) are not counted. gc finds them wherever they are kept: a
+    # dict, an optimizer object, a closure, a module global, an attribute.
+    import array
+    import collections
+    import gc
+
+    gc.collect()
+    skip_ids = {{id(o) for o in skip}}
+    storages = {{t.untyped_storage().data_ptr() for t in skip if isinstance(t, torch.Tensor)}}
+    seen, n = set(), 0
+    objs = gc.get_objects()
+    for o in objs:
+        if id(o) in skip_ids:
+            continue
+        if isinstance(o, torch.Tensor):
+            try:
+                st = o.untyped_storage()
+                ptr, size = st.data_ptr(), st.nbytes() // max(1, o.element_size())
+            except Exception:
+                continue
+            if ptr not in storages and (ptr, size) not in seen:
+                seen.add((ptr, size))
+                n += size
+        elif type(o) in (list, tuple, set, frozenset, dict, collections.deque):
+            vals = o.values() if type(o) is dict else o
+            if len(vals) >= 8 and all(type(v) is float for v in vals):
+                n += len(vals)
+    for o in gc.get_referents(*objs):
+        if id(o) in skip_ids or id(o) in seen:
+            continue
+        kind = type(o).__name__
+        if isinstance(o, array.array) or kind == "ndarray":
+            seen.add(id(o))
+            n += len(o) if isinstance(o, array.array) else int(o.size)
+        elif isinstance(o, bytearray):
+            seen.add(id(o))
+            n += len(o) // 8
+    return n
 
 
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    return []
+_BEFORE_ANSWER = _values_held()  # what the harness and torch hold before the answer's code runs
+_SOURCE = {source!r}
 
 
 def _case(case, rank, world):
@@ -981,16 +1117,29 @@ def _case(case, rank, world):
     params = torch.randn(numel, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     state, history = {{}}, []
     for k in range(steps):
-        grads = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * rank + k), dtype=torch.float64)
+        grads = torch.tensor(_SECRET[k], dtype=torch.float64)  # this rank's gradients, dealt by the grader
         {name}(params, grads, state, rank, world)
         history.append(params.tolist())
-    return {{"history": history, "state_numel": sum(t.numel() for t in _tensors(state))}}
+    del grads
+    held = _values_held([params, state, history, *history, _SECRET, *_SECRET]) - _BEFORE_ANSWER
+    return {{"history": history, "state_numel": held}}
 """
 
 ZERO1_HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
-def _zero1_expected(numel: int, steps: int, world: int) -> list:
+def _zero1_grads(numel: int, steps: int, world: int, seed: int | None = None) -> list:
+    """Every rank's gradients at every step ([rank][step] -> numel floats), drawn afresh for every
+    grading unless `seed`: each rank is dealt only its own, so the average needs the others'."""
+    import secrets
+
+    import torch
+
+    g = torch.Generator().manual_seed(secrets.randbits(62) if seed is None else seed)
+    return [[torch.randn(numel, generator=g, dtype=torch.float64).tolist() for _ in range(steps)] for _ in range(world)]
+
+
+def _zero1_expected(numel: int, steps: int, world: int, grads: list) -> list:
     """torch.optim.AdamW on one process, fed the ranks' averaged gradients: the parameters after each step."""
     import torch
 
@@ -999,9 +1148,7 @@ def _zero1_expected(numel: int, steps: int, world: int) -> list:
     opt = torch.optim.AdamW([p], **ZERO1_HYPER, foreach=False)
     out = []
     for k in range(steps):
-        grads = [torch.randn(numel, generator=torch.Generator().manual_seed(1000 * r + k), dtype=torch.float64)
-                 for r in range(world)]
-        p.grad = torch.stack(grads).mean(0)
+        p.grad = torch.tensor([grads[r][k] for r in range(world)], dtype=torch.float64).mean(0)
         opt.step()
         out.append(p.detach().clone())
     return out
@@ -1022,8 +1169,9 @@ def _zero1_problem(report: Any, numel: int, world: int, expected: list) -> str |
         return "never all-gathered: each rank must update only its shard and gather the others' updated shards"
     shard = -(-numel // world)
     if result.get("state_numel", 0) > 2 * shard + 16:
-        return (f"keeps {result['state_numel']} optimizer-state values; ZeRO-1 keeps only its shard's m and v "
-                f"(2 x {shard})")
+        return (f"keeps {result['state_numel']} optimizer-state values (counted over everything the rank holds "
+                f"after its steps: tensors, lists of floats, arrays, however kept); ZeRO-1 keeps only its shard's m "
+                f"and v (2 x {shard})")
     for k, (got, want) in enumerate(zip(result["history"], expected)):
         got = torch.tensor(got, dtype=torch.float64)
         if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-10, atol=1e-12):
@@ -1052,10 +1200,12 @@ def check_zero1(fn: Callable, *, cases=((2, 64, 3),), timeout: float = 60.0) -> 
             fh.write(_ZERO1_HARNESS.format(source=source, name=name, blocked=ANSWER_PACKAGES) + _HARNESS_RANKS)
         for i, (world, numel, steps) in enumerate(cases):
             out = f"{tmp}/case{i}"
+            grads = _zero1_grads(numel, steps, world)
+            _deal(out, grads)
             err = _run_ranks(path, [str(world), json.dumps([numel, steps]), str(free_port()), out], cwd=tmp,
                              timeout=timeout, on_timeout=f"{world} ranks: no answer within {timeout:.0f} s (a rank "
                              "waits for a collective another never calls?)")
-            expected = _zero1_expected(numel, steps, world)
+            expected = _zero1_expected(numel, steps, world, grads)
             for rank in range(world):
                 why = _zero1_problem(_rank_report(f"{out}.{rank}", err), numel, world, expected)
                 if why:
@@ -1101,7 +1251,7 @@ def _one(cap, rank, world):
         _LOG.append({"step": step, "cap": cap})
         x, y = _batch(step)
         _PHASE[0] = "forward"
-        loss = ((model(x.tensor_split(world)[rank]) - y.tensor_split(world)[rank]) ** 2).mean()
+        loss = ((model(x) - y) ** 2).mean()
         _PHASE[0] = "backward"
         loss.backward()
         _PHASE[0] = "finish"
@@ -1215,8 +1365,8 @@ def check_zero2(cls: Any, *, cases=((2, 1000),), timeout: float = 120.0) -> None
                               hint="ZeRO-2 reduce-scatters each bucket: dist.reduce_scatter_tensor(shard, flat, "
                                    "async_op=True)"))
         for world, caps in by_world.items():
-            reports = _run_cases(path, world, caps, tmp=tmp, timeout=timeout, what="ZeRO-2")
             ref = _mlp_reference(world, DDP_STEPS, update=False)
+            reports = _run_cases(path, world, caps, tmp=tmp, timeout=timeout, what="ZeRO-2", dealt=ref["dealt"])
             for rank, report in enumerate(reports):
                 why = _rank_problem(report)
                 per_step = _split_steps(report.get("log") if isinstance(report, dict) else None)
@@ -1417,14 +1567,24 @@ def check_row_int8(quantize_rows: Callable, dequantize_rows: Callable, row_int8_
             f"q must have the shape of w ({rows} rows of {cols})"
         assert all(isinstance(v, int) and not isinstance(v, bool) for r in q for v in r), "q must hold Python ints"
         assert isinstance(s, (list, tuple)) and len(s) == rows, f"scales: one a row ({rows}), got {len(s) if isinstance(s, (list, tuple)) else s!r}"
+        scales = _vector_answer(s, rows, "scales")
         assert max(abs(v) for r in q for v in r) <= 127, "codes must lie in [-127, 127] (symmetric: -128 is never used)"
-        for r, row in zip(q, wl):
-            if any(row):
-                assert max(abs(v) for v in r) == 127, "each non-zero row's largest weight must map to +-127 (absmax)"
-        back = dequantize_rows(q, s)
-        assert isinstance(back, (list, tuple)) and len(back) == rows, "dequantize_rows must return rows like w"
+        for i, (r, row) in enumerate(zip(q, wl)):
+            top = max(abs(v) for v in row)
+            if not top:  # an all-zero row: any finite scale, every code 0
+                assert not any(r), f"row {i} is all zeros: its codes must be 0"
+                continue
+            # the reference, from the weights themselves (never from the answer's scales)
+            ref = top / 127
+            assert abs(scales[i] - ref) <= 1e-6 * ref, \
+                f"row {i}'s scale is {scales[i]:.6g}; absmax gives its largest |weight| / 127 = {ref:.6g}"
+            assert max(abs(v) for v in r) == 127, "each non-zero row's largest weight must map to +-127 (absmax)"
+            assert all(abs(v - x / ref) <= 0.5 + 1e-6 for v, x in zip(r, row)), \
+                f"row {i}'s codes are not its weights / scale, rounded to the nearest integer"
+        back = _matrix_answer(dequantize_rows(q, s), rows, cols, "dequantize_rows")
         for i, (row, b) in enumerate(zip(wl, back)):
-            worst = max(abs(x - y) for x, y in zip(row, b)) - abs(s[i]) / 2
+            step = max(abs(v) for v in row) / 127  # the reference step, not the answer's
+            worst = max(abs(x - y) for x, y in zip(row, b)) - step / 2
             assert worst <= 1e-6 * max(abs(x) for x in row) + 1e-12, \
                 f"row {i} of a {rows} x {cols} matrix comes back {worst:.3g} further than half its step: round, do not truncate"
         check_int(row_int8_bytes(rows, cols), rows * cols + 4 * rows, what=f"bytes of a {rows} x {cols} matrix in per-row INT8",
@@ -1433,23 +1593,27 @@ def check_row_int8(quantize_rows: Callable, dequantize_rows: Callable, row_int8_
 
 def _matrix_answer(got: Any, rows: int, cols: int, what: str) -> list[list[float]]:
     """An answer's matrix (a list of rows of numbers) as floats, or AssertionError saying what is wrong."""
-    import math
-
     if not isinstance(got, (list, tuple)) or len(got) != rows:
         raise AssertionError(f"{what}: return a list of {rows} rows, got {type(got).__name__}"
                              + (f" of {len(got)}" if isinstance(got, (list, tuple)) else ""))
-    out = []
-    for row in got:
-        if not isinstance(row, (list, tuple)) or len(row) != cols:
-            raise AssertionError(f"{what}: every row must hold {cols} numbers")
-        try:
-            vals = [float(v) for v in row]
-        except (TypeError, ValueError):
-            raise AssertionError(f"{what}: rows must hold numbers (plain floats; call .tolist() on a tensor)") from None
-        if not all(math.isfinite(v) for v in vals):
-            raise AssertionError(f"{what}: a value is inf or nan")
-        out.append(vals)
-    return out
+    if any(not isinstance(row, (list, tuple)) or len(row) != cols for row in got):
+        raise AssertionError(f"{what}: every row must hold {cols} numbers")
+    return [_vector_answer(row, cols, what) for row in got]
+
+
+def _vector_answer(got: Any, n: int, what: str) -> list[float]:
+    """An answer's list of n finite numbers as floats, or AssertionError saying what is wrong."""
+    import math
+
+    if not isinstance(got, (list, tuple)) or len(got) != n:
+        raise AssertionError(f"{what}: return a list of {n} numbers")
+    try:
+        vals = [float(v) for v in got]
+    except (TypeError, ValueError):
+        raise AssertionError(f"{what}: must hold numbers (plain floats; call .tolist() on a tensor)") from None
+    if not all(math.isfinite(v) for v in vals):
+        raise AssertionError(f"{what}: a value is inf or nan")
+    return vals
 
 
 def _far(a: list[list[float]], b: list[list[float]], tol: float) -> float:
