@@ -71,16 +71,16 @@ def plain(x):
     t = type(x)
     for base, read in ((int, int.__int__), (float, float.__float__), (str, str.__str__),
                        (list, lambda v: list(list.__iter__(v))), (tuple, lambda v: tuple(tuple.__iter__(v))),
-                       (dict, lambda v: dict(dict.items(v))), (frozenset, lambda v: list(frozenset.__iter__(v))),
-                       (set, lambda v: list(set.__iter__(v)))):
-        if isinstance(x, base) and t is not bool:
+                       (dict, lambda v: dict(dict.items(v))), (frozenset, lambda v: frozenset(frozenset.__iter__(v))),
+                       (set, lambda v: set(set.__iter__(v)))):
+        if isinstance(x, base) and t is not base and t is not bool:  # (a built-in itself: too large to send)
             return base, read(x)
     if getattr(t, "__module__", None) == "numpy":
         if t.__name__ == "ndarray" and x.size <= 100_000:
             return list, x.tolist()
         if hasattr(t, "item") and getattr(x, "shape", None) == ():
             v = x.item()
-            if type(v) in (bool, int, float, complex, str) or v is None:
+            if type(v) in (bool, int, float, str) or v is None:  # (a complex stays a reference)
                 return type(v), v
     return None
 
@@ -106,24 +106,13 @@ def encode(x, refs, depth=0):
         as_plain = plain(x) if depth < 32 else None
     except Exception:  # noqa: BLE001 - an object whose reading fails is handed over as a reference
         as_plain = None
-    if as_plain is not None and type(as_plain[1]) is not complex:
-        base, v = as_plain
-        if base in (set, frozenset):
-            return encode(base(v), refs, depth + 1) if all(_hashable(i) for i in v) else {"$r": refs.add(x), "type": t.__name__}
-        return encode(v, refs, depth + 1)
+    if as_plain is not None:
+        return encode(as_plain[1], refs, depth + 1)
     ref = {"$r": refs.add(x), "type": t.__name__, "callable": callable(x)}
     name = getattr(x, "__name__", None) if isinstance(x, type) or callable(x) else None
     if type(name) is str:
         ref["name"] = name
     return ref
-
-
-def _hashable(v):
-    try:
-        hash(v)
-        return True
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def decode(x, refs):

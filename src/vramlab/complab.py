@@ -96,10 +96,13 @@ def build(spec: ModelSpec, seed: int = 0) -> torch.nn.Module:
     return build_model(spec)
 
 
+COSINE_FLOOR = 0.02  # where `train(cosine=True)` ends: this fraction of its learning rate
+
+
 def train(model: torch.nn.Module, chain: Chain, *, steps: int, batch: int = 16, lr: float = 3e-3,
           loss_fn: Callable | None = None, progress=None, label: str = "", cosine: bool = False) -> list[float]:
     """AdamW on fresh samples of the chain; `loss_fn(model, x)` replaces the LM loss (distillation).
-    `cosine`: a linear warm-up over the first 10 % of the steps, then a cosine decay to 2 % of `lr`
+    `cosine`: a linear warm-up over the first 10 % of the steps, then a cosine decay to COSINE_FLOOR of `lr`
     (what lets a model settle at the bottom in few steps); else a constant `lr`."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -109,7 +112,7 @@ def train(model: torch.nn.Module, chain: Chain, *, steps: int, batch: int = 16, 
         if cosine:
             f = min(1.0, (i + 1) / max(1, steps // 10)) * 0.5 * (1 + math.cos(math.pi * i / steps))
             for g in opt.param_groups:
-                g["lr"] = lr * max(f, 0.02)
+                g["lr"] = lr * max(f, COSINE_FLOOR)
         x = chain.sample(batch)
         loss = loss_fn(model, x) if loss_fn else model(input_ids=x, labels=x).loss
         loss.backward()
@@ -129,7 +132,7 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor) -> float:
 
 
 TEACHER_BATCH, TEACHER_LR = 32, 5e-3
-RECOVER_LR = 0.02 * TEACHER_LR  # the rate the teacher's schedule ends at: further training of a settled model
+RECOVER_LR = COSINE_FLOOR * TEACHER_LR  # the rate the teacher's schedule ends at: further training of a settled model
 
 
 def train_teacher(steps: int = 250, progress=None) -> tuple[torch.nn.Module, Chain]:

@@ -162,14 +162,22 @@ def _deal(out: str, secrets_: list) -> None:
             json.dump(data, fh)
 
 
+def _fresh_generator():
+    """A torch generator seeded from the OS afresh for every grading: what it draws for the ranks,
+    no answer can know or reproduce."""
+    import secrets
+
+    import torch
+
+    return torch.Generator().manual_seed(secrets.randbits(62))
+
+
 def _ring_inputs(world: int, numel: int) -> list[list[float]]:
     """Each rank's numbers: random integers (exact in float64 whatever the order of the additions),
     drawn afresh for every grading, so that no rank can know another's without receiving it."""
-    import random
-    import secrets
+    import torch
 
-    rng = random.Random(secrets.randbits(64))
-    return [[float(rng.randint(-2**20, 2**20)) for _ in range(numel)] for _ in range(world)]
+    return torch.randint(-2**20, 2**20 + 1, (world, numel), generator=_fresh_generator()).double().tolist()
 
 
 def _ring_problem(report: Any, rank: int, world: int, numel: int, inputs: list[list[float]]) -> str | None:
@@ -645,15 +653,13 @@ def _case(case, rank, world):
 '''
 
 
-def _tp_reference(b: int, s: int, h: int, f: int, world: int, seed: int | None = None) -> dict:
-    """What every rank should see, computed here from data drawn here (afresh for every grading
-    unless `seed`): the unsplit MLP and its gradients, each rank's partial output and partial input
-    gradient (float64), and what each rank is dealt ("dealt": its weight shards, t and u, x and dy)."""
-    import secrets
-
+def _tp_reference(b: int, s: int, h: int, f: int, world: int) -> dict:
+    """What every rank should see, computed here from data drawn here (afresh for every grading):
+    the unsplit MLP and its gradients, each rank's partial output and partial input gradient
+    (float64), and what each rank is dealt ("dealt": its weight shards, t and u, x and dy)."""
     import torch
 
-    g = torch.Generator().manual_seed(secrets.randbits(62) if seed is None else seed)
+    g = _fresh_generator()
     x, w1, w2, dy = (torch.randn(*shape, generator=g, dtype=torch.float64)
                      for shape in ((b, s, h), (h, f), (f, h), (b, s, h)))
     tu = [tuple(torch.randn(b, s, h, generator=g, dtype=torch.float64) for _ in range(2)) for _ in range(world)]
@@ -837,13 +843,11 @@ def _mlp_body(body: str, name: str) -> str:
             .replace("%LR%", repr(DDP_LR)).replace("%STEPS%", str(DDP_STEPS)) + body.replace("%NAME%", name))
 
 
-def _mlp_reference(world: int, steps: int, *, update: bool, seed: int | None = None) -> dict:
+def _mlp_reference(world: int, steps: int, *, update: bool) -> dict:
     """The harness's MLP computed here with plain tensors: per step, one process's gradients on the
     whole batch (the mean loss) and each rank's own gradients on its slice; parameters updated with
     SGD (lr DDP_LR) on one process's gradients if `update`. The batches are drawn here, afresh for
-    every grading unless `seed`; "dealt" holds each rank's slices (all a rank is given)."""
-    import secrets
-
+    every grading; "dealt" holds each rank's slices (all a rank is given)."""
     import torch
 
     g = torch.Generator().manual_seed(11)
@@ -864,7 +868,7 @@ def _mlp_reference(world: int, steps: int, *, update: bool, seed: int | None = N
         return [p.grad for p in ps]
 
     out, dealt = [], [{"x": [], "y": []} for _ in range(world)]
-    gen = torch.Generator().manual_seed(secrets.randbits(62) if seed is None else seed)
+    gen = _fresh_generator()
     for step in range(steps):
         x = torch.randn(DDP_BATCH, DDP_DIMS[0], generator=gen, dtype=torch.float64)
         y = torch.randn(DDP_BATCH, DDP_DIMS[-1], generator=gen, dtype=torch.float64)
@@ -1128,14 +1132,12 @@ def _case(case, rank, world):
 ZERO1_HYPER = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
-def _zero1_grads(numel: int, steps: int, world: int, seed: int | None = None) -> list:
+def _zero1_grads(numel: int, steps: int, world: int) -> list:
     """Every rank's gradients at every step ([rank][step] -> numel floats), drawn afresh for every
-    grading unless `seed`: each rank is dealt only its own, so the average needs the others'."""
-    import secrets
-
+    grading: each rank is dealt only its own, so the average needs the others'."""
     import torch
 
-    g = torch.Generator().manual_seed(secrets.randbits(62) if seed is None else seed)
+    g = _fresh_generator()
     return [[torch.randn(numel, generator=g, dtype=torch.float64).tolist() for _ in range(steps)] for _ in range(world)]
 
 
