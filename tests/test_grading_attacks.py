@@ -593,17 +593,16 @@ def test_zero1_ranks_cannot_average_gradients_they_were_not_given():
 def test_ranks_get_the_workers_limits_and_the_graders_timeout():
     """Issue 28: labs 2-4's ranks ran without the answer worker's limits, their output was read whole
     into the grader's memory, and their 60 s ignored --timeout. A ring that prints without end now
-    fills at most a 64 MiB file of which the grader reads the tail (the exercise scores 0, the grader
-    lives), and a correct ring slower than the check's own 60 s scores full marks under --timeout 150."""
+    fills at most a 64 MiB file of which the grader reads the tail (the exercise scores 0 with a
+    reason, the grader lives; no wall-clock bound is asserted), and a correct ring slower than the check's own 60 s scores full marks under --timeout 150."""
     nb2, sols = _source_solutions("lab02_collectives")
     ring = sols["ex3-solution"]
     loud = ring.replace("def ring_all_reduce(tensor, rank, world_size):",
                         "def ring_all_reduce(tensor, rank, world_size):\n    import sys\n"
                         "    while True:\n        sys.stdout.write('x' * (1 << 20))\n", 1)
     assert loud != ring
-    t0 = time.monotonic()
     got = _graded("lab02_collectives", nb2, {"ex3-solution": loud})["ex3-test"]
-    assert got[0] == 0 and time.monotonic() - t0 < 240, got
+    assert got[0] == 0 and got[2], got  # no points, a reason, and the grader went on
     slow = ring.replace("def ring_all_reduce(tensor, rank, world_size):",
                         "def ring_all_reduce(tensor, rank, world_size):\n    import time\n"
                         "    if tensor.numel() == 8:\n        time.sleep(62)\n", 1)
