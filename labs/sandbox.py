@@ -27,11 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from answer_worker import MAX_FRAME  # the one bound on a message, both ways
-from vramlab.grading import ANSWER_PACKAGES
+from vramlab.grading import ANSWER_PACKAGES, sandbox_env
 
 LABS = Path(__file__).resolve().parent
 ROOT = LABS.parent
 WORKER = LABS / "answer_worker.py"
+# the interpreter, by a path without ".." (the sandbox holds its folder, not the folders around it)
+PYTHON = os.path.abspath(sys.executable)
 BLOCKED = ANSWER_PACKAGES  # vramlab's calculators, a real model's parameter count, ...: not for answers
 
 
@@ -84,50 +86,105 @@ def hidden_paths() -> list[Path]:
     return [p.resolve() for p in out if p.exists()]
 
 
+_UNPRIVILEGED = 65534  # "nobody": the answer's uid, in the sandbox (and on the host when the grader is root)
+
+
+def staged_paths() -> list[Path]:
+    """What the answer's process sees, read-only, of the machine: the system's programs, libraries
+    and /etc, and the Python installation the grader runs (its prefixes and package folders). Not
+    the checkout, not $HOME, not /tmp, not any other folder: the rest of the filesystem does not
+    exist in the sandbox."""
+    system = [Path(p) for p in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")]
+    python = [Path(p) for p in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix)]
+    python += [Path(p) for p in sys.path if p and "-packages" in p]
+    out = [p for p in system if p.is_symlink() or p.exists()]
+    return out + [p for p in _outermost(python) if not any(p == s or s in p.parents for s in system)]
+
+
+def _stage_script(root_mode: bool) -> str:
+    """The shell script that builds the sandbox's filesystem and starts the command in it. It runs
+    with the privileges of new mount, PID, IPC and network namespaces (real root's when the grader
+    is root; a user namespace's otherwise), in the scratch directory, which is the only writable
+    folder the command will see. Steps: an empty tmpfs as the new root; each staged path bound
+    read-only at its own path (symbolic links such as /bin -> usr/bin recreated); the blocked
+    packages, and the checkout where a staged path holds it, replaced by empty folders; /dev with null, zero, full,
+    random and urandom and a private /dev/shm; a /proc of the new PID namespace; the scratch
+    directory; pivot_root into it and the old root detached (nothing else of the machine is left in
+    the namespace); the root made read-only; then the command runs as uid 65534 without
+    capabilities: on the host too when the grader is root (setpriv), in a nested user namespace
+    otherwise (so that the mounts above are locked and cannot be undone)."""
+    q = shlex.quote
+    lines = ["set -e", "export PATH=/usr/sbin:/usr/bin:/sbin:/bin:$PATH", 'S=$(pwd -P)', 'R="$S/.vramlab-root"',
+             'mkdir -p "$R"', 'mount -t tmpfs -o size=1m,mode=0755,nosuid,nodev vramlab-root "$R"']
+    for p in staged_paths():
+        if p.is_symlink():
+            lines.append(f'mkdir -p "$R"{q(str(p.parent))}; ln -s {q(os.readlink(p))} "$R"{q(str(p))}')
+            continue
+        p = p.resolve()
+        kept = [f for f in _mount_options(p).split(",") if f and f not in ("nosuid", "nodev")]  # (locked flags)
+        flags = ",".join(["ro", "nosuid", "nodev", *kept])
+        lines.append(f'mkdir -p "$R"{q(str(p))}; mount --bind {q(str(p))} "$R"{q(str(p))}; '
+                     f'mount -o remount,bind,{flags} "$R"{q(str(p))}')
+    staged = [p.resolve() for p in staged_paths() if not p.is_symlink()]
+    for p in [*hidden_paths(), ROOT]:
+        if any(p == s or s in p.parents for s in staged):
+            if p.is_dir():
+                lines.append(f'mount -t tmpfs -o size=16k,mode=0555 vramlab-hidden "$R"{q(str(p))}')
+            else:
+                lines.append(f'mount --bind /dev/null "$R"{q(str(p))}')
+    lines += ['mkdir -p "$R/dev/shm" "$R/proc" "$R/tmp" "$R$S"',
+              'for d in null zero full random urandom; do : > "$R/dev/$d"; mount --bind "/dev/$d" "$R/dev/$d"; done',
+              'mount -t tmpfs -o size=64m,mode=1777,nosuid,nodev vramlab-shm "$R/dev/shm"',
+              'mount --bind "$S" "$R$S"',
+              'mount -t proc -o nosuid,nodev,noexec proc "$R/proc"',
+              'cd "$R"; mkdir .old; pivot_root . .old; umount -l /.old; rmdir /.old',
+              'mount -o remount,bind,ro,nosuid,nodev /',
+              'cd "$S"']
+    if root_mode:
+        lines += [f'chown {_UNPRIVILEGED}:{_UNPRIVILEGED} "$S"',
+                  f'exec setpriv --reuid={_UNPRIVILEGED} --regid={_UNPRIVILEGED} --clear-groups --bounding-set=-all '
+                  '--inh-caps=-all --no-new-privs -- "$@"']
+    else:
+        lines.append(f'exec unshare --user --map-user={_UNPRIVILEGED} --map-group={_UNPRIVILEGED} --mount -- "$@"')
+    return "\n".join(lines)
+
+
 _PROBE: dict = {}
 
 
 def sandbox_prefix() -> tuple[list[str], str]:
-    """(command prefix, description). The prefix runs a command in new user, mount and PID
-    namespaces: the checkout and the Python installation read-only, the instructor material and the
-    blocked packages replaced by empty directories, and every process it starts killed with it.
+    """(command prefix, description). The prefix runs a command, in the directory it is started in
+    (its scratch directory), inside new mount, PID, IPC and network namespaces with a filesystem of
+    its own (`_stage_script`): read-only system and Python, nothing of the checkout, of $HOME or of
+    other users' files, the blocked packages replaced by empty folders, its own /proc, no network;
+    as uid 65534 without capabilities; every process it starts killed with it.
     Where namespaces cannot be made (some distributions forbid them to users), ([], why)."""
     if "result" in _PROBE:
         return _PROBE["result"]
-    unshare = shutil.which("unshare")
     if os.environ.get("VRAMLAB_GRADE_SANDBOX") == "off":
         _PROBE["result"] = ([], "no sandbox (VRAMLAB_GRADE_SANDBOX=off)")
         return _PROBE["result"]
-    if unshare is None or not sys.platform.startswith("linux"):
-        _PROBE["result"] = ([], "no sandbox (needs Linux's unshare)")
+    root_mode = os.geteuid() == 0
+    unshare = shutil.which("unshare")
+    needs = ["unshare", *(["setpriv"] if root_mode else [])]
+    missing = [n for n in needs if not shutil.which(n, path="/usr/sbin:/usr/bin:/sbin:/bin")]
+    if missing or unshare is None or not sys.platform.startswith("linux"):
+        _PROBE["result"] = ([], f"no sandbox (needs Linux's {' and '.join(needs)})")
         return _PROBE["result"]
-    script = ["set -e"]
     import tempfile
 
-    scratch = Path(tempfile.gettempdir()).resolve()
-    ro = [p for p in _outermost([ROOT, sys.prefix, sys.base_prefix, *[p for p in sys.path if "-packages" in p]])
-          if p != scratch and p not in scratch.parents]  # the scratch directories stay writable
-    for p in ro:
-        q = shlex.quote(str(p))
-        flags = _mount_options(p)
-        script.append(f"mount --bind {q} {q}; mount -o remount,bind,ro{',' + flags if flags else ''} {q}")
-    for p in hidden_paths():
-        q = shlex.quote(str(p))
-        if p.is_dir():
-            script.append(f"mount -t tmpfs -o size=16k,mode=0555 vramlab-hidden {q}")
-        else:
-            script.append(f"mount --bind /dev/null {q}")
-    script.append('exec "$@"')
-    prefix = [unshare, "--user", "--map-root-user", "--mount", "--pid", "--fork", "--kill-child",
-              "--propagation", "private", "--", "sh", "-c", "; ".join(script), "sandbox"]
+    namespaces = ["--mount", "--pid", "--ipc", "--net", "--fork", "--kill-child", "--propagation", "private"]
+    prefix = [unshare, *([] if root_mode else ["--user", "--map-root-user"]), *namespaces, "--",
+              "sh", "-c", _stage_script(root_mode), "sandbox"]
     try:
-        r = subprocess.run([*prefix, sys.executable, "-I", "-c", "open('/dev/null')"], capture_output=True,
-                           text=True, timeout=60)
+        with tempfile.TemporaryDirectory(prefix="vramlab-probe-") as cwd:
+            r = subprocess.run([*prefix, PYTHON, "-I", "-c", "import os; assert os.getuid() == %d" % _UNPRIVILEGED],
+                               capture_output=True, text=True, timeout=60, cwd=cwd, env=sandbox_env(cwd))
         ok, why = r.returncode == 0, (r.stderr.strip().splitlines() or ["failed"])[-1]
     except (OSError, subprocess.TimeoutExpired) as e:
         ok, why = False, str(e)
-    _PROBE["result"] = (prefix, "sandbox: read-only checkout and Python, no instructor files, own PID namespace") \
-        if ok else ([], f"no sandbox (namespaces unavailable: {why[:160]})")
+    _PROBE["result"] = (prefix, "sandbox: own read-only filesystem without the course, uid 65534, own PID, IPC "
+                                "and network namespaces") if ok else ([], f"no sandbox (namespaces unavailable: {why[:160]})")
     return _PROBE["result"]
 
 
@@ -235,12 +292,14 @@ class Worker:
         from vramlab.grading import go_between
 
         between = [] if prefix else go_between((req_r, resp_w))
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([*prefix, *between, sys.executable, "-I", str(script), str(req_r), str(resp_w)],
+        # the grader keeps its own descriptor of the output file and reads through it (the answer may
+        # replace the name with a link to a file only the grader can read)
+        self._log = open(self.log, "wb+")
+        with contextlib.nullcontext(self._log) as log:
+            self.proc = subprocess.Popen([*prefix, *between, PYTHON, "-I", str(script), str(req_r), str(resp_w)],
                                          cwd=scratch, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          pass_fds=(req_r, resp_w), start_new_session=True,
-                                         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": scratch,
-                                              "OMP_NUM_THREADS": "1", "TMPDIR": scratch})
+                                         env=sandbox_env(scratch))
         os.close(req_r)
         os.close(resp_w)
         self._send({"cells": cells, "block": list(BLOCKED), "preamble": preamble, "memory_bytes": memory_bytes})
@@ -293,7 +352,8 @@ class Worker:
             code = None
         tail = ""
         try:
-            lines = self.log.read_bytes()[-2000:].decode(errors="replace").strip().splitlines()
+            size = os.fstat(self._log.fileno()).st_size
+            lines = os.pread(self._log.fileno(), 2000, max(0, size - 2000)).decode(errors="replace").strip().splitlines()
             tail = f" (its last output: {lines[-1][:200]})" if lines else ""
         except OSError:
             pass
@@ -312,6 +372,7 @@ class Worker:
                 pass
         self.req_w = self.resp_r = -1
         kill_group(self.proc.pid)
+        self._log.close()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

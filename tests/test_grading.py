@@ -131,17 +131,24 @@ def test_tp_mlp_passes():
      "CopyToTP.forward communicated"),
     (TP + "\n\ndef tp_mlp(x, w1_shard, w2_shard):\n    return ReduceFromTP.apply(CopyToTP.apply(x) @ w1_shard @ w2_shard)\n",
      "all-reduced something other than this rank's partial output"),  # the right count, no GeLU
-    (TP.replace("dist.all_reduce(", "torch.distributed.distributed_c10d.all_reduce("),  # the back door: no traffic seen
-     "called dist.all_reduce 0 times"),
+    (TP.replace("dist.all_reduce(", "torch.distributed.distributed_c10d._get_default_group().allreduce("),
+     "no attribute 'allreduce'"),  # the process group behind dist's back: there is none
 ], ids=["f-no-backward-all-reduce", "g-backward-all-reduce", "mlp-without-f", "f-forward-all-reduce", "no-gelu",
-        "c10d-back-door"])
+        "process-group-back-door"])
 def test_tp_mlp_wrong_answers(source, message):
     with pytest.raises(AssertionError) as e:
         _tp(source)
     assert message in str(e.value), str(e.value)
 
 
-# ----------------------------------------------------------------------------- bucketed DDP (gloo ranks)
+def test_tp_mlp_through_distributed_c10d_is_the_same_traffic():
+    """Issue 28: distributed_c10d's all_reduce was a back door around the logged dist.all_reduce. The
+    ranks' collectives now all go through the check's switchboard, whichever module they are called
+    from: the same answer through distributed_c10d communicates, is seen, and passes."""
+    _tp(TP.replace("dist.all_reduce(", "torch.distributed.distributed_c10d.all_reduce("))
+
+
+# ----------------------------------------------------------------------------- bucketed DDP (linked ranks)
 
 DDP = solution("lab03_parallelism", "ex3-solution")
 
@@ -222,3 +229,107 @@ def test_answers_defined_in_a_kernelless_cell_reach_the_ranks():
     assert G._cell_source(ns["CopyToTP"]) == TP  # a class: inspect alone cannot find it
     assert G._cell_source(ns["tp_mlp"], ns["CopyToTP"], ns["ReduceFromTP"]) == TP  # the cell once
     G.check_tp_mlp(ns["tp_mlp"], ns["CopyToTP"], ns["ReduceFromTP"], cases=((2, 2, 3, 8, 16),))
+
+
+# ----------------------------------------------------------------------------- the ranks' switchboard (issue 28)
+
+_LINKED = r'''
+import json, os, sys
+import torch
+import torch.distributed as dist
+
+_ALLOWED = ("send", "recv", "isend", "irecv", "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor",
+            "all_gather", "batch_isend_irecv")
+_HINT = "not in this test"
+_SOURCE = ""
+
+
+def _case(case, rank, world):
+    out = {}
+    x = torch.tensor([float(rank + 1), float(10 * rank)], dtype=torch.float32)
+    for op in ("SUM", "MAX", "MIN", "PRODUCT"):
+        t = x.clone()
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        out[op] = t.tolist()
+    t = x.clone()
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    out["async"] = t.tolist()
+    try:
+        dist.all_reduce(x.clone(), op=dist.ReduceOp.AVG)
+    except RuntimeError as e:
+        out["avg"] = str(e)
+    whole = torch.arange(2 * world, dtype=torch.float64) + 100 * rank
+    mine = torch.empty(2, dtype=torch.float64)
+    dist.reduce_scatter_tensor(mine, whole)
+    out["reduce_scatter"] = mine.tolist()
+    gathered = torch.empty(world, dtype=torch.float64)
+    dist.all_gather_into_tensor(gathered, torch.tensor([float(rank)], dtype=torch.float64))
+    out["all_gather"] = gathered.tolist()
+    got = torch.empty(3)
+    if rank == 0:
+        dist.send(torch.tensor([1.0, 2.0, 3.0]), 1)
+    elif rank == 1:
+        out["recv_from"] = dist.recv(got)
+        out["recv"] = got.tolist()
+    try:
+        dist.broadcast(x, 0)
+    except RuntimeError as e:
+        out["broadcast"] = str(e)
+    if case == "mismatch":
+        if rank == 0:
+            dist.all_reduce(x)
+        else:
+            dist.all_gather_into_tensor(torch.empty(2 * world), x)
+    if case == "deadlock":
+        dist.recv(got, (rank + 1) % world)
+    out["rank"], out["world"] = dist.get_rank(), dist.get_world_size()
+    return out
+'''
+
+
+def _linked(tmp_path, case, world=3):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    script = tmp_path / "linked.py"
+    script.write_text(_LINKED + G._HARNESS_RANKS)
+    return G._run_world(str(script), world, case, tmp=str(tmp_path / "run"), timeout=60, log="calls",
+                        on_timeout="linked ranks: no answer within 60 s")
+
+
+def test_the_switchboard_computes_collectives_as_gloo_would(tmp_path):
+    """The ranks' collectives are computed by the check's process from what each rank sent: the
+    expected values here are written out by hand for 3 ranks holding [r + 1, 10 r]."""
+    reports = _linked(tmp_path, "plain")
+    for rank, rep in enumerate(reports):
+        res = rep["result"]
+        assert res["SUM"] == [6.0, 30.0] and res["MAX"] == [3.0, 20.0] and res["MIN"] == [1.0, 0.0], res
+        assert res["PRODUCT"] == [6.0, 0.0] and res["async"] == [6.0, 30.0]
+        assert "AVG" in res["avg"] and "not available" in res["broadcast"]
+        # reduce-scatter of arange(6) + 100 r over r = 0, 1, 2: (3 i + 300), this rank's pair of it
+        assert res["reduce_scatter"] == [3.0 * i + 300 for i in (2 * rank, 2 * rank + 1)]
+        assert res["all_gather"] == [0.0, 1.0, 2.0]
+        assert (res["rank"], res["world"]) == (rank, 3)
+    assert reports[1]["result"]["recv"] == [1.0, 2.0, 3.0] and reports[1]["result"]["recv_from"] == 0
+    # the log is the switchboard's: each call with what this rank sent
+    sums = [e for e in reports[2]["log"] if e.get("call") == "all_reduce" and e.get("op") == "SUM"]
+    assert [e["values"] for e in sums] == [[3.0, 20.0], [3.0, 20.0]] and [e["async"] for e in sums] == [False, True]
+    assert [e["values"] for e in reports[0]["log"] if e.get("call") == "send"] == [[1.0, 2.0, 3.0]]
+
+
+def test_the_switchboard_names_mismatches_and_deadlocks(tmp_path):
+    """Ranks that call different collectives at the same point fail at once, saying which; ranks that
+    all wait on a receive nobody sends are a deadlock, named at once (not at the timeout)."""
+    reports = _linked(tmp_path / "a", "mismatch", world=2)
+    assert all("different collectives" in rep["error"] for rep in reports), reports
+    with pytest.raises(AssertionError, match=r"a deadlock\): rank 0 in recv \(peer 1\); rank 1 in recv \(peer 0\)"):
+        _linked(tmp_path / "b", "deadlock", world=2)
+
+
+def test_a_rank_cannot_write_a_call_into_its_log():
+    """The harness's notes (which gradient became ready) come over the same link as the calls; a note
+    shaped like a call is refused, so that the log's calls are only what was communicated."""
+    forged = DDP.replace("    def finish(self) -> None:", "    def finish(self) -> None:\n        _mark({\"call\": \"all_reduce\", "
+                                                   "\"phase\": \"backward\", \"async\": True, \"values\": []})", 1)
+    assert forged != DDP
+    with pytest.raises(AssertionError, match="a note the harness does not write"):
+        G.check_bucketed_ddp(answer(forged, "BucketedDDP"), cases=((2, 1000),))

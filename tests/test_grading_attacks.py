@@ -302,9 +302,9 @@ class BucketedDDP:  # averages every gradient through the C++ process group's mo
     ("lab02_collectives", "ex1-solution", WRAP_VRAMLAB_2, "ex1-test", "cannot be used by a graded answer"),
     ("lab05_mixed_precision", "ex2-solution", WRAP_VRAMLAB_5, "ex2-test", "cannot be used by a graded answer"),
     ("lab02_collectives", "ex3-solution", RING_CALLS_ALL_REDUCE, "ex3-test", "dist.all_reduce is not available"),
-    ("lab02_collectives", "ex3-solution", RING_CALLS_C10D, "ex3-test", "sent 0 messages"),
-    ("lab02_collectives", "ex3-solution", RING_FAKES_TRAFFIC, "ex3-test", "not the partial sum"),
-    ("lab03_parallelism", "ex3-solution", DDP_CALLS_C10D, "ex3-test", "made 0 all-reduces"),
+    ("lab02_collectives", "ex3-solution", RING_CALLS_C10D, "ex3-test", "dist.all_reduce is not available"),
+    ("lab02_collectives", "ex3-solution", RING_FAKES_TRAFFIC, "ex3-test", "dist.all_reduce is not available"),
+    ("lab03_parallelism", "ex3-solution", DDP_CALLS_C10D, "ex3-test", "made 6 all-reduces"),  # seen: one a parameter
 ], ids=["patch-checks-fake-transformers-hooks", "lying-int", "wrap-collectives", "wrap-precision",
         "ring-calls-all_reduce", "ring-default-arg-c10d", "ring-fakes-traffic", "ddp-c10d-back-door"])
 def test_answers_cannot_reach_the_checks_or_the_package(lab, gid, code, test, reason):
@@ -474,7 +474,7 @@ RING_WITHOUT_TRAFFIC = {
     "the old harness's data, a forged log": '''def ring_all_reduce(tensor, rank, world_size):
     import torch
     n, w = tensor.numel(), world_size
-    log = globals()["_LOG"]
+    log = globals().get("_LOG", [])  # (the log is no longer the rank's: this forges nothing)
     chunks = torch.tensor_split(torch.arange(n), w)
     for step in range(2 * (w - 1)):  # forge a ring's traffic: partial sums of the old deterministic data
         ranks = [(rank - j) % w for j in range(min(step, w - 1) + 1)] if step < w - 1 else range(w)
@@ -663,3 +663,214 @@ def test_an_answer_that_kills_its_parent_does_not_kill_the_grader(tmp_path, sand
     # it killed is all it ended); either way the grader is alive and the exercises above keep theirs
     assert scores["stream-test"][0] == 0 and scores["stream-test"][2] or scores["stream-test"][0] == 3, scores
     assert all(v[0] == v[1] > 0 for k, v in scores.items() if k != "stream-test"), scores
+
+
+# --- issue 28: the sandbox holds nothing but what grading needs ---
+
+SANDBOX_PROBE = '''
+import ctypes, glob, json, os, socket, subprocess, sys
+_found = []
+for _p in {reads!r}:
+    try:
+        with open(_p, "rb") as _f:
+            _f.read(1)
+        _found.append("read " + _p)
+    except OSError:
+        pass
+try:
+    if subprocess.run(["git", "--git-dir", {git!r}, "show", "HEAD:" + {instructor!r}], capture_output=True).returncode == 0:
+        _found.append("git show")
+except OSError:
+    pass
+for _d in glob.glob(sys.prefix + "/lib/python*/site-packages/vramlab*.dist-info/direct_url.json"):
+    try:
+        _url = json.load(open(_d)).get("url", "")
+        if _url.startswith("file://") and os.path.exists(_url[7:] + "/src/vramlab/grading.py"):
+            _found.append("the editable source through " + _d)
+    except (OSError, ValueError):
+        pass
+try:
+    _extra = sorted(set(os.listdir({root!r})) - set({allowed!r}))
+    if _extra:
+        _found.append("the checkout: " + ", ".join(_extra))
+except OSError:
+    pass
+for _p in {writes!r}:
+    try:
+        open(_p, "a").close()
+        _found.append("wrote " + _p)
+    except OSError:
+        pass
+if os.getuid() != 65534:
+    _found.append(f"uid {{os.getuid()}}")
+_caps = [l for l in open("/proc/self/status") if l.startswith("CapEff")]
+if not _caps or int(_caps[0].split()[1], 16):
+    _found.append("capabilities " + "".join(_caps).strip())
+for _pid in [d for d in os.listdir("/proc") if d.isdigit()]:
+    try:
+        if b"pytest" in open(f"/proc/{{_pid}}/cmdline", "rb").read():
+            _found.append("the grader's process " + _pid)
+    except OSError:
+        pass
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=2).close()
+    _found.append("the host's network")
+except OSError:
+    pass
+_libc = ctypes.CDLL(None, use_errno=True)  # a process that can mount can also undo the sandbox's mounts
+os.makedirs("mount-probe", exist_ok=True)
+if _libc.mount(b"none", b"mount-probe", b"tmpfs", 0, None) == 0:
+    _libc.umount2(b"mount-probe", 2)
+    _found.append("mounts")
+if _found:
+    raise SystemExit("reachable: " + "; ".join(_found))
+'''
+
+
+@pytest.mark.skipif(not _sandbox_works(), reason="no user namespaces on this machine")
+def test_the_sandbox_holds_nothing_but_what_grading_needs(tmp_path):
+    """Issue 28: the answer's process sees a filesystem of its own: the checkout's .git (git show
+    HEAD:labs/source/...), its labs/ and src/, the editable install's source path, another checkout on
+    the machine, the grader's home: none exists there. It runs as uid 65534 without capabilities
+    (it cannot undo the sandbox's mounts), with its own /proc (not the grader's command line) and no
+    network but its own loopback (not the host's 127.0.0.1); it can write nowhere but its scratch
+    directory (not /tmp, /etc, the Python installation or a sitecustomize.py on the grader's path)."""
+    import socket
+
+    import sandbox
+
+    other = tmp_path / "other-checkout" / "labs" / "source"
+    other.mkdir(parents=True)
+    (other / "answers.md").write_text("the answers")
+    site = next(p for p in sys.path if p.endswith("-packages"))
+    staged = [p.resolve() for p in sandbox.staged_paths()]
+    allowed = sorted({p.relative_to(ROOT).parts[0] for p in staged if ROOT in p.parents})
+    writes = [str(tmp_path / "written"), "/tmp/vramlab-sandbox-probe", "/etc/vramlab-sandbox-probe",
+              str(Path(site) / "sitecustomize.py"), str(Path(sys.prefix) / "vramlab-sandbox-probe"),
+              str(ROOT / "src" / "vramlab-sandbox-probe"), "/vramlab-sandbox-probe"]
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    try:
+        probe = solutions()["ex1-solution"] + SANDBOX_PROBE.format(
+            reads=[str(ROOT / ".git" / "HEAD"), str(INSTRUCTOR_SOURCE), str(ROOT / "src" / "vramlab" / "grading.py"),
+                   str(ROOT / "labs" / "tools.py"), str(other / "answers.md"), str(Path.home() / ".bashrc")],
+            git=str(ROOT / ".git"), instructor=f"labs/source/{LAB}/{LAB}.md", root=str(ROOT), allowed=allowed,
+            writes=writes, port=listener.getsockname()[1])
+        scores = _graded_with(LAB, "ex1-solution", probe, sandbox=True)
+    finally:
+        listener.close()
+    assert tools.total(scores) == (9, 9), scores["ex1-test"]
+    assert not [w for w in writes if Path(w).exists()]
+
+
+def test_the_grader_does_not_follow_links_an_answer_leaves(tmp_path):
+    """Issue 28: an answer that replaces its output file with a link to a file only the grader can
+    read, then ends its process: the grader reads its own descriptor, and the reason it reports
+    holds the answer's last output, never the linked file."""
+    secret = tmp_path / "grader-only.txt"
+    secret.write_text("GRADER-ONLY-" + "x" * 20)
+    secret.chmod(0o600)
+    code = solutions()["ex1-solution"] + (
+        f"\nimport os\nprint('last words', flush=True)\nos.remove('answer-output.txt')\n"
+        f"os.symlink({str(secret)!r}, 'answer-output.txt')\nos._exit(3)\n")
+    scores = _graded_with(LAB, "ex1-solution", code)
+    assert scores["ex1-test"][0] == 0 and "exit code 3" in scores["ex1-test"][2], scores["ex1-test"]
+    assert "GRADER-ONLY" not in json.dumps(scores) and "last words" in scores["ex1-test"][2]
+
+
+def test_the_grader_reads_rank_reports_only_as_regular_files(tmp_path):
+    """Issue 28: a report a rank could have replaced is read without following a link (to a file only
+    the grader may read), without blocking on a FIFO and without reading more than its bound."""
+    from vramlab.grading import _read_regular
+
+    secret = tmp_path / "secret"
+    secret.write_text('{"grader": "only"}')
+    (tmp_path / "link").symlink_to(secret)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "big").write_bytes(b"1" * 1001)
+    (tmp_path / "ok").write_text("[1]")
+    for name in ("link", "fifo"):
+        with pytest.raises(OSError):
+            _read_regular(str(tmp_path / name), 1000)
+    with pytest.raises(ValueError):
+        _read_regular(str(tmp_path / "big"), 1000)
+    assert _read_regular(str(tmp_path / "ok"), 1000) == b"[1]"
+
+
+RING_THROUGH_ANOTHER_CHANNEL = '''
+import json, os, socket, time
+import torch
+import torch.distributed as dist
+
+
+def _share(rank, world_size, mine):
+    """Every rank's numbers, through shared files or the loopback network, behind the check's back."""
+    places = ["..", "../..", "/tmp", "/dev/shm", os.path.expanduser("~")]
+    for d in places:
+        try:
+            with open(f"{d}/vramlab-share-{rank}.json", "w") as fh:
+                json.dump(mine, fh)
+        except OSError:
+            pass
+    server = None
+    try:
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 47100 + rank))
+        server.listen()
+        server.settimeout(0.05)
+    except OSError:
+        server = None
+    known, t0 = {rank: mine}, time.time()
+    while len(known) < world_size and time.time() - t0 < 8:
+        for r in range(world_size):
+            for d in places:
+                try:
+                    with open(f"{d}/vramlab-share-{r}.json") as fh:
+                        known[r] = json.load(fh)
+                except (OSError, ValueError):
+                    pass
+            try:
+                with socket.create_connection(("127.0.0.1", 47100 + r), timeout=0.05) as c:
+                    c.sendall(json.dumps([rank, mine]).encode())
+            except OSError:
+                pass
+        if server is not None:
+            try:
+                conn, _ = server.accept()
+                r, values = json.loads(conn.recv(1 << 20))
+                known[r] = values
+            except (OSError, ValueError):
+                pass
+        time.sleep(0.05)
+    if len(known) < world_size:
+        raise RuntimeError(f"no other channel: rank {rank} learned {len(known) - 1} other ranks' numbers")
+    return known
+
+
+def ring_all_reduce(tensor, rank, world_size):
+    known = _share(rank, world_size, tensor.tolist())
+    chunks = list(torch.arange(len(tensor)).tensor_split(world_size))
+    data = torch.tensor([known[r] for r in range(world_size)], dtype=tensor.dtype)
+    nxt, prv = (rank + 1) % world_size, (rank - 1) % world_size
+    for step in range(2 * (world_size - 1)):  # the messages a ring would send, computed from every rank's numbers
+        k = (rank - step) % world_size if step < world_size - 1 else (rank + 1 - (step - world_size + 1)) % world_size
+        held = [(rank - j) % world_size for j in range(min(step, world_size - 1) + 1)] if step < world_size - 1 else list(range(world_size))
+        out = data[held][:, chunks[k]].sum(0)
+        req = dist.isend(out, nxt)
+        dist.recv(torch.empty(len(chunks[(k - 1) % world_size]), dtype=tensor.dtype), prv)
+        req.wait()
+    tensor.copy_(data.sum(0))
+'''
+
+
+@pytest.mark.skipif(not _sandbox_works(), reason="no user namespaces on this machine")
+def test_in_the_sandbox_ranks_have_no_channel_but_the_check():
+    """Issue 28: the ranks' traffic is what crossed the check's own socket; in the sandbox each rank
+    has its own folder, /tmp, /dev/shm and network, so a ring that first swaps every rank's numbers
+    through shared files or the loopback network (then sends the messages a ring would) learns
+    nothing: it scores 0, saying so."""
+    nb2, _ = _source_solutions("lab02_collectives")
+    got = _graded("lab02_collectives", nb2, {"ex3-solution": RING_THROUGH_ANOTHER_CHANNEL})["ex3-test"]
+    assert got[0] == 0 and "no other channel" in got[2], got

@@ -41,10 +41,10 @@ def diagnose_param_count(fn: Callable[..., int], cfg: dict[str, Any], expected: 
     return "count block by block: 2 layer norms, c_attn (h x 3h + 3h), c_proj (h x h + h), c_fc and c_proj of the MLP."
 
 
-# What runs the student's ring: its own processes (spawned from this script), where the answer's
-# packages cannot be imported and the ready-made collectives raise. Each rank logs what it sends
-# through dist.send/isend and writes its result and that log to a file; the process that called
-# check_ring_all_reduce (the grader, or the student's kernel when they check themselves) computes the
+# What runs the student's ring: one process a rank (this script), where the answer's packages cannot
+# be imported and the ready-made collectives raise. dist.send/isend/recv/irecv go through the link to
+# the process that called check_ring_all_reduce (the grader, or the student's kernel when they check
+# themselves: _Switchboard), which delivers them and logs what each rank sent; it computes the
 # expected sum itself and checks the result and the traffic: 2(n-1) messages to one neighbour, each
 # the partial sum a ring would hold at that step.
 # the packages whose functions answer the exercises: graded answers cannot import them (the ranks
@@ -59,27 +59,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_LOG = []
-
-
-def _logged(fn):
-    def send(tensor, dst=None, *args, **kwargs):
-        _LOG.append([int(dst) if dst is not None else -1, tensor.detach().flatten().tolist()])
-        return fn(tensor, dst, *args, **kwargs)
-    return send
-
-
-def _missing(name):
-    def collective(*args, **kwargs):
-        raise RuntimeError(f"dist.{{name}} is not available here: build the all-reduce from dist.send/isend and dist.recv/irecv")
-    return collective
-
-
-dist.send, dist.isend = _logged(dist.send), _logged(dist.isend)
-for _name in ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-              "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "all_gather_object",
-              "broadcast_object_list", "gather_object", "scatter_object_list", "all_reduce_coalesced"):
-    setattr(dist, _name, _missing(_name))
+# what the answer may call (the link below implements them); every other collective raises
+_ALLOWED = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+_HINT = "build the all-reduce from dist.send/isend and dist.recv/irecv"
 
 _SOURCE = {source!r}
 
@@ -92,12 +74,21 @@ def _case(numel, rank, world):
     return got.detach().flatten().tolist()
 """
 
-# What every harness ends with (appended unformatted): each rank runs the harness's _case(case, rank,
-# world) on a gloo group and writes its result, or the error it raised, and the traffic _LOG holds.
-# Arguments: ranks, the case as JSON, port, output prefix.
+# What every rank harness ends with (appended unformatted): torch.distributed's collectives replaced
+# by the link to the check's process (those the harness's _ALLOWED names; every other raises, with
+# _HINT), then the rank runs the harness's _case(case, rank, world) and sends its result, or the
+# error it raised, over the link. Arguments: rank, ranks, the case as JSON, the link's descriptor.
 _HARNESS_RANKS = r"""
 
+# --- the link: this rank's only way to the others (labs 2-4) ---
+# Every collective and message goes through the check's own process over one socket: that process
+# delivers it, computes the collectives' results and keeps the log of who sent what. Nothing here is
+# trusted: the answer runs in this process and could rewrite any of it; it cannot rewrite the log.
+import socket as _socket
+import struct as _struct
+
 _SECRET = None
+_LINK = {}
 
 
 def _private():
@@ -111,38 +102,220 @@ def _private():
         pass
 
 
-def _rank(rank, world, case, port, out):
+def _link_post(msg):
+    data = json.dumps(msg).encode()
+    _LINK["sock"].sendall(_struct.pack(">Q", len(data)) + data)
+
+
+def _link_read():
+    def exactly(n):
+        buf = b""
+        while len(buf) < n:
+            chunk = _LINK["sock"].recv(n - len(buf))
+            if not chunk:
+                raise RuntimeError("the check's process closed the link (it stopped this run)")
+            buf += chunk
+        return buf
+
+    return json.loads(exactly(_struct.unpack(">Q", exactly(8))[0]))
+
+
+def _link_wait(rid, what=None):
+    done = _LINK["done"]
+    if what and rid not in done:
+        _link_post({"t": "wait", "id": rid, "what": what})  # so that the check can tell a deadlock at once
+    while rid not in done:
+        msg = _link_read()
+        done[msg.get("id")] = msg
+    msg = done.pop(rid)
+    if msg.get("error"):
+        raise RuntimeError(msg["error"])
+    return msg
+
+
+class _Work:
+    def __init__(self, rid, fill=None, what=""):
+        self._rid, self._fill, self._done, self._what = rid, fill, False, what
+
+    def wait(self, timeout=None):
+        if not self._done:
+            msg = _link_wait(self._rid, self._what)
+            self._done = True
+            if self._fill is not None:
+                self._fill(msg)
+        return True
+
+    def is_completed(self):
+        return self._done
+
+    def result(self):
+        self.wait()
+        return []
+
+
+def _op_name(op):
+    name = getattr(op, "name", None) or str(op)
+    return str(name).rsplit(".", 1)[-1].upper()
+
+
+def _values(t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a tensor, got {type(t).__name__}")
+    return t.detach().flatten().tolist()
+
+
+def _copy_into(tensors, values):
+    flat = torch.tensor(values, dtype=torch.float64)
+    at = 0
+    for t in tensors:
+        n = t.numel()
+        with torch.no_grad():
+            t.copy_(flat[at:at + n].view(t.shape).to(t.dtype))
+        at += n
+
+
+def _issue(call, async_op, fill, **fields):
+    _LINK["next"] += 1
+    rid = _LINK["next"]
+    phase = globals().get("_PHASE")
+    _link_post({"t": "call", "id": rid, "call": call, "async": bool(async_op),
+                "phase": phase[0] if isinstance(phase, list) and phase else None, **fields})
+    peer = fields.get("peer")
+    work = _Work(rid, fill, f"the wait of its {call}" + (f" (peer {peer})" if peer is not None else ""))
+    if async_op:
+        return work
+    msg = _link_wait(rid)  # the check knows a blocking call waits
+    work._done = True
+    if fill is not None:
+        fill(msg)
+    return None
+
+
+def _send(tensor, dst=None, group=None, tag=0, group_dst=None):
+    _issue("send", False, None, peer=int(dst), tag=int(tag), values=_values(tensor), shape=list(tensor.shape))
+
+
+def _isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+    return _issue("isend", True, None, peer=int(dst), tag=int(tag), values=_values(tensor), shape=list(tensor.shape))
+
+
+def _recv_fill(tensor, box):
+    def fill(msg):
+        _copy_into([tensor], msg.get("values") or [])
+        box.append(msg.get("src"))
+    return fill
+
+
+def _recv(tensor, src=None, group=None, tag=0, group_src=None):
+    box = []
+    _issue("recv", False, _recv_fill(tensor, box), peer=None if src is None else int(src), tag=int(tag),
+           numel=tensor.numel(), shape=list(tensor.shape))
+    return box[0] if box else -1
+
+
+def _irecv(tensor, src=None, group=None, tag=0, group_src=None):
+    return _issue("irecv", True, _recv_fill(tensor, []), peer=None if src is None else int(src), tag=int(tag),
+                  numel=tensor.numel(), shape=list(tensor.shape))
+
+
+def _all_reduce(tensor, op=None, group=None, async_op=False):
+    return _issue("all_reduce", async_op, lambda m: _copy_into([tensor], m["values"]), op=_op_name(op or "SUM"),
+                  values=_values(tensor), shape=list(tensor.shape))
+
+
+def _reduce_scatter_tensor(output, input, op=None, group=None, async_op=False):
+    return _issue("reduce_scatter", async_op, lambda m: _copy_into([output], m["values"]), op=_op_name(op or "SUM"),
+                  values=_values(input), shape=list(input.shape), out_numel=output.numel())
+
+
+def _reduce_scatter(output, input_list, op=None, group=None, async_op=False):
+    values = [v for t in input_list for v in _values(t)]
+    return _issue("reduce_scatter", async_op, lambda m: _copy_into([output], m["values"]), op=_op_name(op or "SUM"),
+                  values=values, shape=[len(values)], out_numel=output.numel(), name="reduce_scatter")
+
+
+def _all_gather_into_tensor(output, input, group=None, async_op=False):
+    return _issue("all_gather", async_op, lambda m: _copy_into([output], m["values"]), values=_values(input),
+                  shape=list(input.shape), out_numel=output.numel(), name="all_gather_into_tensor")
+
+
+def _all_gather(tensor_list, tensor, group=None, async_op=False):
+    return _issue("all_gather", async_op, lambda m: _copy_into(list(tensor_list), m["values"]), values=_values(tensor),
+                  shape=list(tensor.shape), out_numel=sum(t.numel() for t in tensor_list), name="all_gather")
+
+
+def _barrier(group=None, async_op=False, device_ids=None):
+    return _issue("barrier", async_op, None)
+
+
+def _batch_isend_irecv(p2p_op_list):
+    return [op.op(op.tensor, op.peer, op.group, op.tag) for op in p2p_op_list]
+
+
+def _mark(entry):
+    # a note of the harness's for the log (which gradient became ready, where a step begins), kept in order
+    _link_post({"t": "mark", "entry": entry})
+
+
+def _missing(name):
+    def collective(*args, **kwargs):
+        raise RuntimeError(f"dist.{name} is not available here: " + _HINT)
+    return collective
+
+
+_IMPLEMENTED = {"send": _send, "isend": _isend, "recv": _recv, "irecv": _irecv, "all_reduce": _all_reduce,
+                "reduce_scatter_tensor": _reduce_scatter_tensor, "reduce_scatter_single": _reduce_scatter_tensor,
+                "reduce_scatter": _reduce_scatter, "all_gather_into_tensor": _all_gather_into_tensor,
+                "all_gather": _all_gather, "batch_isend_irecv": _batch_isend_irecv}
+_EVERY = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+          "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
+          "gather", "scatter", "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
+          "all_reduce_coalesced", "all_gather_coalesced", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+          "send_object_list", "recv_object_list", "monitored_barrier", "new_group", "new_subgroups",
+          "init_process_group", "init_device_mesh")
+
+
+def _install_link(rank, world, fd):
+    import torch.distributed.distributed_c10d as c10d
+
+    _LINK.update(sock=_socket.socket(fileno=fd), next=0, done={}, rank=rank, world=world)
+    for module in (dist, c10d):
+        for name in _EVERY:
+            setattr(module, name, _IMPLEMENTED[name] if name in _ALLOWED and name in _IMPLEMENTED else _missing(name))
+        module.get_rank = lambda group=None: rank
+        module.get_world_size = lambda group=None: world
+        module.is_initialized = lambda: True
+        module.get_backend = lambda group=None: "gloo"
+        module.barrier = _barrier
+        module.destroy_process_group = lambda group=None: None
+
+
+def _main():
     global _SECRET
     _private()
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    report = {"rank": rank}
-    # the data the grader dealt this rank alone (where the check deals any): read and deleted by every
-    # rank before any of the answer's code runs, anywhere (it runs only in the ranks, after this barrier)
+    rank, world, case, fd = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
+    _install_link(rank, world, fd)
+    # the data the grader dealt this rank alone (where the check deals any), in its own folder: read and
+    # deleted by every rank before any of the answer's code runs (it runs only after this barrier)
     try:
-        with open(f"{out}.secret.{rank}") as fh:
+        with open("secret.json") as fh:
             _SECRET = json.load(fh)
-        os.unlink(f"{out}.secret.{rank}")
+        os.unlink("secret.json")
     except FileNotFoundError:
         pass
-    torch.distributed.distributed_c10d.barrier()
+    _link_post({"t": "ready"})
+    _link_wait(0)
+    report = {"rank": rank}
     try:
         exec(compile(_SOURCE, "<answer>", "exec"), globals())
         report["result"] = _case(case, rank, world)
     except Exception as e:
         report["error"] = f"{type(e).__name__}: {e}"
-    report["log"] = _LOG
-    with open(f"{out}.{rank}", "w") as fh:
-        json.dump(report, fh)
-    dist.destroy_process_group()
+    _link_post({"t": "report", "report": report})
 
 
 if __name__ == "__main__":
-    world, case, port, out = int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    # forked ranks inherit the imported torch and start in about half the time of spawned ones (on
-    # Linux; macOS does not fork safely once torch is loaded). The answer's code is not run here.
-    mp.start_processes(_rank, args=(world, case, port, out), nprocs=world, join=True,
-                       start_method="fork" if sys.platform.startswith("linux") else "spawn")
+    _main()
 """
 
 # set by the grader (labs/sandbox.py): the command prefix that runs the ranks inside its sandbox
@@ -150,16 +323,6 @@ SANDBOX_PREFIX: list[str] = []
 # set by the grader too: the answer worker's limits, which the ranks get as well ("memory_bytes" of
 # data a process, "timeout" seconds for a check's ranks where the check's own limit is shorter)
 RANK_LIMITS: dict[str, float] = {}
-
-
-def _deal(out: str, secrets_: list) -> None:
-    """Give each rank its own data (read and deleted by the rank before any answer code runs): the
-    only way a rank learns another's is to communicate."""
-    import json
-
-    for rank, data in enumerate(secrets_):
-        with open(f"{out}.secret.{rank}", "w") as fh:
-            json.dump(data, fh)
 
 
 def _fresh_generator():
@@ -269,6 +432,40 @@ def _rank_limits() -> None:
                 pass
 
 
+def _read_regular(path: str, limit: int) -> bytes:
+    """A file an answer's process could have touched, read without trusting it: not through a
+    symbolic link (a rank could point its report at a file only the grader may read), not from a
+    FIFO or a device (a read that never ends), not more than `limit` bytes. OSError or ValueError
+    otherwise."""
+    import os
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{path} holds more than {limit} bytes")
+        return os.pread(fd, st.st_size, 0)
+    finally:
+        os.close(fd)
+
+
+def sandbox_env(scratch: str) -> dict[str, str]:
+    """The environment of what runs an answer in the sandbox (the answer's process, the ranks): a
+    search path, home and temporary files in its scratch directory, and nothing of the grader's."""
+    import os
+
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": scratch, "TMPDIR": scratch, "OMP_NUM_THREADS": "1"}
+
+
+def _rank_env(cwd: str) -> dict[str, str] | None:
+    """The ranks' environment: `sandbox_env` in the sandbox; without one (a student checking their
+    own answer), the caller's."""
+    return sandbox_env(cwd) if SANDBOX_PREFIX else None
+
+
 def _run_ranks(script: str, argv: list[str], *, cwd: str, timeout: float, on_timeout: str) -> str:
     """Run a harness script (which spawns its ranks) in the sandbox, in a process group of its own that
     is killed afterwards whatever happened: nothing is left holding a port for the next check. The
@@ -282,9 +479,10 @@ def _run_ranks(script: str, argv: list[str], *, cwd: str, timeout: float, on_tim
     import sys
 
     timeout = max(timeout, float(RANK_LIMITS.get("timeout") or 0))
-    with open(os.path.join(cwd, "ranks.out"), "wb") as out, open(os.path.join(cwd, "ranks.err"), "wb") as err_file:
-        proc = subprocess.Popen([*(SANDBOX_PREFIX or go_between()), sys.executable, "-I", script, *argv], stdout=out, stderr=err_file,
-                                start_new_session=True, cwd=cwd, preexec_fn=_rank_limits)
+    with open(os.path.join(cwd, "ranks.out"), "wb") as out, open(os.path.join(cwd, "ranks.err"), "wb+") as err_file:
+        proc = subprocess.Popen([*(SANDBOX_PREFIX or go_between()), os.path.abspath(sys.executable), "-I", script, *argv],
+                                stdout=out, stderr=err_file, start_new_session=True, cwd=cwd, env=_rank_env(cwd),
+                                preexec_fn=_rank_limits)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -296,30 +494,364 @@ def _run_ranks(script: str, argv: list[str], *, cwd: str, timeout: float, on_tim
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError, OSError):
                 pass
-    with open(os.path.join(cwd, "ranks.err"), "rb") as fh:
-        fh.seek(max(0, os.path.getsize(fh.name) - (64 << 10)))
-        return fh.read().decode(errors="replace")
+        size = os.fstat(err_file.fileno()).st_size  # read through the grader's own descriptor, not the name
+        start = max(0, size - (64 << 10))
+        return os.pread(err_file.fileno(), size - start, start).decode(errors="replace")
 
 
 def _rank_report(path: str, err: str) -> Any:
     import json
 
     try:
-        with open(path) as f:
-            return json.loads(f.read(16 << 20))
+        return json.loads(_read_regular(path, 16 << 20))
     except (OSError, ValueError):
         lines = err.strip().splitlines()
         return None if not lines else {"error": lines[-1][:300]}
 
 
-def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: float = 60.0, port: int | None = None) -> None:
-    """Run the student's `fn(tensor, rank, world_size)` on real gloo process groups (spawned
-    processes on this machine), with the ready-made collectives unavailable, and check each rank's
+
+_LINK_FRAME = 64 << 20  # the largest message a rank may send the check's process (bytes)
+
+
+class _Switchboard:
+    """The ranks' only connection to each other (labs 2-4): each rank has one socket to this, the
+    check's own process, which delivers point-to-point messages (a send completes when its receive is
+    posted, as gloo's does), computes every collective's result from the ranks' contributions, and
+    logs, per rank, each call with the values that rank really sent. The log is this process's: an
+    answer, running in a rank, can rewrite anything there but not what it sent here."""
+
+    def __init__(self, socks: list, deadline: float):
+        self.socks, self.deadline, self.world = socks, deadline, len(socks)
+        self.buf = [b""] * self.world
+        self.open = [True] * self.world
+        self.reports: list = [None] * self.world
+        self.logs: list[list] = [[] for _ in range(self.world)]
+        self.ready: set[int] = set()
+        self.sends: list = []  # [stamp, src, dst, tag, id, values] waiting for their receive
+        self.recvs: list = []  # [stamp, dst, src or None, tag, id, numel] waiting for their send
+        self.colls: dict[int, dict[int, dict]] = {}  # k-th collective call -> rank -> call
+        self.count = [0] * self.world
+        self.stamp = 0
+        self.finished: dict[int, str] = {}  # rank -> how it finished (reported, ended)
+        self.waiting: dict[int, tuple[int, str]] = {}  # rank -> (id, what) it is blocked on
+        self.answered: list[set] = [set() for _ in range(self.world)]  # ids whose answer went out (maybe unread)
+
+    # --- transport ---
+    def _post(self, rank: int, msg: dict) -> None:
+        import json
+        import time
+
+        self.answered[rank].add(msg.get("id"))
+        if self.waiting.get(rank, (None,))[0] == msg.get("id"):
+            del self.waiting[rank]
+        if not self.open[rank]:
+            return
+        data = json.dumps(msg).encode()
+        try:
+            self.socks[rank].settimeout(max(0.01, self.deadline - time.monotonic()))
+            self.socks[rank].sendall(len(data).to_bytes(8, "big") + data)
+        except OSError:
+            self._close(rank)
+
+    def _close(self, rank: int) -> None:
+        self.open[rank] = False
+        try:
+            self.socks[rank].close()
+        except OSError:
+            pass
+        self._finish(rank, "ended")
+
+    def _finish(self, rank: int, how: str) -> None:
+        """A rank that reported or ended takes part in nothing more: what waits for it fails at once
+        (as gloo's peers fail when a rank's connection closes), not at the deadline."""
+        if rank in self.finished:
+            return
+        self.finished[rank] = how
+        why = f"rank {rank} {how} before taking part in this"
+        if len(self.ready) < self.world:
+            for r in self.ready - {rank}:
+                self._post(r, {"id": 0, "error": f"rank {rank} {how} before the ranks started"})
+        for k in list(self.colls):
+            for r, c in self.colls.pop(k).items():
+                self._post(r, {"id": c["id"], "error": why})
+        for send in [s for s in self.sends if s[2] == rank]:
+            self.sends.remove(send)
+            self._post(send[1], {"id": send[4], "error": why})
+        for recv in [r for r in self.recvs if r[2] == rank or r[1] == rank]:
+            self.recvs.remove(recv)
+            self._post(recv[1], {"id": recv[4], "error": why})
+
+    def _frames(self, rank: int):
+        import json
+
+        while len(self.buf[rank]) >= 8:
+            n = int.from_bytes(self.buf[rank][:8], "big")
+            if n > _LINK_FRAME:
+                self._fail(rank, f"sent a message of {n} bytes (at most {_LINK_FRAME >> 20} MiB)")
+                return
+            if len(self.buf[rank]) < 8 + n:
+                return
+            raw, self.buf[rank] = self.buf[rank][8:8 + n], self.buf[rank][8 + n:]
+            try:
+                msg = json.loads(raw)
+            except (ValueError, RecursionError):
+                msg = None
+            if not isinstance(msg, dict):
+                self._fail(rank, "sent its link something that is not a message")
+                return
+            yield msg
+
+    def _fail(self, rank: int, why: str) -> None:
+        if self.reports[rank] is None:
+            self.reports[rank] = {"error": why}
+        self._close(rank)
+
+    # --- the traffic ---
+    def _numbers(self, rank: int, msg: dict, key: str = "values") -> list | None:
+        vals = msg.get(key)
+        if not isinstance(vals, list) or not all(type(v) in (int, float) for v in vals):
+            self._fail(rank, "sent its link values that are not numbers")
+            return None
+        return vals
+
+    def _handle(self, rank: int, msg: dict) -> None:
+        kind = msg.get("t")
+        if kind == "ready":
+            if self.finished:
+                r, how = next(iter(self.finished.items()))
+                self._post(rank, {"id": 0, "error": f"rank {r} {how} before the ranks started"})
+                return
+            self.ready.add(rank)
+            if len(self.ready) == self.world:
+                for r in range(self.world):
+                    self._post(r, {"id": 0, "t": "go"})
+        elif kind == "report":
+            self.reports[rank] = msg.get("report") if isinstance(msg.get("report"), dict) else {"error": "no report"}
+            self._finish(rank, "finished" if not self.reports[rank].get("error") else "raised an error")
+        elif rank in self.finished:
+            pass  # nothing counts after its report
+        elif kind == "wait" and isinstance(msg.get("id"), int):
+            if msg["id"] not in self.answered[rank]:  # (an answer already on its way does not block it)
+                self.waiting[rank] = (msg["id"], str(msg.get("what"))[:100])
+        elif kind == "mark":  # the harness's notes: which gradient became ready (and what was held), a step's start
+            entry = msg.get("entry")
+            if not isinstance(entry, dict) or not entry or not set(entry) <= {"ready", "held", "step", "cap"}:
+                self._fail(rank, "sent its link a note the harness does not write")
+                return
+            self.logs[rank].append(entry)
+        elif kind == "call" and isinstance(msg.get("id"), int) and isinstance(msg.get("call"), str):
+            self._call(rank, msg)
+        else:
+            self._fail(rank, "sent its link something that is not a message")
+
+    def _call(self, rank: int, msg: dict) -> None:
+        call = msg["call"]
+        vals = self._numbers(rank, msg) if "values" in msg else []
+        if vals is None:
+            return
+        entry = {"call": call, "name": msg.get("name") or call, "phase": msg.get("phase"), "async": bool(msg.get("async")),
+                 "op": msg.get("op"), "shape": msg.get("shape"), "values": vals, "peer": msg.get("peer")}
+        if "out_numel" in msg:
+            entry["out_numel"] = msg.get("out_numel")
+        self.logs[rank].append(entry)
+        if not entry["async"]:
+            self.waiting[rank] = (msg["id"], call + (f" (peer {msg.get('peer')})" if call in ("send", "recv") else ""))
+        self.stamp += 1
+        peer = msg.get("peer")
+        if call in ("send", "isend", "recv", "irecv"):
+            if not (peer is None and call in ("recv", "irecv")) and (type(peer) is not int or not 0 <= peer < self.world
+                                                                   or peer == rank):
+                self._post(rank, {"id": msg["id"], "error": f"invalid peer rank {peer!r} (ranks 0..{self.world - 1}, "
+                                                            "not this rank's own)"})
+                return
+            if peer in self.finished and not (call in ("recv", "irecv") and any(
+                    s[1] == peer and s[2] == rank for s in self.sends)):
+                self._post(rank, {"id": msg["id"], "error": f"rank {peer} {self.finished[peer]} before this message"})
+                return
+            if call in ("send", "isend"):
+                self.sends.append([self.stamp, rank, peer, msg.get("tag"), msg["id"], vals])
+            else:
+                self.recvs.append([self.stamp, rank, peer, msg.get("tag"), msg["id"], msg.get("numel")])
+            self._match()
+            return
+        if self.finished:
+            r, how = next(iter(self.finished.items()))
+            self._post(rank, {"id": msg["id"], "error": f"rank {r} {how} before taking part in this {call}"})
+            return
+        k = self.count[rank]
+        self.count[rank] += 1
+        self.colls.setdefault(k, {})[rank] = entry | {"id": msg["id"]}
+        if len(self.colls[k]) == self.world:
+            self._collective(self.colls.pop(k))
+
+    def _match(self) -> None:
+        for recv in list(self.recvs):
+            _, dst, src, tag, rid, numel = recv
+            send = next((s for s in self.sends if s[2] == dst and (src is None or s[1] == src) and s[3] == tag), None)
+            if send is None:
+                continue
+            self.sends.remove(send)
+            self.recvs.remove(recv)
+            if numel != len(send[5]):
+                why = (f"rank {send[1]} sent {len(send[5])} values to rank {dst}, which posted a receive of {numel}: "
+                       "sizes must match")
+                self._post(dst, {"id": rid, "error": why})
+                self._post(send[1], {"id": send[4], "error": why})
+                continue
+            self._post(dst, {"id": rid, "values": send[5], "src": send[1]})
+            self._post(send[1], {"id": send[4]})
+
+    def _collective(self, calls: dict[int, dict]) -> None:
+        import math
+
+        first = calls[0]
+        kinds = {(c["call"], c.get("op")) for c in calls.values()}
+        sizes = {len(c["values"]) for c in calls.values()}
+        why = None
+        if len(kinds) > 1:
+            why = "the ranks called different collectives at the same point: " + ", ".join(
+                f"rank {r} {c['name']}" + (f" ({c['op']})" if c.get("op") else "") for r, c in sorted(calls.items()))
+        elif len(sizes) > 1:
+            why = "the ranks' tensors differ in size: " + ", ".join(f"rank {r} {len(c['values'])}" for r, c in sorted(calls.items()))
+        elif first.get("op") == "AVG":
+            why = "ReduceOp.AVG is not supported by gloo: sum, then divide by the number of ranks"
+        elif first.get("op") not in (None, "SUM", "MAX", "MIN", "PRODUCT"):
+            why = f"unsupported reduction {first.get('op')!r}"
+        n = sizes.pop() if len(sizes) == 1 else 0
+        if why is None and first["call"] == "reduce_scatter" and any(c.get("out_numel") * self.world != n for c in calls.values()):
+            why = f"reduce-scatter of {n} values into outputs of {first.get('out_numel')}: the input holds world size x the output"
+        if why is None and first["call"] == "all_gather" and any(c.get("out_numel") != n * self.world for c in calls.values()):
+            why = f"all-gather of {n} values into outputs of {first.get('out_numel')}: the output holds world size x the input"
+        if why:
+            for r, c in calls.items():
+                self._post(r, {"id": c["id"], "error": why})
+            return
+        columns = list(zip(*(calls[r]["values"] for r in range(self.world))))
+        reduce = {"SUM": math.fsum, "MAX": max, "MIN": min, "PRODUCT": math.prod}.get(first.get("op") or "SUM")
+        if first["call"] == "all_gather":
+            gathered = [v for r in range(self.world) for v in calls[r]["values"]]
+        for r, c in calls.items():
+            if first["call"] == "all_reduce":
+                out = [reduce(col) for col in columns]
+            elif first["call"] == "reduce_scatter":
+                m = c["out_numel"]
+                out = [reduce(col) for col in columns[r * m:(r + 1) * m]]
+            elif first["call"] == "all_gather":
+                out = gathered
+            else:
+                out = []
+            self._post(r, {"id": c["id"], "values": out})
+
+    def run(self, procs: list) -> None:
+        """Relay until every rank has reported or ended (or the deadline: TimeoutError)."""
+        import select
+        import time
+
+        while any(self.open):
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            ready, _, _ = select.select([s for r, s in enumerate(self.socks) if self.open[r]], [], [], min(left, 1.0))
+            for sock in ready:
+                rank = self.socks.index(sock)
+                try:
+                    chunk = sock.recv(1 << 20)
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    self._close(rank)
+                    continue
+                self.buf[rank] += chunk
+                if len(self.buf[rank]) > _LINK_FRAME + 8:
+                    self._fail(rank, "sent more than a message's worth at once")
+                    continue
+                for msg in self._frames(rank):
+                    self._handle(rank, msg)
+                    if not self.open[rank]:
+                        break
+            if all(rep is not None or not self.open[r] for r, rep in enumerate(self.reports)):
+                break
+            live = [r for r in range(self.world) if r not in self.finished]
+            if live and all(r in self.waiting for r in live):
+                raise TimeoutError("every rank waits, none can go on (a deadlock): " + "; ".join(
+                    f"rank {r} in {self.waiting[r][1]}" for r in live))
+
+
+def _run_world(script: str, world: int, case: Any, *, tmp: str, timeout: float, on_timeout: str,
+               dealt: list | None = None, log: str = "calls") -> list:
+    """Run a rank harness on `world` processes, each in its own folder and sandbox (where the grader
+    has one), each dealt its own `dealt[rank]` (if given), connected only through a `_Switchboard`
+    in this process. Each rank's report (or None), its "log" this process's record of the rank's
+    calls: "ring" [[peer, values] per send], "names" [name per collective], "calls" [call dicts and
+    the harness's marks]."""
+    import json
+    import os
+    import re
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    timeout = max(timeout, float(RANK_LIMITS.get("timeout") or 0))
+    procs, socks, errs = [], [], []
+    try:
+        for rank in range(world):
+            here = os.path.join(tmp, f"rank{rank}")
+            os.makedirs(here, exist_ok=True)
+            shutil.copy(script, os.path.join(here, "harness.py"))
+            if dealt is not None:
+                with open(os.path.join(here, "secret.json"), "w") as fh:
+                    json.dump(dealt[rank], fh)
+            ours, theirs = socket.socketpair()
+            socks.append(ours)
+            errs.append(open(os.path.join(here, "rank.err"), "wb+"))
+            fd = theirs.fileno()
+            with open(os.path.join(here, "rank.out"), "wb") as out:
+                procs.append(subprocess.Popen(
+                    [*(SANDBOX_PREFIX or go_between((fd,))), os.path.abspath(sys.executable), "-I", "harness.py",
+                     str(rank), str(world), json.dumps(case), str(fd)],
+                    stdout=out, stderr=errs[-1], stdin=subprocess.DEVNULL, pass_fds=(fd,), start_new_session=True,
+                    cwd=here, env=_rank_env(here), preexec_fn=_rank_limits))
+            theirs.close()
+        board = _Switchboard(socks, time.monotonic() + timeout)
+        try:
+            board.run(procs)
+        except TimeoutError as e:  # the deadline, or a deadlock the switchboard saw (every rank blocked)
+            raise AssertionError(re.sub(r"no answer within \d+ s", str(e), on_timeout) if str(e) else
+                                 re.sub(r"within \d+ s", f"within {timeout:.0f} s", on_timeout)) from None
+        reports = []
+        for rank, rep in enumerate(board.reports):
+            if rep is None:
+                size = os.fstat(errs[rank].fileno()).st_size
+                start = max(0, size - (64 << 10))
+                lines = os.pread(errs[rank].fileno(), size - start, start).decode(errors="replace").strip().splitlines()
+                rep = {"error": lines[-1][:300]} if lines else None
+            elif isinstance(rep, dict):
+                calls = board.logs[rank]
+                rep = dict(rep, log=[[e["peer"], e["values"]] for e in calls if isinstance(e, dict) and
+                                     e.get("call") in ("send", "isend")] if log == "ring" else
+                           [e["name"] for e in calls if isinstance(e, dict) and "call" in e] if log == "names" else calls)
+            reports.append(rep)
+        return reports
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, OSError):
+                pass
+            p.wait()
+        for s in [*socks, *errs]:
+            s.close()
+
+
+def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: float = 60.0) -> None:
+    """Run the student's `fn(tensor, rank, world_size)` on 2 and 3 ranks (processes of this machine,
+    linked through this one: `_Switchboard`), with the ready-made collectives unavailable, and check each rank's
     result against the sum computed here and its traffic against a ring's. `cases` are (ranks,
     elements); element counts that the rank count does not divide are the usual bug."""
     import tempfile
-
-    from .commbench import free_port
 
     source, name = _answer_source(fn)
     with tempfile.TemporaryDirectory() as tmp:
@@ -327,17 +859,15 @@ def check_ring_all_reduce(fn: Callable, *, cases=((2, 8), (3, 10)), timeout: flo
         with open(path, "w") as f:
             f.write(_RING_HARNESS.format(source=source, name=name, blocked=ANSWER_PACKAGES) + _HARNESS_RANKS)
         for i, (world, numel) in enumerate(cases):
-            out = f"{tmp}/case{i}"
             inputs = _ring_inputs(world, numel)
-            _deal(out, inputs)
-            err = _run_ranks(path, [str(world), str(numel), str(port + i if port else free_port()), out], cwd=tmp,
-                             timeout=timeout, on_timeout=(
-                                 f"{world} ranks, {numel} elements: no answer within {timeout:.0f} s — a deadlock? A "
-                                 "blocking send waits for its matching recv: post the receive with dist.irecv (or "
-                                 "alternate the order by rank parity) before waiting on the send."))
+            reports = _run_world(path, world, numel, tmp=f"{tmp}/case{i}", dealt=inputs, log="ring", timeout=timeout,
+                                 on_timeout=(
+                                     f"{world} ranks, {numel} elements: no answer within {timeout:.0f} s. A blocking "
+                                     "send waits for its matching recv: post the receive with dist.irecv (or alternate "
+                                     "the order by rank parity) before waiting on the send."))
             problems = []
             for rank in range(world):
-                why = _ring_problem(_rank_report(f"{out}.{rank}", err), rank, world, numel, inputs)
+                why = _ring_problem(reports[rank], rank, world, numel, inputs)
                 if why:
                     problems.append(f"rank {rank}: {why}")
             if problems:
@@ -454,12 +984,6 @@ def check_one_f_one_b(fn: Callable, *, cases=((2, 4), (4, 8))) -> None:
 # answer's source with the answer packages unimportable, the allowed collectives logged at the call
 # (which one, in which phase of the step the harness was, async or not, the input's shape and values)
 # and every other collective raising. The caller recomputes every expected value itself.
-_COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
-                "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single",
-                "gather", "scatter", "all_gather_object", "broadcast_object_list", "gather_object",
-                "scatter_object_list", "all_reduce_coalesced", "all_gather_coalesced", "send", "recv", "isend",
-                "irecv", "batch_isend_irecv")
-
 _DIST_PRELUDE = r'''
 import gc, json, os, sys
 for _m in %BLOCKED%:
@@ -468,44 +992,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_LOG = []
 _PHASE = ["setup"]
-_REAL = {}
+# what the answer may call (the link implements them: _HARNESS_RANKS); every other collective raises
+_ALLOWED = %ALLOWED%
+_HINT = %HINT%
 
 
 def _flat(t):
     return t.detach().flatten().tolist()
-
-
-def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    _LOG.append({"call": "all_reduce", "phase": _PHASE[0], "async": bool(async_op), "op": str(op),
-                 "shape": list(tensor.shape), "values": _flat(tensor)})
-    return _REAL["all_reduce"](tensor, op=op, group=group, async_op=async_op)
-
-
-def _reduce_scatter(name):
-    def collective(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        _LOG.append({"call": "reduce_scatter", "phase": _PHASE[0], "async": bool(async_op), "op": str(op),
-                     "shape": list(input.shape), "out_numel": output.numel(), "values": _flat(input)})
-        return _REAL[name](output, input, op=op, group=group, async_op=async_op)
-    return collective
-
-
-def _missing(name):
-    def collective(*args, **kwargs):
-        raise RuntimeError(f"dist.{name} is not available here: " + %HINT%)
-    return collective
-
-
-for _name in %COLLECTIVES%:
-    if hasattr(dist, _name):
-        _REAL[_name] = getattr(dist, _name)
-        if _name not in %ALLOWED%:
-            setattr(dist, _name, _missing(_name))
-        elif _name == "all_reduce":
-            dist.all_reduce = _all_reduce
-        else:
-            setattr(dist, _name, _reduce_scatter(_name))
 
 
 def _tolist(x):
@@ -522,7 +1016,7 @@ def _answer(call):
 
 
 def _harness(body: str, *, allowed: tuple[str, ...], hint: str, source: str) -> str:
-    prelude = (_DIST_PRELUDE.replace("%BLOCKED%", repr(ANSWER_PACKAGES)).replace("%COLLECTIVES%", repr(_COLLECTIVES))
+    prelude = (_DIST_PRELUDE.replace("%BLOCKED%", repr(ANSWER_PACKAGES))
                .replace("%ALLOWED%", repr(allowed)).replace("%HINT%", repr(hint)))
     return prelude + "\n_SOURCE = " + repr(source) + "\n\n" + body + _HARNESS_RANKS
 
@@ -562,19 +1056,15 @@ def _cell_source(*objs: Any) -> str:
 
 def _run_cases(script: str, world: int, case: Any, *, tmp: str, timeout: float, what: str,
                dealt: list | None = None) -> list:
-    """Run a harness on `world` gloo ranks (each dealt its own `dealt[rank]`, if given); each rank's
-    report (or None, or {"error": ...})."""
+    """Run a harness on `world` linked ranks (each dealt its own `dealt[rank]`, if given); each rank's
+    report (or None, or {"error": ...}), with the switchboard's log of its calls."""
     import json
+    import os
 
-    from .commbench import free_port
-
-    out = f"{tmp}/case-{world}-{abs(hash(json.dumps(case))) % 10**8}"
-    if dealt is not None:
-        _deal(out, dealt)
-    err = _run_ranks(script, [str(world), json.dumps(case), str(free_port()), out], cwd=tmp, timeout=timeout,
-                     on_timeout=f"{what} on {world} ranks: no answer within {timeout:.0f} s (a rank waits for a "
-                                "collective another never calls, or for a handle it never waits on?)")
-    return [_rank_report(f"{out}.{rank}", err) for rank in range(world)]
+    here = os.path.join(tmp, f"case-{world}-{abs(hash(json.dumps(case))) % 10**8}")
+    return _run_world(script, world, case, tmp=here, dealt=dealt, log="calls", timeout=timeout,
+                      on_timeout=f"{what} on {world} ranks: no answer within {timeout:.0f} s (a rank waits for a "
+                                 "collective another never calls, or for a handle it never waits on?)")
 
 
 def _rank_problem(report: Any) -> str | None:
@@ -742,7 +1232,7 @@ def _tp_rank_problem(report: Any, rank: int, ref: dict, names: tuple[str, str]) 
 def check_tp_mlp(fn: Callable, f_op: Any, g_op: Any, *, cases=((2, 2, 3, 8, 16),), timeout: float = 120.0) -> None:
     """Run the student's Megatron operators f (`f_op`: identity forward, all-reduce backward) and g
     (`g_op`: all-reduce forward, identity backward), then `fn(x, w1_shard, w2_shard)` (the column- then
-    row-parallel MLP built with them) on real gloo process groups, and check on every rank: f and g
+    row-parallel MLP built with them) on linked ranks (`_Switchboard`), and check on every rank: f and g
     alone, the MLP's output, the input's gradient and the rank's weight-shard gradients against one
     process (computed here), and the traffic: exactly one all-reduce in the forward, of the rank's
     partial output, and one in the backward, of its partial input gradient. `cases` are (ranks,
@@ -807,14 +1297,14 @@ def _one(cap, rank, world):
     model = _model()
     params = list(model.parameters())
     for k, p in enumerate(params):  # before the answer's hooks: runs first, when p's gradient is ready
-        p.register_post_accumulate_grad_hook(lambda p, k=k: _LOG.append({"ready": k}))
+        p.register_post_accumulate_grad_hook(lambda p, k=k: _mark({"ready": k}))
     _PHASE[0] = "init"
     ddp = %NAME%(model, cap)
     steps = []
     for step in range(STEPS):
         for p in params:
             p.grad = None
-        _LOG.append({"step": step, "cap": cap})
+        _mark({"step": step, "cap": cap})
         x, y = _batch(step)
         _PHASE[0] = "forward"
         loss = ((model(x) - y) ** 2).mean()
@@ -980,8 +1470,8 @@ def _ddp_step_problem(events: list, local: list, whole: list, got: Any, buckets:
 
 
 def check_bucketed_ddp(cls: Any, *, cases=((2, 1000), (2, 10**6)), timeout: float = 120.0) -> None:
-    """Run the student's bucketed DDP, `cls(model, bucket_bytes)` whose `finish()` ends a step, on real
-    gloo process groups for two SGD steps of a small float64 MLP, each rank on its slice of the batch,
+    """Run the student's bucketed DDP, `cls(model, bucket_bytes)` whose `finish()` ends a step, on linked
+    ranks (`_Switchboard`) for two SGD steps of a small float64 MLP, each rank on its slice of the batch,
     and check on every rank: the gradients in p.grad after finish() equal one process's on the whole
     batch; one all-reduce per bucket, the buckets as computed here from the parameter sizes and the
     cap, each carrying the rank's own gradients; every all-reduce launched asynchronously during the
@@ -1043,29 +1533,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_LOG = []
-
-
-def _logged(name, fn):
-    def collective(*args, **kwargs):
-        _LOG.append(name)
-        return fn(*args, **kwargs)
-    return collective
-
-
-def _missing(name):
-    def collective(*args, **kwargs):
-        raise RuntimeError(f"dist.{{name}} is not available here: use reduce_scatter_tensor (or all_reduce) for the "
-                           "gradients and all_gather_into_tensor for the parameters")
-    return collective
-
-
-for _name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "reduce_scatter", "all_gather"):
-    setattr(dist, _name, _logged(_name, getattr(dist, _name)))
-for _name in ("send", "recv", "isend", "irecv", "batch_isend_irecv", "broadcast", "all_gather_object",
-              "broadcast_object_list", "gather_object", "scatter_object_list", "gather", "scatter", "all_to_all",
-              "all_to_all_single", "reduce"):
-    setattr(dist, _name, _missing(_name))
+# what the answer may call (the link implements them: _HARNESS_RANKS); every other collective raises
+_ALLOWED = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter",
+            "all_gather")
+_HINT = ("use reduce_scatter_tensor (or all_reduce) for the gradients and all_gather_into_tensor for the "
+         "parameters")
 
 
 def _values_held(skip=()):
@@ -1187,13 +1659,11 @@ def _zero1_problem(report: Any, numel: int, world: int, expected: list) -> str |
 
 def check_zero1(fn: Callable, *, cases=((2, 64, 3),), timeout: float = 60.0) -> None:
     """Run the student's `fn(params, grads, state, rank, world_size)` (one ZeRO-1 step, in place on
-    `params`) for several steps on real gloo process groups and check every rank's parameters after each
+    `params`) for several steps on linked ranks (`_Switchboard`) and check every rank's parameters after each
     step against torch.optim.AdamW on one process with the averaged gradients, and that the optimizer
     state it keeps is its shard's. `cases` are (ranks, elements, steps)."""
     import json
     import tempfile
-
-    from .commbench import free_port
 
     source, name = _answer_source(fn)
     with tempfile.TemporaryDirectory() as tmp:
@@ -1201,15 +1671,13 @@ def check_zero1(fn: Callable, *, cases=((2, 64, 3),), timeout: float = 60.0) -> 
         with open(path, "w") as fh:
             fh.write(_ZERO1_HARNESS.format(source=source, name=name, blocked=ANSWER_PACKAGES) + _HARNESS_RANKS)
         for i, (world, numel, steps) in enumerate(cases):
-            out = f"{tmp}/case{i}"
             grads = _zero1_grads(numel, steps, world)
-            _deal(out, grads)
-            err = _run_ranks(path, [str(world), json.dumps([numel, steps]), str(free_port()), out], cwd=tmp,
-                             timeout=timeout, on_timeout=f"{world} ranks: no answer within {timeout:.0f} s (a rank "
-                             "waits for a collective another never calls?)")
+            reports = _run_world(path, world, [numel, steps], tmp=f"{tmp}/case{i}", dealt=grads, log="names",
+                                 timeout=timeout, on_timeout=f"{world} ranks: no answer within {timeout:.0f} s (a rank "
+                                 "waits for a collective another never calls?)")
             expected = _zero1_expected(numel, steps, world, grads)
             for rank in range(world):
-                why = _zero1_problem(_rank_report(f"{out}.{rank}", err), numel, world, expected)
+                why = _zero1_problem(reports[rank], numel, world, expected)
                 if why:
                     raise AssertionError(f"ZeRO-1 step on {world} ranks, {numel} parameters: rank {rank} {why}.")
 
@@ -1242,7 +1710,7 @@ def _one(cap, rank, world):
     model = _model()
     params = list(model.parameters())
     for k, p in enumerate(params):  # before the answer's hooks: runs first, when p's gradient is ready
-        p.register_post_accumulate_grad_hook(lambda p, k=k: _LOG.append({"ready": k, "held": _held(params, k)}))
+        p.register_post_accumulate_grad_hook(lambda p, k=k: _mark({"ready": k, "held": _held(params, k)}))
     base = _extra_bytes(params)  # what earlier cases left alive (hooks make cycles gc cannot see)
     _PHASE[0] = "init"
     zero = %NAME%(model, cap)
@@ -1250,7 +1718,7 @@ def _one(cap, rank, world):
     for step in range(STEPS):
         for p in params:
             p.grad = None
-        _LOG.append({"step": step, "cap": cap})
+        _mark({"step": step, "cap": cap})
         x, y = _batch(step)
         _PHASE[0] = "forward"
         loss = ((model(x) - y) ** 2).mean()
@@ -1346,7 +1814,7 @@ def _zero2_step_problem(events: list, got: Any, local: list, whole: list, bucket
 
 def check_zero2(cls: Any, *, cases=((2, 1000),), timeout: float = 120.0) -> None:
     """Run the student's ZeRO-2 gradient partitioning, `cls(model, bucket_bytes)` whose `finish()`
-    returns this rank's shards, on real gloo process groups for two backward passes of a small float64
+    returns this rank's shards, on linked ranks (`_Switchboard`) for two backward passes of a small float64
     MLP, each rank on its slice of the batch, and check on every rank: one reduce-scatter per bucket
     (buckets computed here from the sizes and the cap), each of the rank's own zero-padded bucket,
     launched asynchronously during the backward from the hook of the bucket's last gradient; a
