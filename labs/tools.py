@@ -180,7 +180,7 @@ def assemble(submission: Any, lab: str) -> nbformat.NotebookNode:
         meta = cell.metadata.get("nbgrader", {})
         if meta.get("solution"):
             gid = meta["grade_id"]
-            cell.source = answers.get(gid, f"raise NotImplementedError('the submission has no code cell {gid!r}')")
+            cell.source = answers.get(gid, f"raise NotImplementedError({'the submission has no code cell ' + repr(gid)!r})")
     return nb
 
 
@@ -439,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds the answers may take to load, and each test cell to run (default 600)")
     g.add_argument("--memory-gib", type=_positive_seconds, default=4, help="data memory of the answers' process (default 4)")
     g.add_argument("--json", type=Path, default=None, help="also write the scores here as JSON")
+    g.add_argument("--no-sandbox", action="store_true",
+                   help="grade without a sandbox (provisional scores: an answer can read the instructor sources)")
     args = p.parse_args(argv)
     if getattr(args, "lab", None) is not None and args.lab not in labs():
         print(f"tools: unknown lab {args.lab!r}; labs: {', '.join(labs())}", file=sys.stderr)
@@ -488,6 +490,15 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("labs/release is up to date, and the install cells and _config.yml match pyproject.toml")
     else:
+        import sandbox as sb
+
+        prefix, how = sb.sandbox_prefix() if not args.no_sandbox else ([], "no sandbox (--no-sandbox)")
+        if not prefix and not args.no_sandbox:
+            print(f"tools: {how}: without one an answer can read the instructor sources and hidden tests from "
+                  "disk; grade on a machine with user namespaces, or pass --no-sandbox for provisional scores",
+                  file=sys.stderr)
+            return 2
+        provisional = not prefix
         results, status = [], 0
         for path in args.notebook:  # several: e.g. nbgrader's submitted/*/LAB/LAB.ipynb, each scored alone
             nb, why = read_submission(path)
@@ -498,17 +509,16 @@ def main(argv: list[str] | None = None) -> int:
                 status = 2
                 continue
             report: dict = {}
-            scores = _zero(lab, why) if nb is None else grade(nb, lab, timeout=args.timeout,
-                                                              memory_gib=args.memory_gib, report=report)
+            scores = _zero(lab, why) if nb is None else grade(nb, lab, timeout=args.timeout, memory_gib=args.memory_gib,
+                                                              sandbox=not provisional, report=report)
             if len(args.notebook) > 1:
                 print(f"== {path}")
-            if report.get("sandbox"):
-                print(report["sandbox"])
+            print(how + (" - PROVISIONAL scores: an answer could have read the instructor sources" if provisional else ""))
             for gid, (got, possible, err) in scores.items():
                 print(f"{gid:12s}{got:>3}/{possible}  {err or 'ok'}")
             print(f"total {'/'.join(map(str, total(scores)))}  ({lab})", flush=True)
             results.append({"notebook": str(path), "lab": lab, "scores": {k: list(v) for k, v in scores.items()},
-                            "total": list(total(scores))})
+                            "total": list(total(scores)), "sandbox": how, "provisional": provisional})
         if args.json:
             try:
                 args.json.write_text(json.dumps(results[0] if len(args.notebook) == 1 and results else results,

@@ -47,8 +47,10 @@ def _running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def run_cli(*args, timeout=300):
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+def run_cli(*args, timeout=300, env=None):
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", **(env or {})}
+    if args[:1] == ("grade",) and not _sandbox_works() and "--no-sandbox" not in args:
+        args = (*args, "--no-sandbox")  # (the command refuses to grade without a sandbox otherwise)
     return subprocess.run([sys.executable, str(ROOT / "labs" / "tools.py"), *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
@@ -352,7 +354,8 @@ def test_two_gradings_at_once_do_not_interfere(tmp_path):
     path = tmp_path / "lab02_collectives.ipynb"
     nbformat.write(tools.source_notebook("lab02_collectives"), path)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "labs" / "tools.py"), "grade", str(path), "--timeout", "120"],
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "labs" / "tools.py"), "grade", str(path), "--timeout", "120",
+                               *([] if _sandbox_works() else ["--no-sandbox"])],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     for (out, err), p in zip(outs, procs):
@@ -874,3 +877,72 @@ def test_in_the_sandbox_ranks_have_no_channel_but_the_check():
     nb2, _ = _source_solutions("lab02_collectives")
     got = _graded("lab02_collectives", nb2, {"ex3-solution": RING_THROUGH_ANOTHER_CHANNEL})["ex3-test"]
     assert got[0] == 0 and "no other channel" in got[2], got
+
+
+def test_the_command_grades_without_a_sandbox_only_when_told(tmp_path):
+    """Issue 28: without a sandbox an answer can read the instructor sources from disk, which no check
+    can undo. The command then refuses, in one line that says why and what to do; with --no-sandbox
+    it grades and marks the scores provisional (printed and in --json)."""
+    path = tmp_path / f"{LAB}.ipynb"
+    nbformat.write(tools.source_notebook(LAB), path)
+    r = run_cli("grade", str(path), env={"VRAMLAB_GRADE_SANDBOX": "off"}, timeout=120)
+    assert r.returncode == 2 and "--no-sandbox" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.stderr and not r.stdout
+    out = tmp_path / "scores.json"
+    r = run_cli("grade", str(path), "--no-sandbox", "--json", str(out), "--timeout", "120", timeout=300)
+    assert r.returncode == 0 and "PROVISIONAL" in r.stdout and "total 9/9" in r.stdout, (r.stdout, r.stderr)
+    got = json.loads(out.read_text())
+    assert got["provisional"] is True and got["total"] == [9, 9]
+
+
+ANSWER_FROM_THE_INSTRUCTOR_SOURCE = '''
+import subprocess
+
+
+def _instructor_cell(lab, gid):
+    """The instructor's solution cell, from git or from the checkout's file."""
+    text = ""
+    try:
+        text = subprocess.run(["git", "--git-dir", {git!r}, "show", f"HEAD:labs/source/{{lab}}/{{lab}}.md"],
+                              capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if not text:
+        try:
+            text = open(f"{root}/labs/source/{{lab}}/{{lab}}.md").read()
+        except OSError:
+            raise RuntimeError("the instructor source is out of reach") from None
+    for block in text.split("```{{code-cell}}")[1:]:
+        head, _, body = block.partition("\\n---\\n")[2].partition("\\n---\\n")
+        if f"grade_id: {{gid}}" in head:
+            return body.split("\\n```")[0]
+    raise RuntimeError("no such cell")
+
+
+exec(_instructor_cell({lab!r}, {gid!r}), globals())
+'''
+
+
+@pytest.mark.skipif(not _sandbox_works(), reason="no user namespaces on this machine")
+@pytest.mark.parametrize("lab, gid, test", [("lab04_zero", "ex1-solution", "ex1-test"),
+                                            ("lab06_offload", "stream-solution", "stream-test"),
+                                            ("lab07_checkpointing", "ex3-solution", "ex3-test")])
+def test_in_the_sandbox_no_answer_comes_from_the_instructor_source(lab, gid, test):
+    """Issue 28: `git show HEAD:labs/source/...` (or the file itself) and exec of the solution cell
+    scored full marks on labs 4 and 7. In the sandbox neither the checkout's .git nor labs/ exists
+    for the answer's process (nor for the ranks and harnesses that run its code): the exercise
+    scores 0, saying the source is out of reach; the others keep their points."""
+    nb = tools.source_notebook(lab)
+    code = ANSWER_FROM_THE_INSTRUCTOR_SOURCE.format(git=str(ROOT / ".git"), root=str(ROOT), lab=lab, gid=gid)
+    scores = _graded(lab, nb, {gid: code})
+    assert scores[test][0] == 0 and "out of reach" in scores[test][2], scores[test]
+    assert all(v[0] == v[1] for k, v in scores.items() if k != test), scores
+
+
+def test_a_missing_solution_cell_is_named_not_a_syntax_error():
+    """A submission without one of the solution cells: that exercise scores 0 with a reason that names
+    the missing cell (the placeholder the grader put in its place was itself a syntax error)."""
+    nb = student()
+    nb.cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") != "ex2-solution"]
+    scores = tools.grade(nb, LAB, timeout=120)
+    assert scores["ex2-test"][0] == 0 and "no code cell 'ex2-solution'" in scores["ex2-test"][2], scores["ex2-test"]
