@@ -125,7 +125,7 @@ def vramlab_preset_params(name):
     ("training", {"seq_len": 8192}, "gpt2 reads at most 1,024 positions"),
     ("collectives", {"size_mib": "lots"}, "expected a number"),
     ("collectives", {"ranks": 1}, "outside 2..256"),
-    ("precision", {"value": float("nan")}, "outside"),
+    ("precision", {"value": float("nan")}, "expected a number, got nan"),
     ("training", {"colour": "red"}, "unknown input colour"),
 ])
 def test_bad_input_is_one_line_not_a_traceback(name, values, needle):
@@ -199,3 +199,34 @@ def test_compression_calculator_is_the_library():
                                                                  seq_len=4096).numbers["peak"][0]
     inf = C.get("compression").run(model="llama-3.1-8b", method="inference", bits=8, seq_len=512)
     assert inf.numbers["peak"][0] == COMP.quantized_inference("llama-3.1-8b", fmt="int8", seq_len=512).total
+
+
+# issue 29: every calculator answers an infinite, huge or boolean input with one line naming it
+_NUMBERS = [(c.name, i) for c in C.CALCULATORS.values() for i in c.inputs if i.kind in ("int", "float")]
+_CHOICES = [(c.name, i) for c in C.CALCULATORS.values() for i in c.inputs if i.kind == "choice"]
+
+
+@pytest.mark.parametrize("name, inp", _NUMBERS, ids=[f"{n}-{i.name}" for n, i in _NUMBERS])
+@pytest.mark.parametrize("bad", [float("inf"), "inf", "-inf", "1e400", float("nan"), "nan", True, None, [1]])
+def test_number_inputs_refuse_infinities_and_booleans_in_one_line(name, inp, bad):
+    calc = C.get(name)
+    r = calc.run(**{inp.name: bad})
+    assert r.error.startswith(inp.label + ":") and "\n" not in r.error and not r.text, (bad, r.error)
+    out = json.loads(C.run_json(name, json.dumps({inp.name: bad})))  # Python's json writes Infinity and NaN
+    assert out["error"].startswith(inp.label + ":"), out
+    assert json.loads(C.run_html(name, json.dumps({inp.name: bad})))["error"].startswith(inp.label + ":")
+    with pytest.raises(ValueError, match=f"^calculator {name}: "):
+        C.page_html(name, **{inp.name: bad})
+
+
+@pytest.mark.parametrize("name, inp", _CHOICES, ids=[f"{n}-{i.name}" for n, i in _CHOICES])
+def test_choice_inputs_refuse_booleans(name, inp):
+    r = C.get(name).run(**{inp.name: True})
+    assert r.error.startswith(inp.label + ":") and "is not one of" in r.error, r.error
+
+
+def test_number_inputs_take_numpy_scalars():
+    np = pytest.importorskip("numpy")
+    for name, inp in _NUMBERS:
+        value = np.int64(inp.default) if inp.kind == "int" else np.float64(inp.default)
+        assert not C.get(name).run(**{inp.name: value}).error, (name, inp.name)

@@ -47,14 +47,20 @@ class Input:
     def check(self, value: Any) -> Any:
         """The value converted to the input's type, or ValueError with one line that says why."""
         if self.kind == "choice":
-            for c in self.choices:  # choices may be numbers; the browser sends strings
-                if value == c or str(value) == str(c):
+            for c in self.choices:  # choices may be numbers; the browser sends strings (True is not 1 here)
+                if not isinstance(value, bool) and (value == c or str(value) == str(c)):
                     return c
             raise ValueError(f"{self.label}: {value!r} is not one of {', '.join(map(str, self.choices))}")
+        if isinstance(value, bool):
+            raise ValueError(f"{self.label}: expected a number, got {value!r}")
         try:
             v = int(value) if self.kind == "int" and float(value) == int(float(value)) else float(value)
         except (TypeError, ValueError):
             raise ValueError(f"{self.label}: expected a number, got {value!r}") from None
+        except OverflowError:  # inf, "inf", JSON's Infinity, 1e400 as a whole number
+            raise ValueError(f"{self.label}: expected a finite number, got {value!r}") from None
+        if v != v:
+            raise ValueError(f"{self.label}: expected a number, got {value!r}")
         if self.kind == "int" and not isinstance(v, int):
             raise ValueError(f"{self.label}: expected a whole number, got {value!r}")
         if not (self.min <= v <= self.max):
