@@ -736,7 +736,7 @@ def test_the_sandbox_holds_nothing_but_what_grading_needs(tmp_path):
     HEAD:labs/source/...), its labs/ and src/, the editable install's source path, another checkout on
     the machine, the grader's home: none exists there. It runs as uid 65534 without capabilities
     (it cannot undo the sandbox's mounts), with its own /proc (not the grader's command line) and no
-    network but its own loopback (not the host's 127.0.0.1); it can write nowhere but its scratch
+    network (not the host's 127.0.0.1); it can write nowhere but its scratch
     directory (not /tmp, /etc, the Python installation or a sitecustomize.py on the grader's path)."""
     import socket
 
