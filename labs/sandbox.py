@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from answer_worker import MAX_FRAME  # the one bound on a message, both ways
-from vramlab.grading import ANSWER_PACKAGES, sandbox_env
+from vramlab.grading import ANSWER_PACKAGES, sandbox_env, tail as file_tail
 
 LABS = Path(__file__).resolve().parent
 ROOT = LABS.parent
@@ -352,8 +352,7 @@ class Worker:
             code = None
         tail = ""
         try:
-            size = os.fstat(self._log.fileno()).st_size
-            lines = os.pread(self._log.fileno(), 2000, max(0, size - 2000)).decode(errors="replace").strip().splitlines()
+            lines = file_tail(self._log.fileno(), 2000).strip().splitlines()
             tail = f" (its last output: {lines[-1][:200]})" if lines else ""
         except OSError:
             pass

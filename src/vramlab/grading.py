@@ -139,11 +139,13 @@ class _Work:
 
     def wait(self, timeout=None):
         if not self._done:
-            msg = _link_wait(self._rid, self._what)
-            self._done = True
-            if self._fill is not None:
-                self._fill(msg)
+            self._complete(_link_wait(self._rid, self._what))
         return True
+
+    def _complete(self, msg):
+        self._done = True
+        if self._fill is not None:
+            self._fill(msg)
 
     def is_completed(self):
         return self._done
@@ -184,10 +186,7 @@ def _issue(call, async_op, fill, **fields):
     work = _Work(rid, fill, f"the wait of its {call}" + (f" (peer {peer})" if peer is not None else ""))
     if async_op:
         return work
-    msg = _link_wait(rid)  # the check knows a blocking call waits
-    work._done = True
-    if fill is not None:
-        fill(msg)
+    work._complete(_link_wait(rid))  # (no "wait" note: the check knows a blocking call waits)
     return None
 
 
@@ -460,6 +459,16 @@ def sandbox_env(scratch: str) -> dict[str, str]:
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": scratch, "TMPDIR": scratch, "OMP_NUM_THREADS": "1"}
 
 
+def tail(fd: int, limit: int) -> str:
+    """The last `limit` bytes of the file open on `fd`, as text: what an answer's process wrote, read
+    through the grader's own descriptor (not its name, which the answer could have replaced)."""
+    import os
+
+    size = os.fstat(fd).st_size
+    start = max(0, size - limit)
+    return os.pread(fd, size - start, start).decode(errors="replace")
+
+
 def _rank_env(cwd: str) -> dict[str, str] | None:
     """The ranks' environment: `sandbox_env` in the sandbox; without one (a student checking their
     own answer), the caller's."""
@@ -494,9 +503,7 @@ def _run_ranks(script: str, argv: list[str], *, cwd: str, timeout: float, on_tim
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError, OSError):
                 pass
-        size = os.fstat(err_file.fileno()).st_size  # read through the grader's own descriptor, not the name
-        start = max(0, size - (64 << 10))
-        return os.pread(err_file.fileno(), size - start, start).decode(errors="replace")
+        return tail(err_file.fileno(), 64 << 10)
 
 
 def _rank_report(path: str, err: str) -> Any:
@@ -527,11 +534,10 @@ class _Switchboard:
         self.reports: list = [None] * self.world
         self.logs: list[list] = [[] for _ in range(self.world)]
         self.ready: set[int] = set()
-        self.sends: list = []  # [stamp, src, dst, tag, id, values] waiting for their receive
-        self.recvs: list = []  # [stamp, dst, src or None, tag, id, numel] waiting for their send
+        self.sends: list = []  # [src, dst, tag, id, values] waiting for their receive, in arrival order
+        self.recvs: list = []  # [dst, src or None, tag, id, numel] waiting for their send, in arrival order
         self.colls: dict[int, dict[int, dict]] = {}  # k-th collective call -> rank -> call
         self.count = [0] * self.world
-        self.stamp = 0
         self.finished: dict[int, str] = {}  # rank -> how it finished (reported, ended)
         self.waiting: dict[int, tuple[int, str]] = {}  # rank -> (id, what) it is blocked on
         self.answered: list[set] = [set() for _ in range(self.world)]  # ids whose answer went out (maybe unread)
@@ -574,12 +580,12 @@ class _Switchboard:
         for k in list(self.colls):
             for r, c in self.colls.pop(k).items():
                 self._post(r, {"id": c["id"], "error": why})
-        for send in [s for s in self.sends if s[2] == rank]:
+        for send in [s for s in self.sends if s[1] == rank]:
             self.sends.remove(send)
-            self._post(send[1], {"id": send[4], "error": why})
-        for recv in [r for r in self.recvs if r[2] == rank or r[1] == rank]:
+            self._post(send[0], {"id": send[3], "error": why})
+        for recv in [r for r in self.recvs if r[1] == rank or r[0] == rank]:
             self.recvs.remove(recv)
-            self._post(recv[1], {"id": recv[4], "error": why})
+            self._post(recv[0], {"id": recv[3], "error": why})
 
     def _frames(self, rank: int):
         import json
@@ -656,7 +662,6 @@ class _Switchboard:
         self.logs[rank].append(entry)
         if not entry["async"]:
             self.waiting[rank] = (msg["id"], call + (f" (peer {msg.get('peer')})" if call in ("send", "recv") else ""))
-        self.stamp += 1
         peer = msg.get("peer")
         if call in ("send", "isend", "recv", "irecv"):
             if not (peer is None and call in ("recv", "irecv")) and (type(peer) is not int or not 0 <= peer < self.world
@@ -665,13 +670,13 @@ class _Switchboard:
                                                             "not this rank's own)"})
                 return
             if peer in self.finished and not (call in ("recv", "irecv") and any(
-                    s[1] == peer and s[2] == rank for s in self.sends)):
+                    s[0] == peer and s[1] == rank for s in self.sends)):
                 self._post(rank, {"id": msg["id"], "error": f"rank {peer} {self.finished[peer]} before this message"})
                 return
             if call in ("send", "isend"):
-                self.sends.append([self.stamp, rank, peer, msg.get("tag"), msg["id"], vals])
+                self.sends.append([rank, peer, msg.get("tag"), msg["id"], vals])
             else:
-                self.recvs.append([self.stamp, rank, peer, msg.get("tag"), msg["id"], msg.get("numel")])
+                self.recvs.append([rank, peer, msg.get("tag"), msg["id"], msg.get("numel")])
             self._match()
             return
         if self.finished:
@@ -686,20 +691,21 @@ class _Switchboard:
 
     def _match(self) -> None:
         for recv in list(self.recvs):
-            _, dst, src, tag, rid, numel = recv
-            send = next((s for s in self.sends if s[2] == dst and (src is None or s[1] == src) and s[3] == tag), None)
+            dst, src, tag, rid, numel = recv
+            send = next((s for s in self.sends if s[1] == dst and (src is None or s[0] == src) and s[2] == tag), None)
             if send is None:
                 continue
             self.sends.remove(send)
             self.recvs.remove(recv)
-            if numel != len(send[5]):
-                why = (f"rank {send[1]} sent {len(send[5])} values to rank {dst}, which posted a receive of {numel}: "
+            sender, _, _, sid, values = send
+            if numel != len(values):
+                why = (f"rank {sender} sent {len(values)} values to rank {dst}, which posted a receive of {numel}: "
                        "sizes must match")
                 self._post(dst, {"id": rid, "error": why})
-                self._post(send[1], {"id": send[4], "error": why})
+                self._post(sender, {"id": sid, "error": why})
                 continue
-            self._post(dst, {"id": rid, "values": send[5], "src": send[1]})
-            self._post(send[1], {"id": send[4]})
+            self._post(dst, {"id": rid, "values": values, "src": sender})
+            self._post(sender, {"id": sid})
 
     def _collective(self, calls: dict[int, dict]) -> None:
         import math
@@ -742,7 +748,7 @@ class _Switchboard:
                 out = []
             self._post(r, {"id": c["id"], "values": out})
 
-    def run(self, procs: list) -> None:
+    def run(self) -> None:
         """Relay until every rank has reported or ended (or the deadline: TimeoutError)."""
         import select
         import time
@@ -817,16 +823,14 @@ def _run_world(script: str, world: int, case: Any, *, tmp: str, timeout: float, 
             theirs.close()
         board = _Switchboard(socks, time.monotonic() + timeout)
         try:
-            board.run(procs)
+            board.run()
         except TimeoutError as e:  # the deadline, or a deadlock the switchboard saw (every rank blocked)
             raise AssertionError(re.sub(r"no answer within \d+ s", str(e), on_timeout) if str(e) else
                                  re.sub(r"within \d+ s", f"within {timeout:.0f} s", on_timeout)) from None
         reports = []
         for rank, rep in enumerate(board.reports):
             if rep is None:
-                size = os.fstat(errs[rank].fileno()).st_size
-                start = max(0, size - (64 << 10))
-                lines = os.pread(errs[rank].fileno(), size - start, start).decode(errors="replace").strip().splitlines()
+                lines = tail(errs[rank].fileno(), 64 << 10).strip().splitlines()
                 rep = {"error": lines[-1][:300]} if lines else None
             elif isinstance(rep, dict):
                 calls = board.logs[rank]
