@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Iterable, Literal
 
+from . import checks as _checks
 from .specs import GPUSpec, ModelSpec, gpu as _gpu
 from .units import fmt_bytes
 
@@ -847,36 +848,20 @@ def _resolve(model: ModelSpec | str) -> ModelSpec:
 
 
 def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
-    if value not in choices:
-        raise ValueError(f"unknown {what} {value!r}; choose from {', '.join(choices)}")
+    _checks.one_of(what, value, choices)
 
 
-MAX_BATCH = 1 << 31  # sequences in one step; far beyond any GPU, small enough to stay exact and fast
+MAX_BATCH = _checks.MAX_COUNT  # sequences in one step; far beyond any GPU, small enough to stay exact and fast
 
 
 def _check_positive(**sizes: int) -> list[int]:
     """Whole positive numbers (numpy integers too), and not absurdly large: a batch of 10^35 is a
     typo, not a question. Returns them as plain ints, in the order given."""
-    out = []
-    for name, v in sizes.items():
-        try:
-            n = operator.index(v) if not isinstance(v, bool) else None
-        except TypeError:
-            n = None
-        if n is None or n <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if n > MAX_BATCH:
-            raise ValueError(f"{name} must be at most {MAX_BATCH:,}, got {n:,}")
-        out.append(n)
-    return out
+    return [_checks.whole(name, v) for name, v in sizes.items()]
 
 
-def _check_positions(spec: ModelSpec, seq_len: int) -> None:
-    """A model reads at most max_position_embeddings tokens (its learned position table, or the
-    context its rotary embedding was trained for); T5's relative positions have no such limit."""
-    limit = spec.max_position_embeddings
-    if spec.family != "t5" and limit and seq_len > limit:
-        raise ValueError(f"{spec.name} reads at most {limit:,} positions; seq_len {seq_len:,} is longer")
+def _check_positions(spec: ModelSpec, seq_len: int, name: str = "seq_len") -> None:
+    _checks.positions(spec, seq_len, name=name)
 
 
 def estimate_training(model: ModelSpec | str, *, batch_size: int, seq_len: int, precision: Precision = "fp32",

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Literal
 
+from . import checks as _checks
 from . import collectives as _coll
 from . import memory as _mem
 from .specs import ModelSpec
@@ -41,13 +42,7 @@ MAX_MICRO_BATCHES = 1 << 14
 
 def _count(name: str, value, *, lo: int = 1, hi: int = MAX_DEVICES) -> int:
     """A whole number in [lo, hi] (numpy integers too), or a ValueError naming the argument."""
-    try:
-        v = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        v = None
-    if v is None or not lo <= v <= hi:
-        raise ValueError(f"{name} must be a whole number from {lo:,} to {hi:,}, got {value!r}")
-    return v
+    return _checks.whole(name, value, lo=lo, hi=hi)
 
 
 @dataclass(frozen=True, kw_only=True)
