@@ -13,15 +13,19 @@ dropout: memory traffic, which a FLOP count does not see).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from dataclasses import dataclass
+from typing import Iterable
 
+from . import checks as _checks
 from . import memory as _mem
 from . import offload as _off
 from .memory import MemoryBreakdown, Plan, recompute_plan
 from .specs import GPUSpec, ModelSpec, gpu as _gpu
 
 PLANS: tuple[str, ...] = ("none", "selective", "sac-matmuls", "full", "sqrt", "offload")
+_MAX_FLOPS = 10**40  # a step's FLOPs exceed any count of tokens or bytes
 MFU = 0.4  # the share of a GPU's dense peak FLOP/s a step is assumed to reach (step_seconds)
 
 
@@ -38,7 +42,7 @@ def flops(model: ModelSpec | str, *, batch_size: int, seq_len: int) -> dict:
     """Forward FLOPs of each block ('blocks', forward order) and of the head ('head': the LM head or
     MLM head), their attention-core part per block ('attention_core'), and the step ('step': 3x
     the forward)."""
-    spec = _mem._resolve(model)
+    spec = _mem._resolve(model)  # (no positions check: FLOPs are counted for any length, as the papers' formulas)
     b, s = _mem._check_positive(batch_size=batch_size, seq_len=seq_len)
     tokens = b * s
     core = 4 * b * s * s * spec.q_dim
@@ -78,6 +82,19 @@ class PlanResult:
     step_seconds: float | None = None  # with a GPU: FLOPs at its achievable rate, plus offload not hidden
     fit: "_mem.Fit | None" = None  # with a GPU: `memory.device_fit` of the peak (the one definition of "fits")
 
+    def __post_init__(self) -> None:
+        for k, kind in (("plan", Plan), ("peak", MemoryBreakdown)):
+            if not isinstance(getattr(self, k), kind):
+                raise ValueError(f"{k} must be a {kind.__module__}.{kind.__name__}, got {_checks.show(getattr(self, k))}")
+        if not isinstance(self.phases, tuple) or not all(isinstance(m, MemoryBreakdown) for m in self.phases):
+            raise ValueError(f"phases must be a tuple of MemoryBreakdowns, got {_checks.show(self.phases)}")
+        for k, lo in (("step_flops", 1), ("recompute_flops", 0), ("offload_bytes", 0)):
+            object.__setattr__(self, k, _checks.whole(k, getattr(self, k), lo=lo, hi=_MAX_FLOPS))
+        if self.step_seconds is not None:
+            object.__setattr__(self, "step_seconds", _checks.number("step_seconds", self.step_seconds, lo=0))
+        if self.fit is not None and not isinstance(self.fit, _mem.Fit):
+            raise ValueError(f"fit must be None or a vramlab.memory.Fit, got {_checks.show(self.fit)}")
+
     @property
     def recompute_fraction(self) -> float:
         """Extra compute as a fraction of the step without recompute (full: about 1/3 of the blocks')."""
@@ -97,9 +114,12 @@ def evaluate(model: ModelSpec | str, recompute: "str | Plan" = "none", *, batch_
     checkpoints over the host link, both ways, added to the compute: torch's `save_on_cpu` copies on
     the compute stream, measured at SAVE_ON_CPU_EFFICIENCY of the nominal rate (chapter 6)."""
     spec = _mem._resolve(model)
+    batch_size, seq_len = _mem._check_positive(batch_size=batch_size, seq_len=seq_len)
     plan = recompute_plan(recompute, spec)
-    if not 0 < mfu <= 1:
-        raise ValueError(f"mfu is a fraction of the peak FLOP/s in (0, 1], got {mfu!r}")
+    mfu = _checks.number("mfu", mfu, lo=0, lo_open=True, hi=1,
+                         what="a fraction of the peak FLOP/s in (0, 1]")
+    _mem._check_choice(device, ("cuda", "cpu"), "device")
+    gpu = _gpu(gpu) if gpu is not None else None
     phases = _mem.training_phases(spec, batch_size=batch_size, seq_len=seq_len, precision=precision,
                                   optimizer=optimizer, attention=attention, recompute=plan, device=device,
                                   gpu=gpu if device == "cuda" else None)
@@ -141,12 +161,21 @@ def _fits(r: PlanResult, budget_bytes: "int | None") -> bool:
     return r.fit.fits if budget_bytes is None else r.peak.total <= budget_bytes
 
 
-def _budget(budget_bytes, kw: dict) -> None:
+# what cheapest_plan and brute_force_blocks pass on to `evaluate` (its keywords but the sizes)
+_EVALUATE_OPTIONS = tuple(k for k, p in inspect.signature(evaluate).parameters.items()
+                          if p.kind is p.KEYWORD_ONLY and k not in ("batch_size", "seq_len"))
+
+
+def _budget(where: str, budget_bytes, kw: dict):
+    """The planners' arguments, checked before any plan is weighed: no unknown keyword, a budget in
+    bytes (numpy's numbers too) or a GPU to fit by."""
+    _checks.no_unknown(where, kw, _EVALUATE_OPTIONS)
     if budget_bytes is None:
         if kw.get("gpu") is None or kw.get("device", "cuda") != "cuda":
             raise ValueError("without budget_bytes, give a gpu: a plan then fits by memory.device_fit")
-    elif not isinstance(budget_bytes, (int, float)) or isinstance(budget_bytes, bool) or not budget_bytes > 0:
-        raise ValueError(f"budget_bytes must be a positive number of bytes, got {budget_bytes!r}")
+        return None
+    return _checks.number("budget_bytes", budget_bytes, lo=0, lo_open=True, hi=_mem.MAX_BYTES,
+                          what="a positive number of bytes")
 
 
 def cheapest_plan(model: ModelSpec | str, budget_bytes: "int | None", *, batch_size: int, seq_len: int,
@@ -156,9 +185,16 @@ def cheapest_plan(model: ModelSpec | str, budget_bytes: "int | None", *, batch_s
     budget_bytes=None and a `gpu`, `memory.device_fit` (estimate + margin + fragmentation + context
     within the GPU, as every calculator decides). `plans` defaults to `candidate_plans`; the other
     arguments are `evaluate`'s."""
-    _budget(budget_bytes, kw)
-    results = [evaluate(model, p, batch_size=batch_size, seq_len=seq_len, **kw)
-               for p in (plans if plans is not None else candidate_plans(model))]
+    budget_bytes = _budget("cheapest_plan", budget_bytes, kw)
+    spec = _mem._resolve(model)
+    if plans is None:
+        plans = candidate_plans(spec)
+    elif isinstance(plans, (str, bytes, dict, Plan)) or not isinstance(plans, Iterable):
+        raise ValueError(f"plans must be a list of recompute plans (names or Plans), got {_checks.show(plans)}")
+    plans = [recompute_plan(p, spec) for p in plans]  # every plan checked before the first is weighed
+    if not plans:
+        raise ValueError("plans must not be empty")
+    results = [evaluate(spec, p, batch_size=batch_size, seq_len=seq_len, **kw) for p in plans]
     fitting = [r for r in results if _fits(r, budget_bytes)]
     if not fitting:
         return None
@@ -173,11 +209,12 @@ def _recomputes(plan: Plan) -> bool:
 def brute_force_blocks(model: ModelSpec | str, budget_bytes: "int | None", *, batch_size: int, seq_len: int, **kw):
     """Every set of blocks checkpointed one by one (2^L plans: small models only), the one that fits
     with the least recompute (ties: smaller peak). The reference `cheapest_plan` is tested against."""
-    _budget(budget_bytes, kw)
+    budget_bytes = _budget("brute_force_blocks", budget_bytes, kw)
     spec = _mem._resolve(model)
     n = spec.num_layers + spec.num_decoder_layers
     if n > 12:
         raise ValueError(f"{n} blocks is {2 ** n} plans: brute force is for 12 blocks or fewer")
+    evaluate(spec, "none", batch_size=batch_size, seq_len=seq_len, **kw)  # the options, checked once first
     best = None
     for k in range(n + 1):
         for blocks in itertools.combinations(range(n), k):

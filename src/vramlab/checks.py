@@ -35,6 +35,24 @@ def _is_bool(value) -> bool:
     return isinstance(value, bool) or type(value).__name__ in ("bool_", "bool")  # numpy.bool_ too
 
 
+def _same_kind(a, b) -> bool:
+    if isinstance(a, _numbers.Integral) and isinstance(b, _numbers.Integral):
+        return True
+    if isinstance(a, _numbers.Number) or isinstance(b, _numbers.Number):
+        return type(a) is type(b) or (isinstance(a, float) and isinstance(b, float))
+    return True
+
+
+def is_bool(value) -> bool:
+    """True for Python's and numpy's booleans, which are never a count, a number or a choice."""
+    return _is_bool(value)
+
+
+def show(value) -> str:
+    """The value as Python writes it, cut short to fit a one-line message."""
+    return _show(value)
+
+
 def _show(value) -> str:
     """The offending value as Python writes it, cut short: an error is one line."""
     r = repr(value)
@@ -110,13 +128,15 @@ def share(name: str, value) -> float:
 def one_of(name: str, value, choices: Iterable) -> Any:
     """`value` if it is one of `choices` (a bool never stands for 1 or 0), else a ValueError listing them."""
     choices = tuple(choices)
-    try:
-        ok = not _is_bool(value) and value in choices
-    except TypeError:  # an unhashable value against a dict's keys
-        ok = False
-    if not ok:
-        raise ValueError(f"unknown {name} {_show(value)}; choose from {', '.join(str(c) for c in choices)}")
-    return value
+    if not _is_bool(value):
+        for c in choices:
+            try:
+                # equal and of the same kind: 2.0 is not the choice 2, True is not 1, "2" is not 2
+                if value == c and _same_kind(value, c):
+                    return c  # the choice itself: a numpy integer comes back as the plain int it matched
+            except (TypeError, ValueError):  # an array, or something whose == gives no truth value
+                break
+    raise ValueError(f"unknown {name} {_show(value)}; choose from {', '.join(str(c) for c in choices)}")
 
 
 def flag(name: str, value) -> bool:
@@ -135,6 +155,9 @@ def numbers(name: str, values, *, lo: float | None = 0, hi: float | None = None,
     if not out and not empty:
         raise ValueError(f"{name} must not be empty")
     for i, v in enumerate(out):
+        if type(v) is float and math.isfinite(v) and (lo is None or (v > lo if lo_open else v >= lo)) \
+                and (hi is None or v <= hi):
+            continue  # the common case
         out[i] = number(f"{name}[{i}]", v, lo=lo, hi=hi, lo_open=lo_open)
     return out
 
@@ -146,6 +169,8 @@ def wholes(name: str, values, *, lo: int = 0, hi: int = MAX_COUNT, empty: bool =
     out = list(values)
     if not out and not empty:
         raise ValueError(f"{name} must not be empty")
+    if all(type(v) is int and lo <= v <= hi for v in out):  # the common case, in one pass
+        return out
     return [whole(f"{name}[{i}]", v, lo=lo, hi=hi) for i, v in enumerate(out)]
 
 
@@ -224,17 +249,36 @@ def fail(prog: str, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def output_path(prog: str, path: str | None) -> None:
-    """Check before any work that `path` can be written: its folder exists and is a folder, the
-    path is not a folder, and the file can be created. One line and exit 2 otherwise."""
+def output_path(prog: str, path, *, make_folder: bool = False) -> None:
+    """Fail before the work, not after it: `path` (--out) must be a file that can be written. With
+    `make_folder` (the command makes the folder when it writes) a missing folder is made now;
+    without, it must exist. None, "" and "-" (stdout) pass. One line on stderr, exit 2 otherwise."""
     import os
 
-    if path is None or path == "-":
+    if path is None or str(path) in ("", "-"):
         return
-    folder = os.path.dirname(os.path.abspath(path)) or "."
+    path = str(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    above = folder
+    while not os.path.exists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    if os.path.exists(above) and not os.path.isdir(above):  # afile/x.json: afile is no folder
+        fail(prog, f"--out {path!r}: {above!r} is a file, not a folder")
     if os.path.isdir(path):
         fail(prog, f"--out {path!r} is a folder, not a file")
+    if make_folder:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            fail(prog, f"cannot write --out {path!r}: {e.strerror or e}")
     if not os.path.isdir(folder):
         fail(prog, f"--out {path!r}: the folder {folder!r} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+    if os.path.exists(path) and not os.access(path, os.W_OK):
         fail(prog, f"--out {path!r} cannot be written")
+    probe = os.path.join(folder, f".vramlab-out-{os.getpid()}.tmp")  # what os.access cannot see (root, mounts)
+    try:
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        fail(prog, f"cannot write --out {path!r}: {e.strerror or e}")

@@ -12,7 +12,6 @@ the predicted recompute FLOPs over the step's FLOPs.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import checkpointing as ck
+from . import checks
 from .specs import ModelSpec, SpecError, from_config, preset
 
 # the lab's models: GPT-2 (12 blocks, as released) and a Llama-style model small enough that its
@@ -108,28 +108,83 @@ def run(*, models=MODELS, plans=PLANS, batch_size: int = 2, seq_len: int = 512, 
             "plan; overhead = t_plan / t_none - 1 against recompute FLOPs / step FLOPs (checkpointing.flops)"}
 
 
+PROG = "python -m vramlab.ckptlab"
+
+
+def _names(option: str, text: str) -> tuple[str, ...]:
+    """A comma-separated list given to `option`: at least one name, each once."""
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names:
+        checks.fail(PROG, f"{option} must name at least one, got {text!r}")
+    if len(set(names)) != len(names):
+        checks.fail(PROG, f"{option} names each once, got {text!r}")
+    return names
+
+
+def _validated(a) -> dict[str, Any]:
+    """Every argument and every constraint the models put on them, checked before any process
+    starts (`run`'s arguments); one line and SystemExit(2) otherwise."""
+    from .measure import check_measurable, resolve_mode
+
+    models, plans = _names("--models", a.models), _names("--plans", a.plans)
+    if a.timed_plans is not None and not a.time:
+        checks.fail(PROG, "--timed-plans applies with --time STEPS only")
+    timed = _names("--timed-plans", a.timed_plans) if a.timed_plans is not None else TIMED
+    if a.time and timed[0] != "none":
+        checks.fail(PROG, f"--timed-plans: the first timed plan is the baseline the overheads are measured from: "
+                          f"it must be none, got {timed[0]}")
+    try:
+        mode = resolve_mode(a.mode)
+    except (ValueError, RuntimeError):
+        checks.fail(PROG, f"--mode {a.mode} needs a CUDA GPU and this machine has none; use --mode trace or auto")
+    mode = "trace" if mode == "cpu" else mode
+    device = "cuda" if mode == "cuda" else "cpu"
+    sizes = [("--seq-len", a.batch_size, a.seq_len)]
+    if a.time and mode != "cuda":  # the CPU times run()'s smaller steps
+        sizes.append(("the timed steps' sequence length", 2, 256))
+    for name in models:
+        try:
+            spec = lab_spec(name)
+        except (SpecError, ValueError) as e:
+            checks.fail(PROG, f"--models: {e}")
+        for what, b, s in sizes:
+            try:
+                checks.positions(spec, s, name=what)
+            except ValueError as e:
+                checks.fail(PROG, str(e))
+        for plan in (*plans, *(timed if a.time else ())):
+            try:  # measurable, and predictable for this model at these sizes (what run() asks after measuring)
+                check_measurable(spec, plan)
+                for _, b, s in sizes:
+                    ck.evaluate(spec, plan, batch_size=b, seq_len=s, precision=a.precision, device=device)
+            except (ValueError, SpecError, NotImplementedError) as e:
+                checks.fail(PROG, str(e))
+    return dict(models=models, plans=plans, batch_size=a.batch_size, seq_len=a.seq_len, mode=a.mode,
+                precision=a.precision, time_steps=a.time, timed_plans=timed)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vramlab.ckptlab", description=__doc__.split("\n\n")[0])
+    A, whole = checks.argtype, checks.whole
+    ap = checks.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)} or presets")
     ap.add_argument("--plans", default=",".join(PLANS))
-    ap.add_argument("--batch-size", type=int, default=2)
-    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--batch-size", type=A(whole, int, lo=1, hi=4096), default=2)
+    ap.add_argument("--seq-len", type=A(whole, int, lo=1), default=512, help="at most the models' positions")
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16-mixed", "fp16-mixed", "bf16"))
     ap.add_argument("--mode", default="auto", choices=("auto", "cuda", "trace"))
-    ap.add_argument("--time", type=int, default=0, metavar="STEPS", help="also time STEPS steps per plan (0: no)")
-    ap.add_argument("--timed-plans", default=",".join(TIMED), help="the plans --time times (the first is the baseline)")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--time", type=A(whole, int, lo=0, hi=1000), default=0, metavar="STEPS",
+                    help="also time STEPS steps per plan (0: no)")
+    ap.add_argument("--timed-plans", default=None,
+                    help=f"the plans --time times (the first is the baseline; default {','.join(TIMED)})")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here (checked before any measurement)")
     a = ap.parse_args(argv)
+    try:  # refusals return 2, as a failed run does
+        kw = _validated(a)
+        checks.output_path(PROG, a.out, make_folder=True)
+    except SystemExit as e:
+        return e.code
     try:
-        models = tuple(m.strip() for m in a.models.split(",") if m.strip())
-        for m in models:
-            lab_spec(m)
-        if a.batch_size < 1 or a.seq_len < 1 or a.time < 0:
-            raise ValueError("--batch-size and --seq-len must be positive, --time non-negative")
-        res = run(models=models, plans=tuple(p.strip() for p in a.plans.split(",")), batch_size=a.batch_size,
-                  seq_len=a.seq_len, mode=a.mode, precision=a.precision, time_steps=a.time,
-                  timed_plans=tuple(p.strip() for p in a.timed_plans.split(",") if p.strip()),
-                  progress=lambda s: print(s, file=sys.stderr, flush=True))
+        res = run(**kw, progress=lambda s: print(s, file=sys.stderr, flush=True))
     except (ValueError, SpecError, NotImplementedError, RuntimeError) as e:
         print(f"ckptlab: {e}", file=sys.stderr)
         return 2

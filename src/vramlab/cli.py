@@ -11,41 +11,31 @@ import os
 import sys
 from typing import Sequence
 
-from . import memory, specs
+from . import checks, memory, specs
 from .units import fmt_bytes
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse prints usage too; keep it short)
-        self.exit(2, f"vramlab: error: {message}\n")
-
-
-def _int_at_least(lo: int):
-    """An argparse type: a whole number >= lo, or one error line saying so."""
-    what = "a positive integer" if lo == 1 else "a non-negative integer"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
-        return value
-
-    return parse
+def _count(name: str, value, *, lo: int = 1) -> int:
+    """checks.whole, saying "non-negative" where 0 is allowed (the flags' help says so)."""
+    try:
+        return checks.whole(name, value, lo=lo)
+    except ValueError:
+        if lo == 0 and isinstance(value, int) and value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value}") from None
+        raise
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="vramlab", description="Where GPU memory goes: estimate training and inference memory.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    """The `vramlab` command line: every error is one line and exit status 2 (`checks.Parser`)."""
+    p = checks.Parser(prog="vramlab", description="Where GPU memory goes: estimate training and inference memory.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=checks.Parser)
     est = sub.add_parser("estimate", help="estimate the peak memory of a training step, an inference prefill or generate()")
     est.add_argument("mode", choices=("train", "infer"))
     src = est.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help=f"a preset: {', '.join(specs.preset_names())}")
     src.add_argument("--hf-config", metavar="PATH", help="a transformers config.json (or a folder holding one)")
-    est.add_argument("--batch-size", type=_int_at_least(1), required=True, help="sequences per step")
-    est.add_argument("--seq-len", type=_int_at_least(1), required=True, help="tokens per sequence")
+    est.add_argument("--batch-size", type=checks.argtype(_count, int), required=True, help="sequences per step")
+    est.add_argument("--seq-len", type=checks.argtype(_count, int), required=True, help="tokens per sequence")
     est.add_argument("--precision", default=None,
                      help="train: fp32 | bf16-mixed | fp16-mixed | bf16 (default fp32); infer: fp32 | bf16 | fp16 | int8 (default bf16)")
     est.add_argument("--optimizer", default=None, choices=memory.OPTIMIZERS, help="train only (default adamw)")
@@ -54,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--recompute", default=None, metavar="PLAN",
                      help=f"train only (default none): {', '.join(memory.RECOMPUTES)}, every-K, first-N or segments-K")
     est.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="whose kernels run (default cuda)")
-    est.add_argument("--new-tokens", type=_int_at_least(0), default=None,
+    est.add_argument("--new-tokens", type=checks.argtype(_count, int, lo=0), default=None,
                      help="infer: model.generate() with this many new tokens (default: one prefill, all logits)")
     est.add_argument("--gpu", help=f"check the fit on: {', '.join(specs.GPUS)} (shows the reserve it assumes)")
     est.add_argument("--expandable-segments", action="store_true",
@@ -78,6 +68,8 @@ def _estimate(args: argparse.Namespace) -> int:
         raise ValueError("--gpu checks the fit on a GPU: leave --device at cuda")
     if args.expandable_segments and not gpu:
         raise ValueError("--expandable-segments changes the fit on a GPU: give --gpu too")
+    if args.mode == "infer" and args.new_tokens is not None:
+        checks.has_decoder(spec, "--new-tokens (generation; leave it out for a prefill)")
     if args.mode == "train":
         options = dict(seq_len=args.seq_len, precision=args.precision or "fp32", optimizer=args.optimizer or "adamw",
                        optimizer_impl=args.optimizer_impl or "foreach", attention=args.attention,
@@ -115,6 +107,10 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run `vramlab` with `argv` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
+    if argv is not None and (isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence)
+                             or not all(isinstance(a, str) for a in argv)):
+        raise ValueError(f"argv must be a list of strings (or None for sys.argv), got {argv!r:.60}")
     args = build_parser().parse_args(argv)
     try:
         return _main(args)

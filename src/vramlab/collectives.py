@@ -19,7 +19,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Literal, Sequence
+from typing import Iterable, Literal, Sequence
+
+from . import checks as _checks
 
 Op = Literal["broadcast", "reduce", "all_reduce", "reduce_scatter", "all_gather", "all_to_all"]
 OPS: tuple[str, ...] = ("broadcast", "reduce", "all_reduce", "reduce_scatter", "all_gather", "all_to_all")
@@ -36,17 +38,42 @@ SEMANTICS = {
 }
 
 
-def _check(op: str, n: int) -> None:
-    if op not in OPS:
-        raise ValueError(f"unknown collective {op!r}; choose from {', '.join(OPS)}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"the number of ranks must be a positive integer, got {n!r}")
+ALGORITHMS: tuple[str, ...] = ("ring", "tree")
+SCHEMES: tuple[str, ...] = ("all_reduce", "parameter_server", "sharded_parameter_server")
+MAX_FIGURE_RANKS = 26  # the figures letter the ranks a, b, c, ...
+
+
+def _check(op: str, n: int, *, hi: int = _checks.MAX_COUNT) -> tuple[str, int]:
+    """(op, n) checked: a known collective and a positive whole number of ranks (numpy's too)."""
+    _checks.one_of("collective op", op, OPS)
+    return op, _checks.whole("n", n, hi=hi)
+
+
+def _size(size_bytes, name: str = "size_bytes"):
+    """A finite number of bytes >= 0 (int stays int)."""
+    return _checks.number(name, size_bytes, lo=0, what="a finite number of bytes >= 0")
+
+
+def _link(lk, name: str = "lk") -> "Link":
+    """A Link, or a preset's name (`link`)."""
+    if isinstance(lk, str):
+        return link(lk)
+    if not isinstance(lk, Link):
+        raise ValueError(f"{name} must be a Link or one of {', '.join(LINKS)}, got {_checks.show(lk)}")
+    return lk
+
+
+def _measured(name: str, values, *, lo_open: bool, what: str) -> list:
+    """A sequence of measurements (numpy arrays too; not a string or a mapping), each checked."""
+    if isinstance(values, (str, bytes, dict)) or not isinstance(values, Iterable):
+        raise ValueError(f"{name} must be a list of numbers, got {_checks.show(values)}")
+    return [_checks.number(f"{name}[{i}]", v, lo=0, lo_open=lo_open, what=what) for i, v in enumerate(values)]
 
 
 def busbw_factor(op: Op, n: int) -> Fraction:
     """nccl-tests' bus-bandwidth factor: all-reduce 2(n-1)/n; reduce-scatter, all-gather and
     all-to-all (n-1)/n; broadcast and reduce 1. Exact, as a Fraction."""
-    _check(op, n)
+    op, n = _check(op, n)
     if op == "all_reduce":
         return Fraction(2 * (n - 1), n)
     if op in ("reduce_scatter", "all_gather", "all_to_all"):
@@ -56,20 +83,25 @@ def busbw_factor(op: Op, n: int) -> Fraction:
 
 def algbw(size_bytes: int, seconds: float) -> float:
     """Algorithm bandwidth, bytes per second."""
-    if seconds <= 0:
-        raise ValueError("time must be positive")
-    return size_bytes / seconds
+    size_bytes = _size(size_bytes)
+    return size_bytes / _checks.positive("seconds", seconds)
 
 
 def busbw(op: Op, n: int, size_bytes: int, seconds: float) -> float:
     """Bus bandwidth, bytes per second: algbw x busbw_factor."""
-    return algbw(size_bytes, seconds) * float(busbw_factor(op, n))
+    factor = float(busbw_factor(op, n))
+    return algbw(size_bytes, seconds) * factor
 
 
 def bytes_sent_per_rank(op: Op, n: int, size_bytes: int, *, algorithm: Algorithm = "ring") -> float:
     """Bytes each rank sends (and receives) for one collective on `size_bytes`, by the ring
-    algorithm (broadcast/reduce: a pipelined chain, every non-terminal rank forwards S)."""
-    _check(op, n)
+    algorithm (broadcast/reduce: a pipelined chain, every non-terminal rank forwards S). The tree
+    (algorithm="tree") is modelled for all_reduce only, as in `collective_time`."""
+    op, n = _check(op, n)
+    size_bytes = _size(size_bytes)
+    _checks.one_of("algorithm", algorithm, ALGORITHMS)
+    if algorithm == "tree" and op != "all_reduce":
+        raise ValueError(f"algorithm='tree' is modelled for all_reduce only, got op {op!r}")
     if n == 1:
         return 0.0
     if algorithm == "tree" and op == "all_reduce":
@@ -86,6 +118,11 @@ class Link:
     name: str
     bandwidth_GBps: float
     latency_us: float
+
+    def __post_init__(self):
+        _checks.text("name", self.name)
+        object.__setattr__(self, "bandwidth_GBps", _checks.positive("bandwidth_GBps", self.bandwidth_GBps))
+        object.__setattr__(self, "latency_us", _checks.number("latency_us", self.latency_us, lo=0))
 
     @property
     def bytes_per_s(self) -> float:
@@ -108,30 +145,24 @@ LINKS: dict[str, Link] = {lk.name: lk for lk in (
 
 
 def link(name: str) -> Link:
-    if not isinstance(name, str) or name not in LINKS:
-        raise ValueError(f"unknown link {name!r}; choose from {', '.join(LINKS)}")
-    return LINKS[name]
+    """A preset link by name."""
+    return LINKS[_checks.one_of("link", name, LINKS)]
 
 
 def collective_time(op: Op, n: int, size_bytes: int, lk: Link | str, *, algorithm: Algorithm = "ring",
                     chunks: int = 1) -> float:
     """Seconds for one collective by the alpha-beta model (formulas in the module docstring)."""
-    _check(op, n)
-    if isinstance(size_bytes, bool) or not isinstance(size_bytes, (int, float)) or not (0 <= size_bytes < math.inf):
-        raise ValueError(f"size must be a finite non-negative number of bytes, got {size_bytes!r}")
-    if algorithm not in ("ring", "tree"):
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose ring or tree")
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-    lk = link(lk) if isinstance(lk, str) else lk
-    if not isinstance(lk, Link):
-        raise ValueError(f"link must be a Link or one of {', '.join(LINKS)}, got {lk!r}")
+    op, n = _check(op, n)
+    size_bytes = _size(size_bytes)
+    _checks.one_of("algorithm", algorithm, ALGORITHMS)
+    chunks = _checks.whole("chunks", chunks)
+    lk = _link(lk)
     a, B, S = lk.alpha_s, lk.bytes_per_s, size_bytes
     if n == 1:
         return 0.0
     if algorithm == "tree":
         if op != "all_reduce":
-            raise ValueError("the tree model covers all_reduce only")
+            raise ValueError(f"algorithm='tree' is modelled for all_reduce only, got op {op!r}")
         return 2 * math.ceil(math.log2(n)) * (a + S / B)
     if op in ("broadcast", "reduce"):  # pipelined chain of k chunks
         k = max(1, chunks)
@@ -145,7 +176,7 @@ def alpha_beta_coefficients(op: Op, n: int) -> tuple[float, float]:
     and reduce: the chain in one chunk). c_alpha counts the steps: 2(n-1) for all-reduce, n-1 for the
     rest; c_beta, the bytes each rank sends per byte of S, is nccl-tests' bus-bandwidth factor, which
     is why busbw is comparable with a link's peak."""
-    _check(op, n)
+    op, n = _check(op, n)
     return (2.0 if op == "all_reduce" else 1.0) * (n - 1), float(busbw_factor(op, n))
 
 
@@ -158,16 +189,16 @@ def fit_alpha_beta(op: Op, n: int, sizes: Sequence[int], seconds: Sequence[float
     benchmark sizes span four or more orders of magnitude in time, and an ordinary (absolute) least-squares
     line is decided by the largest sizes alone, which leaves the latency term - the whole story for small
     messages - to their rounding errors. error="absolute" is the ordinary least-squares line."""
-    if len(sizes) != len(seconds) or len(sizes) < 2:
-        raise ValueError("need at least two (size, time) pairs of equal length")
-    if error not in ("relative", "absolute"):
-        raise ValueError(f"error must be 'relative' or 'absolute', not {error!r}")
-    if any(not (isinstance(t, (int, float)) and 0 < t < math.inf) for t in seconds):
-        raise ValueError("measured times must be positive finite numbers (no NaN)")
-    if any(not (isinstance(x, (int, float)) and 0 <= x < math.inf) for x in sizes):
-        raise ValueError("sizes must be finite non-negative numbers of bytes")
+    op, n = _check(op, n)
+    if not isinstance(error, str) or error not in ("relative", "absolute"):
+        raise ValueError(f"error must be 'relative' or 'absolute', not {_checks.show(error)}")
+    xs = [float(x) for x in _measured("sizes", sizes, lo_open=False, what="a finite number of bytes >= 0 (not NaN)")]
+    ys = [float(t) for t in _measured("seconds", seconds, lo_open=True,
+                                      what="a finite positive number of seconds (not NaN)")]
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise ValueError(f"sizes and seconds must be two lists of equal length, at least two (size, time) pairs, "
+                         f"got {len(xs)} and {len(ys)}")
     ca, cb = alpha_beta_coefficients(op, n)
-    xs, ys = [float(s) for s in sizes], [float(t) for t in seconds]
     ws = [1.0 / y ** 2 for y in ys] if error == "relative" else [1.0] * len(ys)
     sw = sum(ws)
     mx, my = sum(w * x for w, x in zip(ws, xs)) / sw, sum(w * y for w, y in zip(ws, ys)) / sw
@@ -196,7 +227,11 @@ def data_parallel_sync(n_params: int, n_workers: int, lk: Link | str, *, bytes_p
       shards, one beside each worker; each worker pushes (n-1)/n S to the other shards and pulls as
       much back, and each shard serves the same: 2(n-1)/n S bytes per link, the ring's traffic, in
       two steps instead of 2(n-1)."""
-    lk = link(lk) if isinstance(lk, str) else lk
+    n_params = _checks.whole("n_params", n_params, lo=0, hi=10**15)
+    n_workers = _checks.whole("n_workers", n_workers)
+    bytes_per_grad = _checks.whole("bytes_per_grad", bytes_per_grad, hi=8)
+    _checks.one_of("scheme", scheme, SCHEMES)
+    lk = _link(lk)
     S = n_params * bytes_per_grad
     if scheme == "all_reduce":  # every worker's link is equally busy
         sent = bytes_sent_per_rank("all_reduce", n_workers, S)
@@ -218,7 +253,7 @@ def data_parallel_sync(n_params: int, n_workers: int, lk: Link | str, *, bytes_p
 def before_after(op: Op, n: int) -> tuple[list[list[str]], list[list[str]]]:
     """What rank r holds before and after `op`, as n rows of n chunk labels: 'a2' is rank a's
     chunk 2 (ranks lettered a, b, c, ...), 'Σ2' the sum over ranks of chunk 2, '' nothing."""
-    _check(op, n)
+    op, n = _check(op, n, hi=MAX_FIGURE_RANKS)
     rk = [chr(ord("a") + r) for r in range(n)]
     own = [[f"{rk[r]}{c}" for c in range(n)] for r in range(n)]
     total = [f"Σ{c}" for c in range(n)]
@@ -241,7 +276,7 @@ def before_after(op: Op, n: int) -> tuple[list[list[str]], list[list[str]]]:
 def ring_all_reduce_steps(n: int) -> list[tuple[str, list[list[str]]]]:
     """The ring all-reduce's state after each step: (title, n x n grid of what each rank holds for
     each chunk; a partial sum of ranks {a, b} of chunk 2 is 'ab2', the full sum 'Σ2')."""
-    _check("all_reduce", n)
+    _, n = _check("all_reduce", n, hi=MAX_FIGURE_RANKS)
     rk = [chr(ord("a") + r) for r in range(n)]
     hold = [[(frozenset([r]), c) for c in range(n)] for r in range(n)]
 

@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import checks
 from . import collectives as C
 from .collectives import OPS
 
@@ -195,19 +196,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _check_out(path: str) -> None:
-    """Fail before measuring, not after: the output's folder must exist or be creatable, and writable."""
-    folder = Path(path).resolve().parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".commbench-{os.getpid()}.tmp"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        print(f"commbench: cannot write --out {path}: {e.strerror or e}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
 def _report(rows: list[dict], args, world: int) -> None:
     print(f"# {NCCL_NAMES[args.op]} (vramlab.commbench): backend {args.backend}, {world} ranks")
     print(f"#{'size':>12}{'count':>12}{'type':>7}{'redop':>7}{'root':>6}{'time':>10}{'algbw':>8}{'busbw':>8}"
@@ -230,36 +218,47 @@ def _report(rows: list[dict], args, world: int) -> None:
         print(f"# wrote {args.out}")
 
 
+PROG = "python -m vramlab.commbench"
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Benchmark a collective (nccl-tests format).")
+    p = checks.Parser(prog=PROG, description="Benchmark a collective (nccl-tests format).")
     p.add_argument("--op", default="all_reduce", choices=OPS)
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    p.add_argument("--nproc", type=int, default=2, help="local processes to spawn (ignored under torchrun)")
+    p.add_argument("--nproc", type=checks.argtype(checks.whole, int, lo=1, hi=256), default=2,
+                   help="local processes to spawn, 1 to 256 (ignored under torchrun)")
     p.add_argument("--sizes", type=_sizes, default=default_sizes(),
                    help="comma-separated sizes in bytes, multiples of 4 (float32) (default 1 KiB .. 16 MiB, x4)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed operations before each size")
-    p.add_argument("--warmup-s", type=float, default=0.5, help="seconds of small all-reduces before the first size")
-    p.add_argument("--iters", type=int, default=20, help="back-to-back operations per timed run")
-    p.add_argument("--runs", type=int, default=5, help="timed runs per size (the median is reported)")
+    p.add_argument("--warmup", type=checks.argtype(checks.whole, int, lo=0, hi=10_000), default=3,
+                   help="untimed operations before each size")
+    p.add_argument("--warmup-s", type=_float, default=0.5, help="seconds of small all-reduces before the first size")
+    p.add_argument("--iters", type=checks.argtype(checks.whole, int, lo=1, hi=100_000), default=20,
+                   help="back-to-back operations per timed run")
+    p.add_argument("--runs", type=checks.argtype(checks.whole, int, lo=1, hi=10_000), default=5,
+                   help="timed runs per size (the median is reported)")
     p.add_argument("--order", default="interleaved", choices=("interleaved", "sequential"),
                    help="interleaved: sizes take turns run by run (default); sequential: one size after another")
     p.add_argument("--out", default=None, help="write the results as JSON here (checked before the run)")
-    p.add_argument("--port", type=int, default=0, help="rendezvous port (default: a free one)")
-    p.add_argument("--timeout", type=float, default=60.0,
+    p.add_argument("--port", type=checks.argtype(checks.whole, int, lo=0, hi=65535), default=0,
+                   help="rendezvous port, 1 to 65535 (default 0: a free one)")
+    p.add_argument("--timeout", type=_float, default=60.0,
                    help="seconds a rendezvous or one collective may take before the run stops (default 60)")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin CPU ranks to cores")
     args = p.parse_args(argv)
-    if not 1 <= args.nproc <= 256:
-        p.error("--nproc must be from 1 to 256")
-    if args.iters < 1 or args.runs < 1 or args.warmup < 0:
-        p.error("--iters and --runs must be >= 1, --warmup >= 0")
     if not (0 <= args.warmup_s <= 60):
-        p.error(f"--warmup-s must be from 0 to 60 seconds, got {args.warmup_s}")
+        p.error(f"--warmup-s must be from 0 to 60 seconds, got {args.warmup_s:g}")
     if not (0 < args.timeout <= 3600):
-        p.error(f"--timeout must be from 0 to 3600 seconds, got {args.timeout}")
-    if args.out:
-        _check_out(args.out)
+        p.error(f"--timeout must be from 0 to 3600 seconds, got {args.timeout:g}")
+    checks.output_path(PROG, args.out, make_folder=True)
     return launch(_worker, args, prog="commbench", error=CommbenchError, torchrun_port=29511)
+
+
+def _float(text: str) -> float:
+    """An argparse type: a number as float() reads it (its range is checked after parsing)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}") from None
 
 
 def backend_problem(args) -> str | None:

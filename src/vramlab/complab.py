@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import checks
 from . import compression as C
 from .specs import ModelSpec, from_config
 
@@ -605,19 +606,61 @@ def run(*, mode: str = "auto", steps: int = 250, progress=print) -> dict[str, An
             "bitsandbytes": _bnb_version(), "wall_seconds": round(time.perf_counter() - t0, 1)}
 
 
+PROG = "python -m vramlab.complab"
+_PROBE_KEYS = ("method", "targets", "optimizer", "batch_size", "seq_len", "mode", "autocast", "recompute")
+
+
+def _probe_config(text: str) -> dict[str, Any]:
+    """--probe's JSON (what `memory_probes` passes), checked before the step is measured: one line,
+    SystemExit(2), otherwise."""
+    from .measure import check_measurable
+
+    try:
+        cfg = json.loads(text)
+    except ValueError as e:
+        checks.fail(PROG, f"--probe must be a JSON object, cannot read {text[:40]!r}: {e}")
+    try:
+        if not isinstance(cfg, dict):
+            raise ValueError(f"--probe must be a JSON object, got {type(cfg).__name__}")
+        checks.no_unknown("--probe", cfg, _PROBE_KEYS)
+        missing = [k for k in ("method", "targets", "batch_size", "seq_len", "mode") if k not in cfg]
+        if missing:
+            raise ValueError(f"--probe needs {', '.join(missing)}")
+        checks.one_of("--probe method", cfg["method"], ("full", "lora", "qlora"))
+        checks.one_of("--probe targets", cfg["targets"], ("-", "default", "all-linear"))
+        checks.one_of("--probe optimizer", cfg.get("optimizer", "adamw"), ("adamw", "adamw-8bit"))
+        checks.whole("--probe batch_size", cfg["batch_size"], hi=4096)
+        checks.positions(teacher_spec(), checks.whole("--probe seq_len", cfg["seq_len"]), name="--probe seq_len")
+        checks.one_of("--probe mode", cfg["mode"], ("cuda", "cpu"))
+        if cfg["mode"] == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--probe mode cuda needs a CUDA GPU and this machine has none")
+        checks.flag("--probe autocast", cfg.get("autocast", True))
+        check_measurable(teacher_spec(), checks.text("--probe recompute", cfg.get("recompute", "none")))
+    except (ValueError, NotImplementedError) as e:
+        checks.fail(PROG, str(e))
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vramlab.complab", description=__doc__.split("\n\n")[0])
+    ap = checks.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", default="auto", choices=("auto", "cuda", "cpu"))
-    ap.add_argument("--steps", type=int, default=250, help="teacher training steps (the others scale with it)")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--steps", type=checks.argtype(checks.whole, int, lo=1, hi=100_000), default=250,
+                    help="teacher training steps, 1 to 100,000 (the others scale with it)")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here (checked before the lab starts)")
     ap.add_argument("--probe", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.probe:
-        print(json.dumps(_probe(json.loads(a.probe))))
+    try:  # refusals return 2, as a failed run does
+        if a.probe is not None:
+            cfg = _probe_config(a.probe)
+        else:
+            if a.mode == "cuda" and not torch.cuda.is_available():
+                checks.fail(PROG, "--mode cuda needs a CUDA GPU and this machine has none; use --mode cpu or auto")
+            checks.output_path(PROG, a.out, make_folder=True)
+    except SystemExit as e:
+        return e.code
+    if a.probe is not None:
+        print(json.dumps(_probe(cfg)))
         return 0
-    if a.steps < 1:
-        print("complab: --steps must be at least 1", file=sys.stderr)
-        return 2
     try:
         res = run(mode=a.mode, steps=a.steps, progress=lambda s: print(s, file=sys.stderr, flush=True))
     except (ValueError, RuntimeError) as e:

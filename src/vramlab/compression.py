@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .memory import (MemoryBreakdown, PRECISIONS, _check_choice, _dtype_bytes, _ledger_bytes, _resolve,
-                     estimate_inference, layer_saved, optimizer_state_bytes, param_bytes, recompute_plan,
-                     training_phases)
-from .parallel import _count
+from . import checks as _checks
+from .memory import (MemoryBreakdown, PRECISIONS, _dtype_bytes, _ledger_bytes, _resolve, estimate_inference,
+                     layer_saved, optimizer_state_bytes, param_bytes, recompute_plan, training_phases)
 from .units import fmt_bytes
 from .specs import ModelSpec, SpecError
 
@@ -26,22 +27,27 @@ SCALE_BYTES = 4  # one fp32 scale per tensor, row or group (bitsandbytes' SCB an
 
 
 # ============================================================================ absmax quantization
-def _matrix(weights) -> list[list[float]]:
-    """Rows of finite numbers, all the same length, or a ValueError."""
-    try:
-        rows = [[float(v) for v in row] for row in weights]
-    except (TypeError, ValueError):
-        raise ValueError("weights must be a matrix: a list of rows of numbers") from None
+def _matrix(weights, name: str = "weights") -> list[list[float]]:
+    """Rows of finite numbers (numpy's too; no bool, no string), all the same length, as floats; or a
+    ValueError naming the argument (and the offending element). A row that is a list or tuple of
+    plain ints and floats of ordinary size is taken in one pass; any other goes through
+    `checks.numbers`, which decides and names what is wrong."""
+    if isinstance(weights, (str, bytes, dict)) or not isinstance(weights, Iterable):
+        raise ValueError(f"{name} must be a matrix: a list of rows of numbers, got {_checks.show(weights)}")
+    rows = []
+    for i, row in enumerate(weights):
+        if isinstance(row, (list, tuple)) and all((type(v) is float or type(v) is int) and -1e300 < v < 1e300 for v in row):
+            rows.append([float(v) for v in row])
+        else:
+            rows.append([float(v) for v in _checks.numbers(f"{name}[{i}]", row, lo=None, empty=True)])
     if not rows or not rows[0] or any(len(r) != len(rows[0]) for r in rows):
-        raise ValueError("weights must be a non-empty matrix whose rows all have the same length")
-    if any(not math.isfinite(v) for r in rows for v in r):
-        raise ValueError("weights must be finite numbers (no NaN or infinity)")
+        raise ValueError(f"{name} must be a non-empty matrix whose rows all have the same length")
     return rows
 
 
 def _scheme(scheme: str, group_size: int, bits: int) -> tuple[int, int]:
-    _check_choice(scheme, SCHEMES, "quantization scheme")
-    return _count("group_size", group_size, hi=1 << 24), _count("bits", bits, lo=2, hi=8)
+    _checks.one_of("quantization scheme", scheme, SCHEMES)
+    return _checks.whole("group_size", group_size, hi=1 << 24), _checks.whole("bits", bits, lo=2, hi=8)
 
 
 def _blocks(cols: int, scheme: str, group_size: int) -> list[tuple[int, int]]:
@@ -102,7 +108,7 @@ def quantize(weights, *, scheme: str = "per-row", bits: int = 8, group_size: int
 def quant_bytes(rows: int, cols: int, *, scheme: str = "per-row", bits: int = 8, group_size: int = 128) -> int:
     """Bytes of a rows x cols matrix quantized to `bits` (packed) with fp32 scales."""
     group_size, bits = _scheme(scheme, group_size, bits)
-    rows, cols = _count("rows", rows, hi=1 << 40), _count("cols", cols, hi=1 << 40)
+    rows, cols = _checks.whole("rows", rows, hi=1 << 40), _checks.whole("cols", cols, hi=1 << 40)
     n_scales = {"per-tensor": 1, "per-row": rows, "per-group": rows * -(-cols // group_size)}[scheme]
     return -(-rows * cols * bits // 8) + SCALE_BYTES * n_scales
 
@@ -138,12 +144,12 @@ def llm_int8(x, w, *, threshold: float = 6.0) -> dict:
     the input columns holding any |x| > threshold (the outlier features) are multiplied in 16-bit;
     the rest in INT8 with vector-wise scales (one per token of x, one per output row of w).
     Returns the output, the outlier columns, and the bytes: stored (INT8 w + fp32 row scales) and
-    the 16-bit outlier slices the multiply makes (of x and w)."""
-    xs, ws = _matrix(x), _matrix(w)
+    the 16-bit outlier slices the multiply makes (of x and w). `threshold=inf`: no outliers, all INT8."""
+    xs, ws = _matrix(x, "x"), _matrix(w, "w")
     if len(xs[0]) != len(ws[0]):
         raise ValueError(f"x has {len(xs[0])} columns and w {len(ws[0])}: both must be d_in")
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
-        raise ValueError(f"threshold must be a number > 0, got {threshold!r}")
+    if not (isinstance(threshold, numbers.Real) and not _checks.is_bool(threshold) and threshold == math.inf):
+        threshold = _checks.positive("threshold", threshold)  # an infinite one: no column is an outlier
     d_in = len(xs[0])
     outliers = [j for j in range(d_in) if any(abs(r[j]) > threshold for r in xs)]
     out_set = set(outliers)
@@ -179,8 +185,9 @@ def nf4_bytes(n: int, *, double_quant: bool = True, block_size: int = NF4_BLOCK,
     or, double quantized, one byte with an fp32 scale per `block2` absmaxes and one fp32 offset.
     bitsandbytes also keeps, per tensor, the 16 NF4 levels (fp32) and, double quantized, the
     256-entry fp32 map the absmaxes are coded with (`QuantState.code`: 64 B and 1 KiB)."""
-    n = _count("n", n, hi=1 << 48)
-    block_size, block2 = _count("block_size", block_size, hi=1 << 20), _count("block2", block2, hi=1 << 20)
+    n = _checks.whole("n", n, hi=1 << 48)
+    double_quant = _checks.flag("double_quant", double_quant)
+    block_size, block2 = _checks.whole("block_size", block_size, hi=1 << 20), _checks.whole("block2", block2, hi=1 << 20)
     blocks = -(-n // block_size)
     consts = blocks + 4 * -(-blocks // block2) + 4 + 256 * 4 if double_quant else 4 * blocks
     return -(-n // 2) + consts + 16 * 4
@@ -189,7 +196,8 @@ def nf4_bytes(n: int, *, double_quant: bool = True, block_size: int = NF4_BLOCK,
 def nf4_bits_per_param(*, double_quant: bool = True, block_size: int = NF4_BLOCK, block2: int = NF4_BLOCK2) -> float:
     """Bits per weight in the limit of large tensors: 4 + 32/64 = 4.5 without double quantization,
     4 + 8/64 + 32/(64 x 256) = 4.127 with it (QLoRA: constants 0.5 -> 0.127 bits)."""
-    block_size, block2 = _count("block_size", block_size, hi=1 << 20), _count("block2", block2, hi=1 << 20)
+    double_quant = _checks.flag("double_quant", double_quant)
+    block_size, block2 = _checks.whole("block_size", block_size, hi=1 << 20), _checks.whole("block2", block2, hi=1 << 20)
     c = 8 / block_size + 32 / (block_size * block2) if double_quant else 32 / block_size
     return 4 + c
 
@@ -281,18 +289,32 @@ DEFAULT_TARGETS = {"gpt2": ("c_attn",), "gpt_neox": ("query_key_value",), "opt":
                    "llama": ("q_proj", "v_proj"), "bert": ("query", "value"), "t5": ("q", "v")}
 
 
+def _target_names(targets) -> "str | tuple[str, ...]":
+    """"default", "all-linear", or the module names (a comma-separated string, or a list of names)."""
+    if isinstance(targets, str) and targets in ("default", "all-linear"):
+        return targets
+    names = None
+    if isinstance(targets, str):
+        names = tuple(t.strip() for t in targets.split(","))
+    elif isinstance(targets, Iterable) and not isinstance(targets, (bytes, dict)):
+        names = tuple(targets)
+    if not names or any(not isinstance(t, str) or not t.strip() for t in names):
+        raise ValueError(f"targets must be 'default', 'all-linear', module names (a list, or one string with commas), "
+                         f"got {_checks.show(targets)}")
+    return names
+
+
 def lora_targets(model: ModelSpec | str, targets: "str | tuple[str, ...] | list[str]" = "default") -> list[Linear]:
     """The linear layers LoRA adapts, chosen as peft chooses them: "default" (peft's targets for
     the model type), "all-linear" (every linear but the output layer), or module names, each
     matching a module whose name is it or ends with "." + it. A name that matches nothing is an error."""
     spec = _resolve(model)
+    names = _target_names(targets)
     layers = linear_layers(spec)
-    if targets == "all-linear":
+    if names == "all-linear":
         return layers
-    names = DEFAULT_TARGETS[spec.family] if targets == "default" else \
-        tuple(t.strip() for t in targets.split(",")) if isinstance(targets, str) else tuple(targets)
-    if not names or any(not isinstance(t, str) or not t for t in names):
-        raise ValueError(f"targets must be 'default', 'all-linear' or module names, got {targets!r}")
+    if names == "default":
+        names = DEFAULT_TARGETS[spec.family]
     known = sorted({x.name.rsplit(".", 1)[-1] for x in layers})
     for t in names:
         if not any(x.name == t or x.name.endswith("." + t) for x in layers):
@@ -303,7 +325,7 @@ def lora_targets(model: ModelSpec | str, targets: "str | tuple[str, ...] | list[
 def lora_params(model: ModelSpec | str, *, rank: int = 8, targets="default") -> int:
     """LoRA's trainable parameters (Hu+21, arXiv:2106.09685): r x (d_in + d_out) per adapted
     matrix (A is r x d_in, B is d_out x r; no bias), as peft's `print_trainable_parameters` counts."""
-    rank = _count("rank", rank, hi=1 << 20)
+    rank = _checks.whole("rank", rank, hi=1 << 20)
     return sum(rank * (x.d_in + x.d_out) for x in lora_targets(model, targets))
 
 
@@ -317,8 +339,8 @@ def gptq_bytes(rows: int, cols: int, *, group_size: int = 128, bits: int = 4) ->
     point, packed too (AutoAWQ's `qweight`, `scales`, `qzeros`; AutoGPTQ adds an int32 group index
     per input column, `g_idx`, left out): 4 + 16/128 + 4/128 = 4.16 bits a weight at 4 bits in
     groups of 128."""
-    rows, cols = _count("rows", rows, hi=1 << 40), _count("cols", cols, hi=1 << 40)
-    group_size, bits = _count("group_size", group_size, hi=1 << 24), _count("bits", bits, lo=2, hi=8)
+    rows, cols = _checks.whole("rows", rows, hi=1 << 40), _checks.whole("cols", cols, hi=1 << 40)
+    group_size, bits = _checks.whole("group_size", group_size, hi=1 << 24), _checks.whole("bits", bits, lo=2, hi=8)
     groups = rows * -(-cols // group_size)
     return -(-rows * cols * bits // 8) + 2 * groups + -(-groups * bits // 8)
 
@@ -328,10 +350,10 @@ def sparse24_bytes(rows: int, cols: int, *, value_bytes: int = 2) -> int:
     weights of a row are zero; Ampere's and later sparse tensor cores skip them): the kept half of
     the values, and 4 bits of metadata per group of four (the two kept positions, 2 bits each), as
     CUTLASS and `torch.sparse.to_sparse_semi_structured` store it."""
-    rows, cols = _count("rows", rows, hi=1 << 40), _count("cols", cols, hi=1 << 40)
+    rows, cols = _checks.whole("rows", rows, hi=1 << 40), _checks.whole("cols", cols, hi=1 << 40)
     if cols % 4:
         raise ValueError(f"2:4 sparsity groups a row's weights in fours: cols must divide by 4, got {cols}")
-    _check_choice(value_bytes, (1, 2, 4), "bytes a value")
+    value_bytes = _checks.one_of("value_bytes", _checks.whole("value_bytes", value_bytes, hi=4), (1, 2, 4))
     return rows * cols // 2 * value_bytes + rows * cols // 8
 
 
@@ -343,7 +365,7 @@ def weight_bytes(model: ModelSpec | str, fmt: str = "int8") -> dict[str, int]:
     an fp16 scale and a 4-bit zero point per group of 128 (`gptq_bytes`); nf4 / nf4-dq = QLoRA's
     NF4 without / with double quantization."""
     spec = _resolve(model)
-    _check_choice(fmt, WEIGHT_FORMATS, "weight format")
+    _checks.one_of("weight format", fmt, WEIGHT_FORMATS)
     lin = linear_layers(spec)
     matrix = sum(x.d_in * x.d_out for x in lin)
     rest = spec.params - matrix
@@ -384,11 +406,10 @@ def adam8bit_state_bytes(sizes, *, block_size: int = BNB_BLOCK, min_8bit_size: i
     keeps both in fp32 (8 bytes an element). The two 256-entry fp32 quantization maps (m's signed,
     v's unsigned: 2 KiB) are one pair per optimizer, shared by every 8-bit tensor.
     The paper (arXiv:2110.02861) used blocks of 2048: that is `block_size=2048`."""
-    block_size = _count("block_size", block_size, hi=1 << 24)
-    min_8bit_size = _count("min_8bit_size", min_8bit_size, lo=0, hi=1 << 48)
+    block_size = _checks.whole("block_size", block_size, hi=1 << 24)
+    min_8bit_size = _checks.whole("min_8bit_size", min_8bit_size, lo=0, hi=1 << 48)
     total = maps = 0
-    for n in sizes:
-        n = _count("a tensor's size", n, hi=1 << 48)
+    for n in _checks.wholes("sizes", sizes, lo=1, hi=1 << 48, empty=True):
         if n < min_8bit_size:
             total += 8 * n
         else:
@@ -436,9 +457,11 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
     adapters' tensors exist while it (its segment) is recomputed in the backward.
     """
     spec = _resolve(model)
-    _check_choice(method, METHODS, "fine-tuning method")
-    if not isinstance(autocast, bool):
-        raise ValueError(f"autocast must be True or False, not {autocast!r}")
+    _checks.one_of("fine-tuning method", method, METHODS)
+    autocast = _checks.flag("autocast", autocast)
+    rank = _checks.whole("rank", rank, hi=1 << 20)
+    _target_names(targets)
+    _checks.one_of("adapter dtype", adapter_dtype, ("fp32", "base"))
     kw = dict(batch_size=batch_size, seq_len=seq_len, optimizer=optimizer, optimizer_impl=optimizer_impl,
               attention=attention, device=device, gpu=gpu, recompute=recompute)
     plan = recompute_plan(recompute, spec)
@@ -454,9 +477,8 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
         raise ValueError(f"rank {rank} gives {n:,} adapter parameters, more than {spec.name}'s own {spec.params:,}: "
                          "that is no longer parameter-efficient; choose a smaller rank")
     quant = _QUANT_BASE.get(method)
-    _check_choice(adapter_dtype, ("fp32", "base"), "adapter dtype")
     if quant:
-        _check_choice(precision, PRECISIONS, "precision")
+        _checks.one_of("precision", precision, PRECISIONS)
         precision = "bf16"  # the base computes in bf16; the adapters stay fp32
     phases = training_phases(spec, precision=precision, trainable_params=n, **kw)
     pb = param_bytes(precision)
@@ -534,7 +556,7 @@ def distillation(teacher: ModelSpec | str, student: ModelSpec | str, *, batch_si
     t, s = _resolve(teacher), _resolve(student)
     if t.vocab_size != s.vocab_size:
         raise ValueError(f"teacher and student must share a vocabulary for soft labels ({t.vocab_size:,} vs {s.vocab_size:,})")
-    _check_choice(teacher_dtype, ("fp32", "bf16"), "teacher dtype")
+    _checks.one_of("teacher dtype", teacher_dtype, ("fp32", "bf16"))
     phases = training_phases(s, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
                              device=device)
     tw = t.params * (4 if teacher_dtype == "fp32" else 2)
@@ -559,10 +581,10 @@ def prune(model: ModelSpec | str, *, heads: int = 0, intermediate: int = 0, laye
     left must stay a multiple of the KV heads. GPT-2, GPT-NeoX, OPT and BERT tie their attention
     width to the hidden size in vramlab's specs, so only their MLP width and layers can be pruned."""
     s = _resolve(model)
-    heads = _count("heads", heads, lo=0, hi=s.num_heads - 1)
-    intermediate = _count("intermediate", intermediate, lo=0, hi=s.intermediate_size - 1)
+    heads = _checks.whole("heads", heads, lo=0, hi=s.num_heads - 1)
+    intermediate = _checks.whole("intermediate", intermediate, lo=0, hi=s.intermediate_size - 1)
     depth = min(s.num_layers, s.num_decoder_layers) if s.family == "t5" else s.num_layers
-    layers = _count("layers", layers, lo=0, hi=depth - 1)
+    layers = _checks.whole("layers", layers, lo=0, hi=depth - 1)
     changes: dict = {"name": f"{s.name} pruned", "intermediate_size": s.intermediate_size - intermediate,
                      "num_layers": s.num_layers - layers}
     if s.family == "t5":
@@ -594,7 +616,7 @@ def shared_layers_params(model: ModelSpec | str, *, groups: int = 1) -> int:
     s = _resolve(model)
     if s.family == "t5":
         raise ValueError("weight sharing here covers single-stack models (one block type); T5 has two stacks")
-    groups = _count("groups", groups, hi=s.num_layers)
+    groups = _checks.whole("groups", groups, hi=s.num_layers)
     g = s.param_groups()
     return g["embeddings"] + g["head"] + g["layers"] // s.num_layers * groups
 
@@ -604,9 +626,11 @@ def low_rank_params(model: ModelSpec | str, *, rank: int, roles: tuple[str, ...]
     by U (d_out x k) V (k x d_in) with k = min(rank, d_in, d_out) (a layer where that saves nothing
     is left whole). Returns the model's parameters after factorising."""
     s = _resolve(model)
-    rank = _count("rank", rank, hi=1 << 20)
+    rank = _checks.whole("rank", rank, hi=1 << 20)
+    if isinstance(roles, (str, bytes, dict)) or not isinstance(roles, Iterable):
+        raise ValueError(f"roles must be a list of layer roles ({', '.join(ROLES)}), got {_checks.show(roles)}")
     for r in roles:
-        _check_choice(r, ROLES, "layer role")
+        _checks.one_of("layer role", r, ROLES)
     saved = 0
     for x in linear_layers(s):
         if x.role in roles:

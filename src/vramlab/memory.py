@@ -38,8 +38,12 @@ OPTIMIZER_IMPLS: tuple[str, ...] = ("for-loop", "foreach", "fused")
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa")
 # the named recompute plans (`recompute_plan` also takes every-K, first-N, segments-K and block sets)
 RECOMPUTES: tuple[str, ...] = ("none", "full", "selective", "sac-matmuls", "sqrt", "offload")
+_PLAN_NAMES = ", ".join(RECOMPUTES) + ", every-K, first-N, segments-K (K >= 1, N >= 0 whole numbers)"
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_states", "activations", "temporaries",
                                "kv_cache", "inputs", "other")
+# bounds for counts larger than checks.MAX_COUNT: parameters (10^15 is 1,000x any model) and bytes (an exbibyte)
+MAX_PARAMS = 10**15
+MAX_BYTES = 1 << 60
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +63,17 @@ class MemoryBreakdown:
     precision: str = ""  # what was estimated or measured, so that a subtraction can say if it compares
     device: str = ""  # like with like ("cuda" kernels, or "cpu")
     warning: str = ""  # set by subtraction when the two sides differ in precision or device
+
+    def __post_init__(self) -> None:
+        # integer bytes (numpy's too, stored as ints); a difference (`a - b`) may be negative
+        for c in CATEGORIES:
+            v = getattr(self, c)
+            if type(v) is not int:
+                object.__setattr__(self, c, _checks.whole(c, v, lo=-MAX_BYTES, hi=MAX_BYTES))
+            elif not -MAX_BYTES <= v <= MAX_BYTES:
+                _checks.whole(c, v, lo=-MAX_BYTES, hi=MAX_BYTES)
+        for k in ("label", "phase", "precision", "device", "warning"):
+            _string(k, getattr(self, k))
 
     @property
     def total(self) -> int:
@@ -123,12 +138,14 @@ def _loss_bytes(spec: ModelSpec, precision: Precision) -> int:
 def param_bytes(precision: Precision) -> int:
     """Bytes per parameter of the model as held in memory: PyTorch AMP keeps the model (the
     master weights) in fp32 and casts on the fly; pure bf16 holds bf16 weights."""
+    _check_choice(precision, PRECISIONS, "precision")
     return 2 if precision in PURE_16BIT else 4
 
 
 def state_bytes(precision: Precision) -> int:
     """Bytes per element of the optimizer's states: fp32 where the recipe asks for it, otherwise the
     parameters' dtype (torch.optim's behaviour)."""
+    _check_choice(precision, PRECISIONS, "precision")
     return 4 if precision in FP32_STATES else param_bytes(precision)
 
 
@@ -137,6 +154,8 @@ def optimizer_state_bytes(optimizer: Optimizer, n_params: int, precision: Precis
     dtype: 8 B/param for fp32 params (ZeRO's K=12 counts fp32 master weights too, which AMP keeps
     as the model itself), 4 B/param for pure-bf16 params. 8-bit Adam (Dettmers+21, arXiv:2110.02861):
     1 byte each for m and v plus one fp32 scale per 2048-value block of each."""
+    _check_choice(optimizer, OPTIMIZERS, "optimizer")
+    n_params = _checks.whole("n_params", n_params, lo=0, hi=MAX_PARAMS)
     sb = state_bytes(precision)
     master = 4 * n_params if precision == "fp16-fp32-master" else 0  # fp32 master weights (ZeRO's K includes them)
     if optimizer in ("adamw", "adam"):
@@ -160,6 +179,11 @@ def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: 
       it only when the name is rebound): max over neighbours of size[i-1] + 2 size[i];
     - fused: one kernel updates in place: ~0. SGD (no momentum) updates in place.
     `spec`: the model, or the element counts of the tensors stepped (one device's share)."""
+    _check_choice(optimizer, OPTIMIZERS, "optimizer")
+    _check_choice(impl, OPTIMIZER_IMPLS, "optimizer implementation")
+    n_params = _checks.whole("n_params", n_params, lo=0, hi=MAX_PARAMS)
+    if not isinstance(spec, ModelSpec):
+        spec = _checks.wholes("spec", spec, lo=0, hi=MAX_PARAMS)  # the tensors' element counts
     pb = param_bytes(precision)
     if impl == "fused" or optimizer in ("sgd", "sgd-momentum"):  # SGD updates buffers and params in place
         return 0
@@ -180,13 +204,7 @@ def model_states(model: ModelSpec | str, *, precision: Precision = "fp32", optim
     _check_choice(precision, PRECISIONS, "precision")
     _check_choice(optimizer, OPTIMIZERS, "optimizer")
     n_all = spec.params
-    try:
-        n_train = n_all if trainable_params is None else (
-            None if isinstance(trainable_params, bool) else operator.index(trainable_params))
-    except TypeError:
-        n_train = None
-    if n_train is None or not 0 <= n_train <= n_all:
-        raise ValueError(f"trainable_params must be a whole number from 0 to {n_all:,}, got {trainable_params!r}")
+    n_train = n_all if trainable_params is None else _checks.whole("trainable_params", trainable_params, lo=0, hi=n_all)
     pb = param_bytes(precision)
     return MemoryBreakdown(parameters=n_all * pb, gradients=n_train * pb,
                            optimizer_states=optimizer_state_bytes(optimizer, n_train, precision),
@@ -220,6 +238,26 @@ class Saved:
     # must compute need, so a frozen linear (PEFT's base) keeps no copy of its input
     for_weight: bool = False
     stage: str = "last"  # outside the blocks: "first" (embeddings) or "last" (final norm, head, loss)
+
+    def __post_init__(self) -> None:
+        if (type(self.name) is str and self.name and type(self.width) is int and 0 <= self.width <= MAX_BYTES
+                and type(self.kind) is str and self.kind in SAVED_KINDS and self.part in ("attn", "mlp")
+                and self.stage in ("first", "last") and type(self.per_score) is bool
+                and type(self.shared_batch) is bool and type(self.for_weight) is bool):
+            return  # the ledger builds thousands: the common case costs one test
+        _checks.text("name", self.name)
+        if type(self.width) is not int or self.width < 0:
+            object.__setattr__(self, "width", _checks.whole("width", self.width, lo=0, hi=MAX_BYTES))
+        _checks.one_of("kind", self.kind, SAVED_KINDS)
+        _checks.one_of("part", self.part, ("attn", "mlp"))
+        _checks.one_of("stage", self.stage, ("first", "last"))
+        for k in ("per_score", "shared_batch", "for_weight"):
+            if type(getattr(self, k)) is not bool:
+                object.__setattr__(self, k, _checks.flag(k, getattr(self, k)))
+
+
+# a saved tensor's dtype, by kind (`_dtype_bytes`)
+SAVED_KINDS: tuple[str, ...] = ("x", "half", "f32", "loss", "mask", "i64", "up32")
 
 
 # elements per token the activation function saves: transformers' gelu_new is written out
@@ -363,6 +401,12 @@ def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: s
     """The tensors one transformer block saves for backward (T5: `decoder=True` for a decoder block).
     `batch_size` matters only at 1, where some views need no copy. `use_cache`: the model trains with
     transformers' KV cache on (see `training_phases`); only fused-QKV blocks (GPT-2, GPT-NeoX) change."""
+    spec = _resolve(spec)
+    _check_choice(attention, ATTENTIONS, "attention implementation")
+    _check_choice(device, ("cuda", "cpu"), "device")
+    _check_choice(precision, PRECISIONS, "precision")
+    decoder, use_cache = _checks.flag("decoder", decoder), _checks.flag("use_cache", use_cache)
+    batch_size = _checks.whole("batch_size", batch_size)
     f = spec.family
     h = spec.hidden_size
     kw = dict(attention=attention, device=device, precision=precision)
@@ -440,6 +484,7 @@ def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: s
 
 def model_saved(spec: ModelSpec) -> list[Saved]:
     """Saved tensors outside the blocks, per token: embeddings, final norm, LM head, loss."""
+    spec = _resolve(spec)
     h, V = spec.hidden_size, spec.vocab_size
     f = spec.family
     saved: list[Saved] = []
@@ -485,6 +530,9 @@ def tp_split(x: Saved, spec: ModelSpec) -> bool:
     MLP's inner tensors) and the vocabulary (the logits' log-softmax under a vocabulary-parallel
     loss) is split; the h-wide tensors around them (norm inputs, the column-parallel linears' input,
     dropout masks on the residual, the head's input) and norm statistics are replicated."""
+    if not isinstance(x, Saved):
+        raise ValueError(f"x must be a vramlab.memory.Saved, got {_checks.show(x)}")
+    spec = _resolve(spec)
     if x.per_score or x.name in _SPLIT_EXACT or any(x.name.startswith(n) for n in _SPLIT_NAMES):
         return True
     if x.width == spec.vocab_size:
@@ -538,26 +586,42 @@ class Plan:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
-            raise ValueError(f"a plan needs a name (a string), got {self.name!r}")
-        try:
-            segs = tuple((operator.index(a), operator.index(b)) for a, b in self.segments)
-            if any(isinstance(x, bool) for seg in self.segments for x in seg):
-                raise TypeError
-        except (TypeError, ValueError):
-            raise ValueError(f"plan {self.name!r}: segments must be (start, end) pairs of block indices, "
-                             f"got {self.segments!r}") from None
+            raise ValueError(f"name must be a non-empty string (a plan needs a name), got {_checks.show(self.name)}")
+        pairs = self.segments
+        if type(pairs) is tuple and all(type(p) is tuple and len(p) == 2 and type(p[0]) is int and type(p[1]) is int
+                                        and 0 <= p[0] <= _checks.MAX_COUNT and 0 <= p[1] <= _checks.MAX_COUNT
+                                        for p in pairs):
+            segs = pairs  # pairs of plain ints (what recompute_plan builds): nothing to convert
+        else:
+            segs = self._checked_segments()
         for a, b in segs:
             if not 0 <= a < b:
                 raise ValueError(f"plan {self.name!r}: segment ({a}, {b}) is empty or reversed: a segment is "
                                  "[start, end) with 0 <= start < end")
         if any(b0 > a1 for (_, b0), (a1, _) in zip(sorted(segs), sorted(segs)[1:])):
             raise ValueError(f"plan {self.name!r}: segments {segs} overlap: each block is in one segment at most")
-        if self.keep not in ("input", "matmuls"):
-            raise ValueError(f"plan {self.name!r}: keep must be 'input' or 'matmuls', got {self.keep!r}")
+        if not isinstance(self.keep, str) or self.keep not in ("input", "matmuls"):
+            raise ValueError(f"plan {self.name!r}: keep must be 'input' or 'matmuls', got {_checks.show(self.keep)}")
         for flag in ("attention_core", "offload"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"plan {self.name!r}: {flag} must be True or False, got {getattr(self, flag)!r}")
+            if type(getattr(self, flag)) is not bool:
+                object.__setattr__(self, flag, _checks.flag(f"plan {self.name!r}: {flag}", getattr(self, flag)))
         object.__setattr__(self, "segments", tuple(sorted(segs)))
+
+    def _checked_segments(self) -> tuple[tuple[int, int], ...]:
+        """`segments` as pairs of ints (numpy's integers too), or one ValueError saying what they must be."""
+        pairs = self.segments
+        bad = isinstance(pairs, (str, bytes, dict)) or not isinstance(pairs, Iterable)
+        if not bad:
+            pairs = list(pairs)
+            bad = any(isinstance(p, (str, bytes, dict)) or not isinstance(p, Iterable) for p in pairs)
+        if not bad:
+            pairs = [list(p) for p in pairs]
+            bad = any(len(p) != 2 or not all(_is_index(x) for x in p) for p in pairs)
+        if bad:
+            raise ValueError(f"plan {self.name!r}: segments must be (start, end) pairs of block indices, "
+                             f"got {_checks.show(self.segments)}")
+        return tuple((_checks.whole(f"plan {self.name!r}: segment start", a, lo=0),
+                      _checks.whole(f"plan {self.name!r}: segment end", b, lo=0)) for a, b in pairs)
 
     def checkpointed(self) -> frozenset[int]:
         return frozenset(i for a, b in self.segments for i in range(a, b))
@@ -606,27 +670,35 @@ def recompute_plan(recompute: "str | Plan | Iterable[int]", model: ModelSpec | s
         return recompute
     if not isinstance(recompute, str):
         try:
-            if isinstance(recompute, (bytes, dict)) or any(isinstance(i, bool) for i in recompute):
+            if isinstance(recompute, (bytes, dict)) or not all(_is_index(i) for i in recompute):
                 raise TypeError
             blocks = sorted({operator.index(i) for i in recompute})
         except TypeError:
-            raise ValueError(f"recompute must be a plan name ({', '.join(RECOMPUTES)}, every-K, first-N, "
-                             f"segments-K) or a set of block indices, not {recompute!r}") from None
+            raise ValueError(f"recompute must be a plan name ({_PLAN_NAMES}) or a set of block indices, "
+                             f"not {_checks.show(recompute)}") from None
         if blocks and not 0 <= blocks[0] <= blocks[-1] < n:
             raise ValueError(f"block indices must lie in 0..{n - 1} ({spec.name} has {n} blocks), got {blocks}")
         return Plan(name=f"blocks {blocks}", segments=tuple((i, i + 1) for i in blocks))
     name = recompute.strip()
     every = _segments_of(stacks, 1)
-    fixed = {"none": Plan(name="none"), "full": Plan(name="full", segments=every),
-             "selective": Plan(name="selective", attention_core=True),
-             "sac-matmuls": Plan(name="sac-matmuls", segments=every, keep="matmuls"),
-             "sqrt": Plan(name="sqrt", segments=_segments_of(stacks, max(1, round(math.sqrt(n))))),
-             "offload": Plan(name="offload", segments=every, offload=True)}
-    if name in fixed:
-        return fixed[name]
+    fixed = {"none": lambda: Plan(name="none"), "full": lambda: Plan(name="full", segments=every),
+             "selective": lambda: Plan(name="selective", attention_core=True),
+             "sac-matmuls": lambda: Plan(name="sac-matmuls", segments=every, keep="matmuls"),
+             "sqrt": lambda: Plan(name="sqrt", segments=_segments_of(stacks, max(1, round(math.sqrt(n))))),
+             "offload": lambda: Plan(name="offload", segments=every, offload=True)}
+    if name in fixed:  # (built on demand: only the plan asked for)
+        return fixed[name]()
     kind, _, num = name.partition("-")
-    if kind in ("every", "first", "segments") and num.isdigit() and int(num) >= (0 if kind == "first" else 1):
-        k = int(num)
+    if kind in ("every", "first", "segments"):
+        letter, lo = ("N", 0) if kind == "first" else ("K", 1)
+        # ASCII digits only: str.isdigit() also takes '²' and '٣', which int() then refuses or reads
+        digits = num.lstrip("0") or "0"
+        if num.isascii() and num.isdigit() and (len(digits) > 10 or int(digits) > _checks.MAX_COUNT):
+            raise ValueError(f"recompute plan {_checks.show(recompute)}: {letter} must be at most {_checks.MAX_COUNT:,}")
+        if not (num.isascii() and num.isdigit()) or int(digits) < lo:
+            raise ValueError(f"unknown recompute plan {_checks.show(recompute)}: {kind}-{letter} needs {letter} a whole number "
+                             f">= {lo} in digits; choose from {_PLAN_NAMES}")
+        k = int(digits)
         if kind == "every":
             return Plan(name=name, segments=tuple((i, i + 1) for i in range(0, n, k)))
         if kind == "first":
@@ -634,8 +706,7 @@ def recompute_plan(recompute: "str | Plan | Iterable[int]", model: ModelSpec | s
                 raise ValueError(f"first-{k}: {spec.name} has only {n} blocks")
             return Plan(name=name, segments=every[:k])
         return Plan(name=name, segments=_segments_of(stacks, k))
-    raise ValueError(f"unknown recompute plan {recompute!r}; choose from {', '.join(RECOMPUTES)}, "
-                     "every-K, first-N, segments-K (K, N whole numbers) or a set of block indices")
+    raise ValueError(f"unknown recompute plan {_checks.show(recompute)}; choose from {_PLAN_NAMES} or a set of block indices")
 
 
 def _matmul_outputs(spec: ModelSpec, *, attention: AttentionImpl, device: str, precision: Precision) -> list[Saved]:
@@ -709,6 +780,29 @@ class DeviceShare:
     others_at_end: bool = True
     loss_parallel: bool = False
 
+    def __post_init__(self) -> None:
+        put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen: store the checked, plain values)
+        if self.blocks is not None:
+            pair = () if isinstance(self.blocks, (str, bytes, dict)) or not isinstance(self.blocks, Iterable) \
+                else tuple(self.blocks)
+            if len(pair) != 2:
+                raise ValueError(f"blocks must be None or a (start, end) pair of block indices, got {_checks.show(self.blocks)}")
+            a, b = _checks.wholes("blocks", pair, lo=0)
+            if a > b:
+                raise ValueError(f"blocks must be [start, end) with start <= end, got {_checks.show(self.blocks)}")
+            put("blocks", (a, b))
+        for k in ("first", "last", "sp", "stage_output", "keep_gradients", "others_at_end", "loss_parallel"):
+            put(k, _checks.flag(k, getattr(self, k)))
+        for k, lo, hi in (("tp", 1, _checks.MAX_COUNT), ("in_flight", 1, _checks.MAX_COUNT),
+                          ("buffers", 0, MAX_BYTES), ("received", 0, _checks.MAX_COUNT),
+                          ("pending_sends", 0, _checks.MAX_COUNT), ("gradient_copies", 1, _checks.MAX_COUNT),
+                          ("optimizer_shards", 1, _checks.MAX_COUNT)):
+            put(k, _checks.whole(k, getattr(self, k), lo=lo, hi=hi))
+        if self.param_tensors is not None:
+            put("param_tensors", tuple(_checks.wholes("param_tensors", self.param_tensors, lo=0, hi=MAX_PARAMS,
+                                                      empty=True)))
+        _checks.one_of("embedding_grad", self.embedding_grad, ("sharded", "dense"))
+
     @property
     def whole(self) -> bool:
         return self == WHOLE_MODEL
@@ -731,10 +825,13 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     `share`: one device's part (its blocks, first/last stage, tensor and sequence parallelism):
     everything above is then that device's, per micro-batch."""
     spec = _resolve(spec)
-    _check_positive(batch_size=batch_size, seq_len=seq_len)
+    batch_size, seq_len = _check_positive(batch_size=batch_size, seq_len=seq_len)
     _check_choice(precision, PRECISIONS, "precision")
     _check_choice(attention, ATTENTIONS, "attention implementation")
     _check_choice(device, ("cuda", "cpu"), "device")
+    frozen_base, use_cache = _checks.flag("frozen_base", frozen_base), _checks.flag("use_cache", use_cache)
+    if not isinstance(share, DeviceShare):
+        raise ValueError(f"share must be a vramlab.memory.DeviceShare, got {_checks.show(share)}")
     plan = recompute_plan(recompute, spec)
     nb = _dtype_bytes(precision, device)
     nb["loss"] = _loss_bytes(spec, precision)
@@ -847,6 +944,40 @@ def _resolve(model: ModelSpec | str) -> ModelSpec:
     raise ValueError(f"model must be a ModelSpec or a preset name, got {model!r}")
 
 
+def _string(name: str, value) -> str:
+    """A string, possibly empty (a label); `checks.text` where it must say something."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {_checks.show(value)}")
+    return value
+
+
+def _is_index(value) -> bool:
+    """An int or a numpy integer, not a bool (numpy's neither)."""
+    if _checks.is_bool(value):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _gpu_or_none(gpu) -> "GPUSpec | None":
+    return None if gpu is None else _gpu(gpu)
+
+
+_OPTIONS: frozenset[str] = frozenset()
+
+
+def _estimate_options() -> frozenset[str]:
+    """The keywords of estimate_training and estimate_inference (but the model): what `fit` passes on."""
+    global _OPTIONS
+    if not _OPTIONS:
+        _OPTIONS = frozenset(set(inspect.signature(estimate_training).parameters)
+                             | set(inspect.signature(estimate_inference).parameters)) - {"model"}
+    return _OPTIONS
+
+
 def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
     _checks.one_of(what, value, choices)
 
@@ -933,8 +1064,12 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     _check_choice(optimizer_impl, OPTIMIZER_IMPLS, "optimizer implementation")
     _check_choice(attention, ATTENTIONS, "attention implementation")
     _check_choice(device, ("cuda", "cpu"), "device")
+    use_cache = _checks.flag("use_cache", use_cache)
+    gpu = _gpu_or_none(gpu)
     if not isinstance(share, DeviceShare):
-        raise ValueError(f"share must be a vramlab.memory.DeviceShare, got {share!r}")
+        raise ValueError(f"share must be a vramlab.memory.DeviceShare, got {_checks.show(share)}")
+    if trainable_params is not None:
+        trainable_params = _checks.whole("trainable_params", trainable_params, lo=0, hi=spec.params)
     if not share.whole and trainable_params is not None:
         raise ValueError("trainable_params (frozen-base fine-tuning) is modelled on one device only")
     plan = recompute_plan(recompute, spec)
@@ -1077,7 +1212,7 @@ def kv_cache_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, dtype: str
     cross-attention cache of the encoder's seq_len tokens. Source: Pope+22 (arXiv:2211.05102);
     vLLM (Kwon+23, arXiv:2309.06180): OPT-13B ~ 800 KB per token in fp16."""
     spec = _resolve(spec)
-    _check_positive(batch_size=batch_size, seq_len=seq_len)
+    batch_size, seq_len = _check_positive(batch_size=batch_size, seq_len=seq_len)
     _check_choice(dtype, tuple(_INFER_BYTES), "dtype")
     layers = spec.num_decoder_layers if spec.family == "t5" else spec.num_layers
     if spec.family == "bert":
@@ -1119,14 +1254,19 @@ def estimate_inference(model: ModelSpec | str, *, batch_size: int, seq_len: int,
     Known limitations: the block's intermediates are a bound on what it holds at once, not a trace."""
     spec = _resolve(model)
     batch_size, seq_len = _check_positive(batch_size=batch_size, seq_len=seq_len)
-    _check_positions(spec, seq_len + (new_tokens or 0))
+    if new_tokens is not None:  # by its own name, before it is added to seq_len
+        new_tokens = _checks.whole("new_tokens", new_tokens, lo=0)
+        _checks.has_decoder(spec, "generation (new_tokens; leave it None for a prefill)")
+        _check_positions(spec, seq_len + new_tokens, name=f"seq_len + new_tokens = {seq_len:,} + {new_tokens:,} =")
+    else:
+        _check_positions(spec, seq_len)
     _check_choice(dtype, tuple(_INFER_BYTES), "dtype")
     _check_choice(attention, ATTENTIONS, "attention implementation")
     _check_choice(device, ("cuda", "cpu"), "device")
-    if new_tokens is not None and (isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0):
-        raise ValueError(f"new_tokens must be a non-negative integer (or None for a prefill), got {new_tokens!r}")
-    kv_dtype = kv_dtype or dtype
-    _check_choice(kv_dtype, tuple(_INFER_BYTES), "KV-cache dtype")
+    all_logits = _checks.flag("all_logits", all_logits)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    _check_choice(kv_dtype, tuple(_INFER_BYTES), "kv_dtype")
+    gpu = _gpu_or_none(gpu)
     e = 2 if dtype == "int8" else _INFER_BYTES[dtype]  # int8 weights compute in 16-bit
     b, s, V = batch_size, seq_len, spec.vocab_size
     h = spec.word_embed_proj_dim or spec.hidden_size
@@ -1157,7 +1297,7 @@ def checkpoint_bytes(model: ModelSpec | str | int, *, dtype: str = "fp32") -> in
     if isinstance(model, (str, ModelSpec)):
         n = _resolve(model).params
     else:
-        (n,) = _check_positive(parameter_count=model)
+        n = _checks.whole("parameter_count", model, hi=MAX_PARAMS)
     _check_choice(dtype, tuple(_INFER_BYTES), "dtype")
     return n * _INFER_BYTES[dtype]
 
@@ -1187,6 +1327,16 @@ class Fit:
     context: int  # the CUDA context and libraries, outside the allocator
     expandable_segments: bool = False
     capped: bool = False  # even the search's limit fits: max_batch_size is a lower bound, not the answer
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gpu, GPUSpec):
+            raise ValueError(f"gpu must be a vramlab.specs.GPUSpec, got {_checks.show(self.gpu)}")
+        for k in ("needed", "available", "estimate", "margin", "fragmentation", "context"):
+            object.__setattr__(self, k, _checks.whole(k, getattr(self, k), lo=0, hi=MAX_BYTES))
+        for k in ("fits", "expandable_segments", "capped"):
+            object.__setattr__(self, k, _checks.flag(k, getattr(self, k)))
+        if self.max_batch_size is not None:
+            object.__setattr__(self, "max_batch_size", _checks.whole("max_batch_size", self.max_batch_size, lo=0))
 
     @property
     def reserve(self) -> int:
@@ -1225,12 +1375,15 @@ def device_fit(estimate: "MemoryBreakdown | int", gpu: GPUSpec | str, *, largest
     fullest device of a layout."""
     g = _gpu(gpu)
     total = estimate.total if isinstance(estimate, MemoryBreakdown) else estimate
-    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
-        raise ValueError(f"estimate must be a MemoryBreakdown or a whole number of bytes, got {estimate!r}")
-    if isinstance(largest_tensor, bool) or not isinstance(largest_tensor, int) or largest_tensor < 0:
-        raise ValueError(f"largest_tensor must be a whole number of bytes, got {largest_tensor!r}")
-    if not isinstance(expandable_segments, bool):
-        raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
+    if not _is_index(total) or not 0 <= total <= MAX_BYTES:
+        raise ValueError(f"estimate must be a MemoryBreakdown or a whole number of bytes from 0 to {MAX_BYTES:,}, "
+                         f"got {_checks.show(estimate if isinstance(estimate, MemoryBreakdown) else total)}")
+    total = operator.index(total)
+    largest_tensor = _checks.whole("largest_tensor", largest_tensor, lo=0, hi=MAX_BYTES)
+    expandable_segments = _checks.flag("expandable_segments", expandable_segments)
+    if max_batch_size is not None:
+        max_batch_size = _checks.whole("max_batch_size", max_batch_size, lo=0)
+    capped = _checks.flag("capped", capped)
     margin = int(total * ESTIMATE_MARGIN)
     frag = _PAGE if expandable_segments else largest_tensor
     needed = total + margin + frag + g.context_bytes
@@ -1246,8 +1399,20 @@ def largest_tensor_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: in
     """The largest single allocation of a step: the fp32 logits (or their gradient), the
     embedding's gradient, or eager attention's scores. `share`: on one device of a layout (the
     logits on the last stage, the embedding's gradient on the first, both split by t; DTensor's
-    dense embedding gradient whole)."""
+    dense embedding gradient whole). Other keywords of `estimate_training`/`estimate_inference` are
+    accepted (and ignored), so that one set of options serves both; any other is an error."""
     spec = _resolve(model)
+    _checks.no_unknown("largest_tensor_bytes", _ignored, _estimate_options())
+    batch_size, seq_len = _check_positive(batch_size=batch_size, seq_len=seq_len)
+    _check_choice(mode, ("train", "infer"), "mode")
+    _check_choice(precision, PRECISIONS, "precision")
+    _check_choice(attention, ATTENTIONS, "attention implementation")
+    _check_choice(dtype, tuple(_INFER_BYTES), "dtype")
+    if new_tokens is not None:
+        new_tokens = _checks.whole("new_tokens", new_tokens, lo=0)
+    all_logits = _checks.flag("all_logits", all_logits)
+    if not isinstance(share, DeviceShare):
+        raise ValueError(f"share must be a vramlab.memory.DeviceShare, got {_checks.show(share)}")
     b, s, V = batch_size, seq_len, spec.vocab_size
     if not share.whole:
         t, e = share.tp, spec.word_embed_proj_dim or spec.hidden_size
@@ -1275,7 +1440,9 @@ def fragmentation_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: int
     largest batch is then the measured one, 104). Otherwise one block of the largest tensor
     (`largest_tensor_bytes`), which is safe without a measurement that says more."""
     spec = _resolve(model)
+    _checks.no_unknown("fragmentation_bytes", kw, _estimate_options() | {"mode"})
     largest = largest_tensor_bytes(spec, batch_size=batch_size, seq_len=seq_len, precision=precision, share=share, **kw)
+    batch_size, seq_len = operator.index(batch_size), operator.index(seq_len)  # checked there
     if kw.get("mode", "train") != "train" or precision == "fp32" or not (share.whole or share.last):
         return largest
     vocab = -(-spec.vocab_size // share.tp)
@@ -1287,6 +1454,9 @@ def largest_true(fits: Callable[[int], bool], *, start: int = 1, limit: int = 1 
     """The largest n in 1..limit with fits(n), for a `fits` that is true up to some n and false
     beyond (memory grows with the batch): gallop from `start` (up, or down by halves), then bisect.
     Returns 0 when even 1 does not fit. Few calls near a good `start`: each may be a GPU probe."""
+    if not callable(fits):
+        raise ValueError(f"fits must be a function of the batch size that returns True or False, got {_checks.show(fits)}")
+    start, limit = _checks.whole("start", start), _checks.whole("limit", limit)
     start = max(1, min(start, limit))
     if fits(start):
         lo, step = start, max(1, start // 8)
@@ -1325,11 +1495,10 @@ def fit(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: int = 1, mode
     - usable: what cudaMemGetInfo calls total (`gpu.usable_bytes`), less than nvidia-smi's total.
     Checked against bisected out-of-memory boundaries on an H100 (tests/test_gpu_truth.py)."""
     g = _gpu(gpu)
-    if mode not in ("train", "infer"):
-        raise ValueError(f"mode must be 'train' or 'infer', got {mode!r}")
-    _check_positive(batch_size=batch_size, max_search=max_search)
-    if not isinstance(expandable_segments, bool):
-        raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
+    if not isinstance(mode, str) or mode not in ("train", "infer"):
+        raise ValueError(f"mode must be 'train' or 'infer', got {_checks.show(mode)}")
+    batch_size, max_search = _check_positive(batch_size=batch_size, max_search=max_search)
+    expandable_segments = _checks.flag("expandable_segments", expandable_segments)
     est = estimate_training if mode == "train" else estimate_inference
     if options.get("device", "cuda") != "cuda":
         raise ValueError("fit() answers for a GPU: leave device at 'cuda'")
@@ -1338,6 +1507,10 @@ def fit(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: int = 1, mode
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ValueError(f"fit(mode={mode!r}) does not take {', '.join(unknown)}; it takes {', '.join(sorted(allowed))}")
+    if "seq_len" not in options:
+        raise ValueError("seq_len must be given: the tokens per sequence of the step whose fit is asked")
+    # every option checked once, at batch size 1, before the search
+    est(model, batch_size=1, gpu=g, **options)
 
     def verdict(bs: int, **found) -> Fit:
         return device_fit(est(model, batch_size=bs, gpu=g, **options), g, expandable_segments=expandable_segments,

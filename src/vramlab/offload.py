@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
 
+from . import checks as _checks
 from . import memory as _mem
-from .parallel import _count
-from .specs import GPUSpec, ModelSpec, gpu as _gpu
+from .specs import MAX_LAYERS, GPUSpec, ModelSpec, gpu as _gpu
 from .zero import REDUCE_BUCKET, _block_index, _block_tensor_sizes, _units
 
 # PCIe per lane and direction after line coding, decimal GB/s (PCI-SIG: 8, 16, 32 GT/s with 128b/130b)
@@ -44,16 +45,38 @@ SAVE_ON_CPU_EFFICIENCY = 0.62
 PAGEABLE_FRACTION = 0.5
 
 
-def _number(name: str, value, *, fraction: bool = False) -> float:
-    """A real number >= 0 (or, `fraction`, in (0, 1]), or a ValueError naming the argument."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and (0 < value <= 1 if fraction else value >= 0)
-    if not ok:
-        raise ValueError(f"{name} must be {'in (0, 1]' if fraction else 'a number >= 0'}, got {value!r}")
-    return value
+LANES = (1, 2, 4, 8, 16)
+WEIGHT_BYTES = {1: "int8", 2: "fp16/bf16", 4: "fp32"}
+# The streaming schedules' sizes: the most blocks a ModelSpec can have (an encoder and a decoder of
+# specs.MAX_LAYERS each) and the most passes one simulation runs (the steady state comes in a few)
+MAX_STREAM_LAYERS = 2 * MAX_LAYERS
+MAX_PASSES = 1000
 
 
-def pcie_generation(gpu: GPUSpec) -> int:
+def _choice(name: str, value, choices) -> object:
+    """`checks.one_of` (no bool stands for 1, an unhashable value is refused) in this module's wording:
+    "name must be one of a, b, got x"."""
+    try:
+        return _checks.one_of(name, value, choices)
+    except ValueError:
+        raise ValueError(f"{name} must be one of {', '.join(str(c) for c in choices)}, got {_checks.show(value)}") from None
+
+
+def _whole_choice(name: str, value, choices: dict) -> int:
+    """A whole number (numpy's too; no bool, no float, no string) among `choices`' keys, as an int."""
+    what = ", ".join(f"{k} ({v})" if v else str(k) for k, v in choices.items())
+    try:
+        v = _checks.whole(name, value, lo=min(choices), hi=max(choices))
+    except ValueError:
+        v = None
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {what}, got {_checks.show(value)}")
+    return v
+
+
+def pcie_generation(gpu: GPUSpec | str) -> int:
     """The PCIe generation of `gpu`'s host link, from the catalogue's interconnect text."""
+    gpu = _gpu(gpu)
     m = re.search(r"PCIe\s+(\d)", gpu.interconnect)
     if not m:
         raise ValueError(f"{gpu.name}: no PCIe generation in {gpu.interconnect!r}")
@@ -64,15 +87,16 @@ def host_link_GBps(gpu: GPUSpec | str, *, pinned: bool = True, lanes: int = 16) 
     """Nominal bytes per second (decimal GB/s), one direction, between host memory and `gpu`: the PCIe
     generation's per-lane rate x lanes; pageable memory at `PAGEABLE_FRACTION` of it."""
     g = _gpu(gpu)
-    if isinstance(lanes, bool) or lanes not in (1, 2, 4, 8, 16):
-        raise ValueError(f"lanes must be 1, 2, 4, 8 or 16, got {lanes!r}")
+    pinned = _checks.flag("pinned", pinned)
+    lanes = _whole_choice("lanes", lanes, dict.fromkeys(LANES, ""))
     rate = PCIE_LANE_GBps[pcie_generation(g)] * lanes
     return rate if pinned else rate * PAGEABLE_FRACTION
 
 
 def transfer_seconds(nbytes: int | float, gpu: GPUSpec | str, *, pinned: bool = True, efficiency: float = 1.0) -> float:
     """Seconds to move `nbytes` one way over `gpu`'s host link at `efficiency` of its nominal rate."""
-    _number("nbytes", nbytes), _number("efficiency", efficiency, fraction=True)
+    nbytes = _checks.number("nbytes", nbytes, hi=_mem.MAX_BYTES)
+    efficiency = _checks.fraction("efficiency", efficiency)
     return nbytes / (host_link_GBps(gpu, pinned=pinned) * efficiency * 1e9)
 
 
@@ -90,7 +114,8 @@ class ActivationOffload:
 def pinned_block(nbytes: int) -> int:
     """What PyTorch's pinned (page-locked) caching host allocator reserves for a request of `nbytes`:
     the next power of two (c10's CachingHostAllocator rounds every block up so blocks can be reused)."""
-    return 1 << max(int(nbytes) - 1, 0).bit_length() if nbytes > 0 else 0
+    nbytes = _checks.whole("nbytes", nbytes, lo=0, hi=_mem.MAX_BYTES)
+    return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
 
 
 def _saved_tensors(spec: ModelSpec, *, batch_size: int, seq_len: int, precision: str) -> list[int]:
@@ -125,7 +150,8 @@ def activation_offload(model: ModelSpec | str, *, batch_size: int, seq_len: int,
     Llama 23 % under it; tests/test_offload.py). Time: the baseline step plus both
     copies of the saved bytes at `efficiency` of the link's nominal rate (see SAVE_ON_CPU_EFFICIENCY)."""
     if baseline_seconds is not None:
-        _number("baseline_seconds", baseline_seconds)
+        baseline_seconds = _checks.number("baseline_seconds", baseline_seconds)
+    efficiency = _checks.fraction("efficiency", efficiency)
     spec = _mem._resolve(model)
     g = _gpu(gpu)
     phases = _mem.training_phases(spec, batch_size=batch_size, seq_len=seq_len, precision=precision,
@@ -246,22 +272,19 @@ def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_l
     Activations, temporaries and gradients in flight are `memory.training_phases` of a pure bf16
     model; `gpu_seconds` is the step on the GPU with no offload; copies run at `efficiency` of the
     link's nominal rate."""
-    if scheme not in OFFLOAD_SCHEMES:
-        raise ValueError(f"scheme must be one of {', '.join(OFFLOAD_SCHEMES)}, got {scheme!r}")
+    scheme = _choice("scheme", scheme, OFFLOAD_SCHEMES)
     if gpu_seconds is not None:
-        _number("gpu_seconds", gpu_seconds)
+        gpu_seconds = _checks.number("gpu_seconds", gpu_seconds)
+    delayed_update = _checks.flag("delayed_update", delayed_update)
     if scheme == "zero-offload":
-        copies = "deepspeed" if copies is None else copies
-        if copies not in ZERO_OFFLOAD_COPIES:
-            raise ValueError(f"copies must be one of {', '.join(ZERO_OFFLOAD_COPIES)}, got {copies!r}")
-    elif copies is not None or delayed_update is not False:
+        copies = "deepspeed" if copies is None else _choice("copies", copies, tuple(ZERO_OFFLOAD_COPIES))
+    elif copies is not None or delayed_update:
         raise ValueError("copies and delayed_update describe ZeRO-Offload (scheme='zero-offload')")
-    if not isinstance(delayed_update, bool):
-        raise ValueError(f"delayed_update must be True or False, got {delayed_update!r}")
     if cpu_adam_seconds_per_param is None:
         cpu_adam_seconds_per_param = DS_CPU_ADAM_SECONDS_PER_PARAM if scheme == "zero-offload" else CPU_ADAM_SECONDS_PER_PARAM
-    _number("cpu_adam_seconds_per_param", cpu_adam_seconds_per_param)
-    bucket = _count("reduce_bucket", REDUCE_BUCKET if reduce_bucket is None else reduce_bucket, lo=0, hi=10**12)
+    cpu_adam_seconds_per_param = _checks.number("cpu_adam_seconds_per_param", cpu_adam_seconds_per_param)
+    efficiency = _checks.fraction("efficiency", efficiency)
+    bucket = _checks.whole("reduce_bucket", REDUCE_BUCKET if reduce_bucket is None else reduce_bucket, lo=0, hi=10**12)
     spec = _mem._resolve(model)
     g = _gpu(gpu)
     psi = spec.params
@@ -322,20 +345,43 @@ class Streaming:
         return self.seconds <= self.compute_seconds * (1 + 1e-9)
 
 
-def _numbers(name: str, values, *, positive: bool) -> list[float]:
-    try:
-        out = [float(v) for v in values]
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a list of numbers") from None
-    if not out or any(not (v > 0 if positive else v >= 0) or v != v or v == float("inf") for v in out):
-        raise ValueError(f"{name} must be a non-empty list of {'positive' if positive else 'non-negative'} finite numbers")
-    return out
+MAX_LAYER_SECONDS = 1e9  # a layer's compute: beyond 30 years is a typo (and keeps every sum finite)
+LINK_RANGE_GBps = (1e-6, 1e6)  # a host link from 1 kB/s to 1 PB/s
+
+
+def _floats(name: str, values, *, lo: float, hi: float, lo_open: bool = False) -> list[float]:
+    """`checks.numbers(name, values, ...)` as floats. A list or tuple of plain ints and floats within
+    the bounds (what every caller passes: thousands of layers) is taken in one pass; anything else
+    goes through checks.numbers, which accepts numpy's scalars and names the offending element."""
+    if isinstance(values, (list, tuple)) and values and all(type(v) is float or type(v) is int for v in values) \
+            and all((lo < v if lo_open else lo <= v) and v <= hi for v in values):
+        return [float(v) for v in values]  # NaN and infinities fail the comparisons
+    return [float(v) for v in _checks.numbers(name, values, lo=lo, hi=hi, lo_open=lo_open)]
+
+
+def _layers(layer_bytes, layer_seconds, link_GBps) -> tuple[list[float], list[float], float]:
+    """The layers' bytes (> 0) and compute seconds (>= 0) as floats, as many of each (at most
+    MAX_STREAM_LAYERS), and the link's GB/s; or a ValueError naming the argument."""
+    sizes = _floats("layer_bytes", layer_bytes, lo=0, lo_open=True, hi=_mem.MAX_BYTES)
+    if len(sizes) > MAX_STREAM_LAYERS:
+        raise ValueError(f"layer_bytes must list at most {MAX_STREAM_LAYERS:,} layers, got {len(sizes):,}")
+    secs = _floats("layer_seconds", layer_seconds, lo=0, hi=MAX_LAYER_SECONDS)
+    if len(secs) != len(sizes):
+        raise ValueError(f"layer_bytes has {len(sizes)} layers and layer_seconds {len(secs)}")
+    lo, hi = LINK_RANGE_GBps
+    return sizes, secs, _checks.number("link_GBps", link_GBps, lo=lo, hi=hi)
+
+
+def _buffers(buffers) -> int:
+    return _checks.whole("buffers", buffers, hi=1 << 20)
 
 
 def spaced(n_layers: int, n_streamed: int) -> tuple[int, ...]:
     """`n_streamed` of `n_layers` layer indices spaced as far apart as possible (BMInf's choice: the
     copies have the most compute between them to hide behind)."""
-    if not 0 <= n_streamed <= n_layers:
+    n_layers = _checks.whole("n_layers", n_layers, lo=0, hi=MAX_STREAM_LAYERS)
+    n_streamed = _checks.whole("n_streamed", n_streamed, lo=0, hi=MAX_STREAM_LAYERS)
+    if not n_streamed <= n_layers:
         raise ValueError(f"cannot stream {n_streamed} of {n_layers} layers")
     if n_streamed == 0:
         return ()
@@ -343,28 +389,10 @@ def spaced(n_layers: int, n_streamed: int) -> tuple[int, ...]:
     return tuple(sorted({int(i * step) for i in range(n_streamed)}))
 
 
-def stream_layers(layer_bytes, layer_seconds, *, streamed, link_GBps: float, buffers: int = 2,
-                  passes: int = 3) -> Streaming:
-    """Run `passes` passes over the layers (each a forward over every layer, as one generated token is):
-    layer i computes after layer i-1 and, when i is in `streamed`, after its copy has arrived. The
-    streamed layers are copied in order, one at a time on the copy stream, each into one of `buffers`
-    GPU buffers (each as large as the largest streamed layer; no more buffers than streamed layers
-    are made, as the memory counts them); a buffer is free again once the layer in it has computed.
-    The first copy of a pass may start during the previous pass: that is the prefetch. Returns the
-    last pass (steady state)."""
-    sizes = _numbers("layer_bytes", layer_bytes, positive=True)
-    secs = _numbers("layer_seconds", layer_seconds, positive=False)
+def _stream(sizes: list[float], secs: list[float], stream: tuple[int, ...], link_GBps: float, buffers: int,
+            passes: int = 3) -> Streaming:
+    """stream_layers' schedule, its arguments checked (`stream` sorted, without repeats)."""
     n = len(sizes)
-    if len(secs) != n:
-        raise ValueError(f"layer_bytes has {n} layers and layer_seconds {len(secs)}")
-    try:
-        stream = tuple(sorted({int(i) for i in streamed}))
-    except (TypeError, ValueError):
-        raise ValueError("streamed must be a list of layer indices") from None
-    if any(not 0 <= i < n for i in stream):
-        raise ValueError(f"streamed layers must be indices from 0 to {n - 1}")
-    _link(link_GBps)
-    _count("buffers", buffers), _count("passes", passes)
     copy_s = {i: sizes[i] / (link_GBps * 1e9) for i in stream}
     made = min(buffers, len(stream))  # the buffers that exist (and that _gpu_bytes counts)
     t = copy_end = 0.0
@@ -391,6 +419,24 @@ def stream_layers(layer_bytes, layer_seconds, *, streamed, link_GBps: float, buf
                                          key=lambda e: (e[2], e[0]))))
 
 
+def stream_layers(layer_bytes, layer_seconds, *, streamed, link_GBps: float, buffers: int = 2,
+                  passes: int = 3) -> Streaming:
+    """Run `passes` passes over the layers (each a forward over every layer, as one generated token is):
+    layer i computes after layer i-1 and, when i is in `streamed`, after its copy has arrived. The
+    streamed layers are copied in order, one at a time on the copy stream, each into one of `buffers`
+    GPU buffers (each as large as the largest streamed layer; no more buffers than streamed layers
+    are made, as the memory counts them); a buffer is free again once the layer in it has computed.
+    The first copy of a pass may start during the previous pass: that is the prefetch. Returns the
+    last pass (steady state). At most MAX_STREAM_LAYERS layers and MAX_PASSES passes."""
+    sizes, secs, link_GBps = _layers(layer_bytes, layer_seconds, link_GBps)
+    n = len(sizes)
+    stream = tuple(sorted(set(_checks.wholes("streamed", streamed, lo=0, empty=True))))
+    if stream and stream[-1] >= n:
+        raise ValueError(f"streamed layers must be indices from 0 to {n - 1}, got {stream[-1]}")
+    buffers, passes = _buffers(buffers), _checks.whole("passes", passes, hi=MAX_PASSES)
+    return _stream(sizes, secs, stream, link_GBps, buffers, passes)
+
+
 def _gpu_bytes(sizes, stream, buffers: int) -> int:
     """Resident layers + min(buffers, streamed) buffers, each as large as the largest streamed layer."""
     streamed = [sizes[i] for i in stream]
@@ -400,32 +446,102 @@ def _gpu_bytes(sizes, stream, buffers: int) -> int:
 EXHAUSTIVE_UP_TO = 12  # layers: above this, smallest_resident tries BMInf's spaced choice only
 
 
-def _link(link_GBps) -> float:
-    if isinstance(link_GBps, bool) or not isinstance(link_GBps, (int, float)) or not link_GBps > 0:
-        raise ValueError(f"link_GBps must be positive, got {link_GBps!r}")
-    return link_GBps
+class _Search:
+    """The choices of streamed layers `smallest_resident` and `least_memory` try, and which hide.
 
+    A pass copies every streamed layer once on one copy engine, so copies that hide take no longer
+    than the pass's compute: no more layers can stream than the smallest ones whose copies fit in it
+    (`most`), and a set whose copies exceed it is skipped unsimulated. Every set up to
+    EXHAUSTIVE_UP_TO layers, BMInf's spaced choice above.
 
-def _stream_choices(layer_bytes, layer_seconds, link_GBps: float):
-    """(sizes, the most layers that can stream, choices(m): the sets of m streamed layers worth
-    simulating). A pass copies every streamed layer once on one copy engine, so copies that hide take
-    no longer than the pass's compute: no more layers can stream than the smallest ones whose copies
-    fit in it, and a set whose copies exceed it is skipped unsimulated. Every set up to
-    EXHAUSTIVE_UP_TO layers, BMInf's spaced choice above."""
-    sizes = _numbers("layer_bytes", layer_bytes, positive=True)
-    secs = _numbers("layer_seconds", layer_seconds, positive=False)
-    budget = sum(secs) * (1 + 1e-9) * _link(link_GBps) * 1e9  # bytes the copy engine moves in one pass
-    n, most, total = len(sizes), 0, 0.0
-    for b in sorted(sizes):
-        if total + b > budget:
-            break
-        total, most = total + b, most + 1
+    `hides(c)` is `stream_layers(..., streamed=c).hidden`, the same simulation without its events,
+    after a bound that rejects, without simulating them, sets that cannot hide. The bound is the
+    last pass (the third) with fewer constraints: the copies whose buffers the previous pass frees
+    (the first b = min(buffers, m)) are taken as already there; streamed layer k >= b is copied into
+    the buffer that streamed layer k - b frees when it has computed, the copies running one at a
+    time in order. Fewer constraints never make anything later (every time is a max of sums), so
+    that pass's delay is at most the simulated one, and when it exceeds what `hidden` allows (1e-9
+    of the compute) the set cannot hide. It is checked with a margin (1e-8 of the compute and copy
+    time: over a hundred times the rounding of 3 x 20,000 additions) and only rejects; every set it
+    lets through is simulated, so the answer is the exhaustive search's. For BMInf's spaced sets two
+    terms of it are O(1): copy b alone (its buffer freed by layer s_0 = 0, its layer s_b = int(b x n / m))
+    and, for equal layers, copies b to m - 1 back to back from the same moment. So a few thousand
+    layers take milliseconds where simulating every count from `most` down took tens of seconds."""
 
-    def choices(m: int):
-        sets = itertools.combinations(range(n), m) if n <= EXHAUSTIVE_UP_TO else [spaced(n, m)]
-        return [c for c in sets if sum(sizes[i] for i in c) <= budget]
+    def __init__(self, sizes: list[float], secs: list[float], link_GBps: float, buffers: int):
+        self.sizes, self.secs, self.link, self.buffers = sizes, secs, link_GBps, buffers
+        self.n = n = len(sizes)
+        self.compute = sum(secs)
+        self.budget = self.compute * (1 + 1e-9) * link_GBps * 1e9  # bytes the copy engine moves in one pass
+        most, total = 0, 0.0
+        for b in sorted(sizes):
+            if total + b > self.budget:
+                break
+            total, most = total + b, most + 1
+        self.most = most
+        self.copy = [b / (link_GBps * 1e9) for b in sizes]
+        self.start = [0.0] * (n + 1)  # start[i]: the compute before layer i
+        for i, s in enumerate(secs):
+            self.start[i + 1] = self.start[i] + s
+        self.tol = 1e-9 * self.compute + 1e-8 * (self.compute + sum(self.copy))
+        self.equal = len(set(sizes)) <= 1
+        self.uniform = self.equal and len(set(secs)) <= 1 and secs[0] > 0  # every layer the same
 
-    return sizes, most, choices
+    def _within_budget(self, c) -> bool:
+        return sum(self.sizes[i] for i in c) <= self.budget
+
+    def choices(self, m: int) -> list[tuple[int, ...]]:
+        """The sets of m streamed layers worth simulating, as the exhaustive search listed them."""
+        if self.n <= EXHAUSTIVE_UP_TO:
+            return [c for c in itertools.combinations(range(self.n), m) if self._within_budget(c)]
+        c = spaced(self.n, m)
+        return [c] if self._within_budget(c) else []
+
+    def may_hide_spaced(self, m: int) -> bool:
+        """Terms of the bound for spaced(n, m), without building the set (see the class): copy b
+        alone, and, for equal layers, copies b to b + L - 1 back to back from when layer 0 has
+        computed, which must end before layer int((b + L - 1) x n / m) starts. With every layer
+        alike (copy d, compute c, g = n / m layers a streamed one) that can fail only while
+        L (g - d / c) < 2 - (b - 1) g, as int(x) > x - 1: those few L and L = m - b are checked."""
+        made = min(self.buffers, m)
+        if m <= made:
+            return True
+        step, start, tol = self.n / m, self.start, self.tol  # spaced's indices: int(k * step)
+        if start[1] + self.copy[int(made * step)] - start[int(made * step)] > tol:
+            return False
+        if not self.equal:
+            return True
+        d = self.copy[0]
+        chains = [m - made]
+        if self.uniform:
+            room, gain = 2 - (made - 1) * step, step - d / self.secs[0]
+            if room > 0:
+                chains += range(1, min(m - made, int(room / gain) + 2 if gain > 0 else m - made))
+        return all(start[1] + length * d - start[int((made + length - 1) * step)] <= tol for length in chains)
+
+    def may_hide(self, c) -> bool:
+        """False when the bound (see the class) shows the set cannot hide: the last pass with the
+        first min(buffers, m) copies already there; `late` is what its compute has waited so far."""
+        made, start, copy, secs, tol = min(self.buffers, len(c)), self.start, self.copy, self.secs, self.tol
+        late, end, done = 0.0, -math.inf, []
+        for k, i in enumerate(c):
+            if k >= made:
+                free = done[k - made]
+                end = (end if end > free else free) + copy[i]
+                wait = end - (start[i] + late)
+                if wait > 0:
+                    late += wait
+                    if late > tol:
+                        return False
+            done.append(start[i] + late + secs[i])
+        return True
+
+    def hides(self, c) -> Streaming | None:
+        """`stream_layers(..., streamed=c)` when it hides, else None."""
+        if not self.may_hide(c):
+            return None
+        run = _stream(self.sizes, self.secs, c, self.link, self.buffers)
+        return run if run.hidden else None
 
 
 def smallest_resident(layer_bytes, layer_seconds, *, link_GBps: float, buffers: int = 2) -> Streaming:
@@ -435,15 +551,17 @@ def smallest_resident(layer_bytes, layer_seconds, *, link_GBps: float, buffers: 
     only BMInf's choice of layers spaced as far apart as possible (`spaced`), which is exact for equal
     layers but can keep more resident than needed when they differ. Every layer resident always
     hides (nothing is copied). Fewest resident is not least GPU memory when the layers differ: the
-    buffers are as large as the largest streamed layer (`least_memory` answers that)."""
-    _count("buffers", buffers)
-    _, most, choices = _stream_choices(layer_bytes, layer_seconds, link_GBps)
-    for m in range(most, -1, -1):
-        runs = [stream_layers(layer_bytes, layer_seconds, streamed=c, link_GBps=link_GBps, buffers=buffers)
-                for c in choices(m)]
-        hiding = [r for r in runs if r.hidden]
-        if hiding:
-            return min(hiding, key=lambda r: (r.gpu_bytes, r.streamed))
+    buffers are as large as the largest streamed layer (`least_memory` answers that). The choices are
+    tried from the most streamed down, each only when a bound says it may hide (`_Search`): milliseconds
+    for thousands of layers; at most MAX_STREAM_LAYERS."""
+    sizes, secs, link_GBps = _layers(layer_bytes, layer_seconds, link_GBps)
+    search = _Search(sizes, secs, link_GBps, _buffers(buffers))
+    for m in range(search.most, -1, -1):
+        if search.n > EXHAUSTIVE_UP_TO and not search.may_hide_spaced(m):
+            continue
+        for c in sorted(search.choices(m), key=lambda c: (_gpu_bytes(sizes, c, search.buffers), c)):
+            if run := search.hides(c):
+                return run
     raise AssertionError("unreachable: nothing streamed always hides")
 
 
@@ -454,14 +572,37 @@ def least_memory(layer_bytes, layer_seconds, *, link_GBps: float, buffers: int =
     resident); streaming the three small ones needs 12 GB. The same choices as `smallest_resident`
     (every one up to EXHAUSTIVE_UP_TO layers, BMInf's spaced ones above), simulated from the least
     memory up until one hides; among equal memory, the fewest resident."""
-    _count("buffers", buffers)
-    sizes, most, choices = _stream_choices(layer_bytes, layer_seconds, link_GBps)
-    ranked = sorted((c for m in range(most + 1) for c in choices(m)), key=lambda c: (_gpu_bytes(sizes, c, buffers), -len(c), c))
-    for c in ranked:
-        run = stream_layers(layer_bytes, layer_seconds, streamed=c, link_GBps=link_GBps, buffers=buffers)
-        if run.hidden:
-            return run
-    raise AssertionError("unreachable: nothing streamed always hides")
+    sizes, secs, link_GBps = _layers(layer_bytes, layer_seconds, link_GBps)
+    buffers = _buffers(buffers)
+    search = _Search(sizes, secs, link_GBps, buffers)
+    if search.n <= EXHAUSTIVE_UP_TO:
+        ranked = sorted((c for m in range(search.most + 1) for c in search.choices(m)),
+                        key=lambda c: (_gpu_bytes(sizes, c, buffers), -len(c), c))
+        found = next((run for c in ranked if (run := search.hides(c))), None)
+    else:  # one spaced set a count: rank the counts by the set's memory without keeping every set
+        ranked, n = [], search.n
+        if search.equal:  # sum() of m equal sizes, as _gpu_bytes and the budget add them
+            x, total, sums = sizes[0], 0, []
+            for _ in range(search.most + 1):
+                sums.append(total)
+                total = total + x
+            whole = sum(sizes)
+            for m in range(search.most + 1):
+                if sums[m] <= search.budget:
+                    ranked.append((int(whole - sums[m] + min(buffers, m) * (x if m else 0)), -m))
+        else:
+            for m in range(search.most + 1):
+                c = spaced(n, m)
+                if search._within_budget(c):
+                    ranked.append((_gpu_bytes(sizes, c, buffers), -m))
+        ranked.sort()
+        found = None
+        for _, m in ranked:
+            if search.may_hide_spaced(-m) and (found := search.hides(spaced(n, -m))):
+                break
+    if found is None:
+        raise AssertionError("unreachable: nothing streamed always hides")
+    return found
 
 
 # ----------------------------------------------------------------------------- a model streamed (BMInf)
@@ -498,10 +639,10 @@ def stream_model(model: ModelSpec | str, gpu: GPUSpec | str, *, tokens: int = 1,
     `buffers` streaming buffers (activations for a few tokens are small and not counted)."""
     spec = _mem._resolve(model)
     g = _gpu(gpu)
-    _count("tokens", tokens, hi=_mem.MAX_BATCH)
-    if weight_bytes not in (1, 2, 4):
-        raise ValueError(f"weight_bytes must be 1 (int8), 2 (fp16/bf16) or 4 (fp32), got {weight_bytes!r}")
-    _number("efficiency", efficiency, fraction=True), _number("mfu", mfu, fraction=True)
+    tokens = _checks.whole("tokens", tokens, hi=_mem.MAX_BATCH)
+    weight_bytes = _whole_choice("weight_bytes", weight_bytes, WEIGHT_BYTES)
+    buffers = _buffers(buffers)
+    efficiency, mfu = _checks.fraction("efficiency", efficiency), _checks.fraction("mfu", mfu)
     n = spec.num_layers + spec.num_decoder_layers
     block_params, rest = _units(spec)
     layer_bytes = block_params * weight_bytes

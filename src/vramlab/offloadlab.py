@@ -20,7 +20,6 @@ training step, allocator peak, step time and host RSS), `zero-offload` (DeepSpee
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import statistics
@@ -33,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import checks
 from . import offload as off
 from .parallel import _count
 
@@ -473,11 +473,22 @@ def gpu_probes(progress=print, timeout: int = 600) -> dict[str, Any]:
     return out
 
 
+PROG = "python -m vramlab.offloadlab"
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m vramlab.offloadlab", description=__doc__.split("\n\n")[0])
+    import importlib.util
+
+
+    ap = checks.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--probe", required=True, choices=PROBES)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True, help="the probe's JSON (its folder must exist)")
     a = ap.parse_args(argv)
+    checks.output_path(PROG, a.out)
+    if not torch.cuda.is_available():  # before the probe starts, as every other refusal
+        checks.fail(PROG, f"--probe {a.probe} needs a CUDA GPU and this machine has none")
+    if a.probe == "zero-offload" and importlib.util.find_spec("deepspeed") is None:
+        checks.fail(PROG, "--probe zero-offload needs DeepSpeed (pip install deepspeed)")
     try:
         res = run_probe(a.probe)
     except (ValueError, RuntimeError, ImportError) as e:

@@ -20,9 +20,11 @@ A layout is `dp` data-parallel replicas x `tp` tensor-parallel ranks x `pp` pipe
 
 from __future__ import annotations
 
+import collections.abc as _abc
 import dataclasses
 import functools
 import math
+import numbers as _numbers
 import operator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -45,6 +47,52 @@ def _count(name: str, value, *, lo: int = 1, hi: int = MAX_DEVICES) -> int:
     return _checks.whole(name, value, lo=lo, hi=hi)
 
 
+def _check_schedule(schedule, p: int, m: int, v: int, *, names: tuple[str, str, str] = ("p", "m", "chunks")) -> str:
+    """The one rule for a schedule and its counts, used by `Layout`, `bubble_fraction` and `simulate`
+    (each names p, m and v as its caller wrote them): the interleaved schedule needs p > 1 and runs
+    micro-batches in groups of p (m a multiple of p); chunks (v) apply to it only."""
+    P_, M_, V_ = names
+    schedule = str(_checks.one_of("schedule", schedule, SCHEDULES))
+    if schedule == "interleaved":
+        if p == 1:
+            raise ValueError(f"{P_} must be at least 2 for the interleaved schedule (it needs {P_} > 1), got 1")
+        if m % p:
+            raise ValueError(f"{M_} must be a multiple of {P_} ({p}) under the interleaved schedule, which runs "
+                             f"micro-batches in groups of {P_}, got {m}")
+    elif v != 1:
+        raise ValueError(f"{V_} must be 1 under the {schedule} schedule (model chunks per device apply to the "
+                         f"interleaved schedule only), got {v}")
+    return schedule
+
+
+def _time(name: str, value) -> Fraction:
+    """A positive finite duration (ints, floats, Fractions, numpy scalars; `checks.number`), kept exact
+    as a Fraction: an int or a Fraction stays what it is, a float is its exact binary value."""
+    _checks.positive(name, value)
+    if isinstance(value, (int, Fraction)):
+        return Fraction(value)
+    if isinstance(value, _numbers.Integral):  # numpy integers
+        return Fraction(operator.index(value))
+    return Fraction(float(value))  # floats (numpy's float32 too: float() is exact)
+
+
+def _byte_counts(name: str, values, *, hint: str = "") -> list[int]:
+    """A non-empty sequence (a list, a tuple, a numpy array; not a string or a mapping) of whole byte
+    counts, as ints; `checks.whole` names a bad element by its index."""
+    if isinstance(values, (str, bytes, dict)) or not isinstance(values, _abc.Iterable):
+        raise ValueError(f"{name} must be a non-empty list of byte counts{hint}, got {_checks.show(values)}")
+    out = list(values)
+    if not out:
+        raise ValueError(f"{name} must be a non-empty list of byte counts{hint}, got an empty one")
+    return [_checks.whole(f"{name}[{i}]", n, lo=0, hi=1 << 50) for i, n in enumerate(out)]
+
+
+def _check_layout(layout) -> "Layout":
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout must be a vramlab.parallel.Layout, got {_checks.show(layout)}")
+    return layout
+
+
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """dp x tp x pp devices. `micro_batches` (m) per step and per data-parallel replica; `chunks`
@@ -64,26 +112,22 @@ class Layout:
             object.__setattr__(self, name, _count(name, getattr(self, name)))
         object.__setattr__(self, "micro_batches", _count("micro_batches", self.micro_batches, hi=MAX_MICRO_BATCHES))
         object.__setattr__(self, "chunks", _count("chunks", self.chunks, hi=1024))
-        if not isinstance(self.sp, bool):
-            raise ValueError(f"sp must be True or False, got {self.sp!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
+        object.__setattr__(self, "sp", _checks.flag("sp", self.sp))
+        try:
+            zero = _checks.whole("zero", self.zero, lo=0, hi=1)
+        except ValueError:
+            raise ValueError(f"zero must be 0 or 1 (ZeRO-1: optimizer states sharded over dp), "
+                             f"got {_checks.show(self.zero)}") from None
+        object.__setattr__(self, "zero", zero)
+        object.__setattr__(self, "schedule", _check_schedule(self.schedule, self.pp, self.micro_batches, self.chunks,
+                                                             names=("pp", "micro_batches", "chunks")))
         if self.sp and self.tp == 1:
-            raise ValueError("sequence parallelism splits along the tensor-parallel group: it needs tp > 1")
-        if isinstance(self.zero, bool) or self.zero not in (0, 1):
-            raise ValueError(f"zero must be 0 or 1 (ZeRO-1: optimizer states sharded over dp), got {self.zero!r}")
+            raise ValueError("sp=True needs tp > 1: sequence parallelism splits along the tensor-parallel group")
         if self.zero and self.dp == 1:
-            raise ValueError("ZeRO-1 shards the optimizer states over the data-parallel replicas: it needs dp > 1")
-        if self.schedule == "interleaved":
-            if self.pp == 1:
-                raise ValueError("the interleaved schedule needs pp > 1")
-            if self.micro_batches % self.pp:
-                raise ValueError(f"the interleaved schedule runs micro-batches in groups of pp: micro_batches "
-                                 f"({self.micro_batches}) must be a multiple of pp ({self.pp})")
-        elif self.chunks != 1:
-            raise ValueError("chunks (model chunks per device) apply to the interleaved schedule only")
+            raise ValueError("zero=1 needs dp > 1: ZeRO-1 shards the optimizer states over the data-parallel replicas")
         if self.devices > MAX_DEVICES:
-            raise ValueError(f"dp x tp x pp = {self.devices:,} devices is more than this calculator models")
+            raise ValueError(f"dp x tp x pp must be at most {MAX_DEVICES:,} devices (what this calculator models), "
+                             f"got {self.devices:,}")
 
     @property
     def devices(self) -> int:
@@ -104,12 +148,10 @@ def korthikanti_layer_activations(*, s: int, b: int, h: int, a: int, t: int = 1,
     An exact Fraction (t need not divide the terms)."""
     s, b, h, a = (_count(n, v, hi=1 << 40) for n, v in (("s", s), ("b", b), ("h", h), ("a", a)))
     t = _count("t", t)
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"unknown recompute {recompute!r}; choose from {', '.join(RECOMPUTE)}")
-    if not isinstance(sp, bool):
-        raise ValueError(f"sp must be True or False, got {sp!r}")
+    _checks.one_of("recompute", recompute, RECOMPUTE)
+    sp = _checks.flag("sp", sp)
     if sp and t == 1:
-        raise ValueError("sequence parallelism needs t > 1")
+        raise ValueError("sp=True needs t > 1: sequence parallelism splits along the tensor-parallel group")
     sbh = Fraction(s * b * h)
     if recompute == "full":
         return 2 * sbh
@@ -128,12 +170,9 @@ def bubble_fraction(p: int, m: int, schedule: Schedule = "1f1b", *, chunks: int 
     GPipe and 1F1B have the same bubble; 1F1B holds fewer micro-batches in flight."""
     p, m = _count("p", p), _count("m", m, hi=MAX_MICRO_BATCHES)
     v = _count("chunks", chunks, hi=1024)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
-    if schedule != "interleaved" and v != 1:
-        raise ValueError("chunks apply to the interleaved schedule only")
-    if of not in ("total", "ideal"):
-        raise ValueError(f"of must be 'total' or 'ideal', got {of!r}")
+    _check_schedule(schedule, p, m, v)
+    if _checks.is_bool(of) or not isinstance(of, str) or of not in ("total", "ideal"):
+        raise ValueError(f"of must be 'total' or 'ideal', got {_checks.show(of)}")
     if of == "ideal":
         return Fraction(p - 1, v * m)
     return Fraction(p - 1, v * m + p - 1)
@@ -152,21 +191,28 @@ class Op:
 @dataclass(frozen=True)
 class PipelineRun:
     """A simulated schedule: every forward and backward with its start and end (in units of one
-    micro-batch's forward through one device's whole share of the model)."""
+    micro-batch's forward through one device's whole share of the model). `makespan`, `in_flight`
+    and `bubble` come from closed forms; `ops` is replayed when first read."""
 
     p: int
     m: int
     schedule: str
     chunks: int
-    ops: tuple[Op, ...]
     makespan: Fraction
     in_flight: tuple[int, ...]  # per device, the most (micro-batch, chunk) activations held at once
+    forward: Fraction = Fraction(1)
+    backward: Fraction = Fraction(2)
+
+    @functools.cached_property
+    def ops(self) -> tuple[Op, ...]:
+        """Every forward and backward, by device and then by start (2 p m v of them)."""
+        return _replay_ops(self.p, self.m, self.schedule, self.chunks, self.forward, self.backward)
 
     @property
     def bubble(self) -> Fraction:
-        """Idle share of the total device time, measured on the simulated run."""
-        busy = sum(o.end - o.start for o in self.ops)
-        return 1 - busy / (self.p * self.makespan)
+        """Idle share of the total device time: each device is busy m (forward + backward) of the
+        makespan (what the replayed ops add up to)."""
+        return 1 - self.m * (self.forward + self.backward) / self.makespan
 
 
 def _orders(p: int, m: int, schedule: str, v: int) -> list[list[tuple[str, int, int]]]:
@@ -193,7 +239,7 @@ def _orders(p: int, m: int, schedule: str, v: int) -> list[list[tuple[str, int, 
             def bwd(k):
                 return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
 
-            warm = min((p - d - 1) * 2 + (v - 1) * p, total)
+            warm = _warmup(p, m, v, d)
             seq = [fwd(k) for k in range(warm)]
             for k in range(total - warm):
                 seq += [fwd(warm + k), bwd(k)]
@@ -202,20 +248,27 @@ def _orders(p: int, m: int, schedule: str, v: int) -> list[list[tuple[str, int, 
     return orders
 
 
+def _warmup(p: int, m: int, v: int, d: int) -> int:
+    """Forwards device d runs before its first backward under the interleaved schedule (Megatron-LM)."""
+    return min((p - d - 1) * 2 + (v - 1) * p, m * v)
+
+
 def simulate(p: int, m: int, schedule: Schedule = "1f1b", *, chunks: int = 1, forward: float = 1,
              backward: float = 2) -> PipelineRun:
     """Run a schedule on p devices: each device executes its ops in its schedule's order, each op as
     soon as its input exists (a forward needs the previous stage's forward of that micro-batch; a
     backward needs the next stage's backward, or, on the last stage, its own forward). A forward of
     one micro-batch through one device's share takes `forward`, a backward `backward` (about twice
-    as long: two matmuls per matmul), divided by v under interleaving. Communication is free."""
+    as long: two matmuls per matmul), divided by v under interleaving. Communication is free.
+
+    The answer's numbers are closed forms of that replay (equal to it for every input; tested
+    against the event simulation): the makespan (m + p - 1)(f + b) for GPipe and 1F1B, (vm + p - 1)
+    (f + b)/v interleaved; per device the most activations in flight, which a device's own order
+    fixes (its ends come one after another); the ops themselves are replayed when first read."""
     p, m = _count("p", p, hi=256), _count("m", m, hi=1024)
     v = _count("chunks", chunks, hi=64)
-    Layout(pp=p, micro_batches=m, schedule=schedule, chunks=v)  # validates the combination
-    for name, x in (("forward", forward), ("backward", backward)):
-        if isinstance(x, bool) or not isinstance(x, (int, float, Fraction)) or not 0 < x < math.inf:
-            raise ValueError(f"{name} must be a positive finite time, got {x!r}")
-    return _simulate(p, m, schedule, v, Fraction(forward), Fraction(backward))
+    schedule = _check_schedule(schedule, p, m, v)
+    return _simulate(p, m, schedule, v, _time("forward", forward), _time("backward", backward))
 
 
 def replay_orders(orders: list[list[tuple[str, int, int]]], took: list[list], *, what: str = "these operations"
@@ -226,6 +279,40 @@ def replay_orders(orders: list[list[tuple[str, int, int]]], took: list[list], *,
     "B", micro-batch, chunk) with virtual stage chunk * p + d; took[d][k] is how long device d's k-th
     operation takes. Returns (device, kind, micro-batch, chunk, start, end) in the order they were
     placed; a ValueError when a device waits for an operation no device runs."""
+    _checks.text("what", what)
+    if isinstance(orders, (str, bytes, dict)) or not isinstance(orders, _abc.Sequence) or not orders:
+        raise ValueError(f"orders must be a non-empty list (one per device) of lists of (kind, micro-batch, chunk), "
+                         f"got {_checks.show(orders)}")
+    if isinstance(took, (str, bytes, dict)) or not isinstance(took, _abc.Sequence) or len(took) != len(orders):
+        raise ValueError(f"took must be a list of {len(orders)} lists of durations (one per device, as orders), "
+                         f"got {_checks.show(took)}")
+    clean_orders, clean_took = [], []
+    for d, (order, times) in enumerate(zip(orders, took)):
+        if isinstance(order, (str, bytes, dict)) or not isinstance(order, _abc.Iterable):
+            raise ValueError(f"orders[{d}] must be a list of (kind, micro-batch, chunk), got {_checks.show(order)}")
+        order = list(order)
+        ops = []
+        for k, op in enumerate(order):
+            if isinstance(op, (str, bytes, dict)) or not isinstance(op, _abc.Iterable) or len(op := tuple(op)) != 3:
+                raise ValueError(f"orders[{d}][{k}] must be (kind, micro-batch, chunk), got {_checks.show(op)}")
+            kind = _checks.one_of(f"orders[{d}][{k}] kind", op[0], ("F", "B"))
+            ops.append((str(kind), _checks.whole(f"orders[{d}][{k}] micro-batch", op[1], lo=0),
+                        _checks.whole(f"orders[{d}][{k}] chunk", op[2], lo=0, hi=1 << 20)))
+        if isinstance(times, (str, bytes, dict)) or not isinstance(times, _abc.Iterable):
+            raise ValueError(f"took[{d}] must be a list of durations, got {_checks.show(times)}")
+        times = list(times)
+        if len(times) != len(ops):
+            raise ValueError(f"took[{d}] must hold one duration per operation of orders[{d}] ({len(ops)}), "
+                             f"got {len(times)}")
+        for k, x in enumerate(times):
+            _checks.number(f"took[{d}][{k}]", x, lo=0)  # checked; the value itself is kept (a Fraction stays exact)
+        clean_orders.append(ops)
+        clean_took.append(times)
+    return _replay(clean_orders, clean_took, what)
+
+
+def _replay(orders: list[list[tuple[str, int, int]]], took: list[list], what: str
+            ) -> list[tuple[int, str, int, int, Any, Any]]:
     p = len(orders)
     stages = p * (1 + max((c for order in orders for _, _, c in order), default=0))
     done: dict[tuple[str, int, int], Any] = {}
@@ -252,24 +339,42 @@ def replay_orders(orders: list[list[tuple[str, int, int]]], took: list[list], *,
     return ticks
 
 
-@functools.lru_cache(maxsize=64)
+def _in_flight(p: int, m: int, schedule: str, v: int) -> tuple[int, ...]:
+    """Per device, the most (micro-batch, chunk) activations held at once: held from a forward's end
+    to its backward's end. A device's operations end one after another in its own order, so its
+    peak is its order's: the forwards before its first backward, plus the one that precedes it in
+    the steady state (all of them when there is none)."""
+    if schedule == "gpipe":
+        return (m,) * p
+    if schedule == "1f1b":
+        return tuple(min(p - d, m) for d in range(p))
+    return tuple(min((p - d - 1) * 2 + (v - 1) * p + 1, m * v) for d in range(p))
+
+
+@functools.lru_cache(maxsize=256)
 def _simulate(p: int, m: int, schedule: str, v: int, forward: Fraction, backward: Fraction) -> PipelineRun:
-    # integer ticks while scheduling (fast in the browser too): one tick = 1/(v * denominators)
+    # the critical path: the first micro-batch's forward down the pipeline, the last stage's forwards
+    # and backwards back to back, the last backward up the pipeline; interleaved, each device's share
+    # is v chunks of 1/v the time, and the pipeline is filled and drained by one chunk's worth. The
+    # replay waits no longer, whatever the durations (tests/test_args_parallel.py checks it against
+    # the event simulation)
+    if schedule == "interleaved":
+        makespan = Fraction(v * m + p - 1, v) * (forward + backward)
+    else:
+        makespan = (m + p - 1) * (forward + backward)
+    return PipelineRun(p, m, schedule, v, makespan, _in_flight(p, m, schedule, v), forward, backward)
+
+
+def _replay_ops(p: int, m: int, schedule: str, v: int, forward: Fraction, backward: Fraction) -> tuple[Op, ...]:
+    """The schedule's operations, replayed (`replay_orders`) in integer ticks (fast in the browser
+    too): one tick = 1/(v * the durations' denominators)."""
     unit = Fraction(1, v * forward.denominator * backward.denominator)
     tf, tb = int(forward / v / unit), int(backward / v / unit)
     orders = _orders(p, m, schedule, v)
-    ticks = replay_orders(orders, [[tf if kind == "F" else tb for kind, _, _ in order] for order in orders],
-                          what=f"the {schedule} schedule")
-    in_flight = []
-    for d in range(p):  # a forward's activations are held from its end to its backward's end
-        events = sorted((end, 1 if kind == "F" else -1) for dd, kind, _, _, _, end in ticks if dd == d)
-        held = peak = 0
-        for _, delta in events:
-            held += delta
-            peak = max(peak, held)
-        in_flight.append(peak)
-    ops = tuple(Op(d, kind, i, c, start * unit, end * unit) for d, kind, i, c, start, end in sorted(ticks, key=lambda x: (x[0], x[4])))
-    return PipelineRun(p, m, schedule, v, ops, max(x[5] for x in ticks) * unit, tuple(in_flight))
+    ticks = _replay(orders, [[tf if kind == "F" else tb for kind, _, _ in order] for order in orders],
+                    f"the {schedule} schedule")
+    return tuple(Op(d, kind, i, c, start * unit, end * unit)
+                 for d, kind, i, c, start, end in sorted(ticks, key=lambda x: (x[0], x[4])))
 
 
 # ============================================================================ parameters per device
@@ -303,28 +408,38 @@ def _tp_numel(name: str, numel: int, t: int, vocab: int) -> int:
 
 def stage_layers(num_layers: int, pp: int) -> list[range]:
     """Contiguous blocks per stage; the first num_layers % pp stages take one more."""
+    num_layers, pp = _count("num_layers", num_layers, hi=_checks.MAX_COUNT), _count("pp", pp)
+    return list(_stage_layers(num_layers, pp))
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_layers(num_layers: int, pp: int) -> tuple[range, ...]:
     base, extra = divmod(num_layers, pp)
     out, start = [], 0
     for k in range(pp):
         n = base + (1 if k < extra else 0)
         out.append(range(start, start + n))
         start += n
-    return out
+    return tuple(out)
+
+
+def _check_tp(spec: ModelSpec, t: int, name: str = "tp") -> int:
+    """Megatron splits attention by heads (and key/value heads) and the MLP by its width: t divides them."""
+    _checks.divides_heads(spec, t, name=name)
+    if spec.intermediate_size % t:
+        raise ValueError(f"{name}={t} must divide {spec.name}'s MLP width ({spec.intermediate_size})")
+    return t
 
 
 def _check_layout_model(spec: ModelSpec, layout: Layout) -> None:
-    if not isinstance(layout, Layout):
-        raise ValueError(f"layout must be a vramlab.parallel.Layout, got {layout!r}")
+    _check_layout(layout)
     if spec.family not in DECODER_FAMILIES:
         raise ValueError(f"tensor and pipeline layouts are modelled for decoder-only LMs ({', '.join(DECODER_FAMILIES)}); "
                          f"{spec.name} is {spec.family}")
-    t = layout.tp
-    for what, n in (("attention heads", spec.num_heads), ("key/value heads", spec.num_kv_heads),
-                    ("the MLP width", spec.intermediate_size)):
-        if n % t:
-            raise ValueError(f"tp={t} must divide {what} ({n}) of {spec.name}")
+    _check_tp(spec, layout.tp)
     if spec.num_layers < layout.pp * layout.chunks:
-        raise ValueError(f"{spec.name} has {spec.num_layers} blocks: fewer than pp x chunks = {layout.pp * layout.chunks} stages")
+        raise ValueError(f"pp x chunks must be at most {spec.num_layers} ({spec.name} has {spec.num_layers} blocks, "
+                         f"fewer than pp x chunks = {layout.pp * layout.chunks} stages)")
 
 
 def rank_params(model: ModelSpec | str, layout: Layout, stage: int) -> int:
@@ -358,7 +473,7 @@ def _tensor_table(spec: ModelSpec, t: int) -> tuple[tuple[int, int, bool], ...]:
 
 @functools.lru_cache(maxsize=1024)
 def _stage_tensors(spec: ModelSpec, t: int, p: int, v: int, stage: int) -> tuple[int, ...]:
-    chunks = stage_layers(spec.num_layers, p * v)
+    chunks = _stage_layers(spec.num_layers, p * v)
     mine = {i for c in range(v) for i in chunks[c * p + stage]}
     out = []
     for where, n, tied in _tensor_table(spec, t):
@@ -382,11 +497,17 @@ def layer_activation_bytes(spec: ModelSpec, *, micro_batch_size: int, seq_len: i
     PyTorch really saves for this model), split as Megatron splits them (`memory.tp_split`); with
     sequence parallelism the replicated part is split along the sequence too."""
     spec = _mem._resolve(spec)
-    tp = _count("tp", tp)
-    if not isinstance(sp, bool):
-        raise ValueError(f"sp must be True or False, got {sp!r}")
+    b, s = _count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
+    _checks.positions(spec, s)
+    tp = _check_tp(spec, _count("tp", tp))
+    sp = _checks.flag("sp", sp)
+    if sp and tp == 1:
+        raise ValueError("sp=True needs tp > 1: sequence parallelism splits along the tensor-parallel group")
+    _checks.one_of("precision", precision, _mem.PRECISIONS)
+    _checks.one_of("attention", attention, _mem.ATTENTIONS)
+    _checks.one_of("device", device, ("cuda", "cpu"))
     share = _mem.DeviceShare(tp=tp, sp=sp, blocks=(0, 1), first=False, last=False)
-    return _mem.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len, precision=precision,
+    return _mem.activation_bytes(spec, batch_size=b, seq_len=s, precision=precision,
                                  attention=attention, device=device, share=share)["one_layer"]
 
 
@@ -395,15 +516,13 @@ IMPLEMENTATIONS: tuple[str, ...] = ("megatron", "dtensor")
 
 def in_flight(layout: Layout) -> tuple[int, ...]:
     """Per stage, the most (micro-batch, chunk) activations held at once: GPipe m on every stage,
-    1F1B min(p - s, m) on stage s (Narayanan+21), the interleaved schedule by `simulate`."""
+    1F1B min(p - s, m) on stage s (Narayanan+21), interleaved min(2(p - s - 1) + (v - 1)p + 1, vm)
+    (what `simulate` counts, for every layout)."""
+    layout = _check_layout(layout)
     p, m = layout.pp, layout.micro_batches
     if p == 1:
         return (1,)
-    if layout.schedule == "gpipe":
-        return (m,) * p
-    if layout.schedule == "1f1b":
-        return tuple(min(p - s, m) for s in range(p))
-    return simulate(p, m, layout.schedule, chunks=layout.chunks).in_flight
+    return _in_flight(p, m, layout.schedule, layout.chunks)
 
 
 def _schedule_points(layout: Layout, stage: int, held: int, received_inputs: bool,
@@ -422,23 +541,54 @@ def _schedule_points(layout: Layout, stage: int, held: int, received_inputs: boo
                                     received_inputs and sends_pend))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=4096)
 def _interleaved_points(p: int, m: int, v: int, stage: int, received_inputs: bool,
                         sends_pend: bool) -> tuple[tuple[int, int, int], ...]:
-    last = p * v - 1
-    alive = [0] * v
-    pending, best = 0, {}
-    for kind, _, c in _orders(p, m, "interleaved", v)[stage]:
-        if kind == "F":
-            alive[c] += 1
-            continue
-        n = sum(alive)
-        got = (n - (alive[0] if stage == 0 else 0)) if received_inputs else 0
-        sends = pending if sends_pend else 0
+    """Before each of the stage's backwards, in its order (`_orders`): the pairs in flight, those whose
+    input is a receive buffer, the sends still pending; for each count in flight the first moment
+    with the most pending over received. Counted in closed form, not walked: forward k runs chunk
+    (k // p) % v, backward k chunk v - 1 - (k // p) % v, so chunk counts repeat every p v operations.
+    In the steady state (a forward, then a backward) the pairs in flight stay warm-up + 1; pending -
+    received never falls and grows over any p v backwards (on stage 0 it may stay level: the first
+    of the level tail counts), and without pending sends it repeats every p v (stage 0) or stays
+    level. The drain's backwards each have their own count in flight."""
+    pv, total = p * v, m * v
+    warm = _warmup(p, m, v, stage)
+    steady = total - warm
+
+    def count(n: int, r: int) -> int:  # operations j < n whose (j // p) % v == r
+        q, rem = divmod(n, pv)
+        return q * p + min(max(rem - r * p, 0), p)
+
+    def point(k: int) -> tuple[int, int, int]:  # before backward k
+        forwards = min(warm + k + 1, total)
+        n = forwards - k
+        alive0 = count(forwards, 0) - count(k, v - 1)  # chunk 0's pairs in flight
+        got = (n - (alive0 if stage == 0 else 0)) if received_inputs else 0
+        # each backward done sent its chunk's input gradient (all but virtual stage 0) and had sent its
+        # output (all but the last virtual stage): backwards of chunk 0 are those with (j // p) % v == v - 1
+        pending = 2 * k - (count(k, v - 1) if stage == 0 else 0) - (count(k, 0) if stage == p - 1 else 0)
+        return n, got, pending if sends_pend else 0
+
+    if not sends_pend:  # only the most in flight counts: the steady state's (the drain's first if none)
+        ks = range(min(steady, pv)) if steady and received_inputs and stage == 0 else (0,)
+    elif not steady:
+        ks = range(total)
+    else:
+        k = steady - 1  # the steady state's last backward, or the first of its level tail (stage 0)
+        if stage == 0:
+            _, got, sends = point(k)
+            while k > 0:
+                _, got_before, sends_before = point(k - 1)
+                if sends_before - got_before != sends - got:
+                    break
+                k -= 1
+        ks = (k, *range(steady, total))
+    best: dict[int, tuple[int, int]] = {}
+    for k in ks:
+        n, got, sends = point(k)
         if n not in best or sends - got > best[n][1] - best[n][0]:
             best[n] = (got, sends)
-        alive[c] -= 1
-        pending += int(c * p + stage > 0) + int(c * p + stage < last)
     if not sends_pend:  # a pair in flight weighs more than its received input: the most in flight
         n = max(best)
         return ((n, *best[n]),)
@@ -487,16 +637,22 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
       are the fullest (the most micro-batches in flight; the logits), which a planner needs."""
     spec = _mem._resolve(model)
     _check_layout_model(spec, layout)
-    b, s = _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
-    _mem._check_positions(spec, s)
-    _mem._check_choice(recompute, RECOMPUTE, "recompute")
-    _mem._check_choice(implementation, IMPLEMENTATIONS, "tensor-parallel implementation")
-    for name, flag in (("gradient_as_bucket_view", gradient_as_bucket_view), ("keep_stage_output", keep_stage_output),
-                       ("keep_gradients", keep_gradients)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    b, s = _count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
+    _checks.positions(spec, s)
+    for name, value, choices in (("precision", precision, _mem.PRECISIONS), ("optimizer", optimizer, _mem.OPTIMIZERS),
+                                 ("optimizer_impl", optimizer_impl, _mem.OPTIMIZER_IMPLS),
+                                 ("attention", attention, _mem.ATTENTIONS), ("recompute", recompute, RECOMPUTE),
+                                 ("device", device, ("cuda", "cpu")), ("implementation", implementation, IMPLEMENTATIONS)):
+        _checks.one_of(name, value, choices)
+    gradient_as_bucket_view = _checks.flag("gradient_as_bucket_view", gradient_as_bucket_view)
+    keep_stage_output = _checks.flag("keep_stage_output", keep_stage_output)
+    keep_gradients = _checks.flag("keep_gradients", keep_gradients)
+    gpu = _mem._gpu_or_none(gpu)
     p, v, t = layout.pp, layout.chunks, layout.tp
-    chunks = stage_layers(spec.num_layers, p * v)
+    if stages is not None:
+        stages = _checks.wholes("stages", stages, lo=0, hi=p - 1)
+    plan = _mem.recompute_plan(recompute, spec)  # once (training_phases takes the plan as it is)
+    chunks = _stage_layers(spec.num_layers, p * v)
     held = in_flight(layout)
     # torch.distributed.pipelining's receive buffers, allocated for every micro-batch and kept: the
     # activations a stage receives and the gradients sent back to it, b x s x h each
@@ -504,13 +660,13 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
     recv = layout.micro_batches * -(-b * s * spec.hidden_size * x // (t if layout.sp else 1))
     out = []
     torch_pp = keep_stage_output and p > 1  # torch.distributed.pipelining's buffers and sends
-    for stage in (range(p) if stages is None else [_count("stage", k, lo=0, hi=p - 1) for k in stages]):
+    for stage in (range(p) if stages is None else stages):
         mine = [chunks[c * p + stage] for c in range(v)]
         largest = max(mine, key=len)
         # a receive buffer for each virtual stage's input (all but the first) and for the gradient of
         # its output (all but the last)
         directions = sum(int(c * p + stage > 0) + int(c * p + stage < p * v - 1) for c in range(v))
-        share = _mem.DeviceShare(
+        share = dict(  # a DeviceShare, built once per moment of the schedule (its checks read every tensor)
             blocks=(largest.start, largest.stop), first=stage == 0, last=stage == p - 1, tp=t, sp=layout.sp,
             param_tensors=_stage_tensors(spec, t, p, v, stage),
             stage_output=torch_pp, keep_gradients=keep_gradients, buffers=recv * directions if torch_pp else 0,
@@ -522,8 +678,8 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
                                                                  sends_pend=device == "cpu")
                     for phase in _mem.training_phases(
                         spec, batch_size=b, seq_len=s, precision=precision, optimizer=optimizer,
-                        optimizer_impl=optimizer_impl, attention=attention, recompute=recompute, device=device, gpu=gpu,
-                        share=dataclasses.replace(share, in_flight=n, received=got, pending_sends=sends))),
+                        optimizer_impl=optimizer_impl, attention=attention, recompute=plan, device=device, gpu=gpu,
+                        share=_mem.DeviceShare(**share, in_flight=n, received=got, pending_sends=sends))),
                    key=lambda x: x.total)
         label = (f"{spec.name} stage {stage} of {p}, tp {t}" + (" + sp" if layout.sp else "")
                  + (" + ZeRO-1" if layout.zero else "") + f", {layout.schedule} m={layout.micro_batches}")
@@ -545,9 +701,11 @@ def communication(model: ModelSpec | str, layout: Layout, *, micro_batch_size: i
       boundary (point to point)."""
     spec = _mem._resolve(model)
     _check_layout_model(spec, layout)
-    b, s = _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
-    _mem._check_choice(precision, _mem.PRECISIONS, "precision")
-    links = {k: _coll.link(v) for k, v in (("dp", dp_link), ("tp", tp_link), ("pp", pp_link))}
+    b, s = _count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
+    _checks.positions(spec, s)
+    _checks.one_of("precision", precision, _mem.PRECISIONS)
+    links = {k: _coll.LINKS[_checks.one_of(f"{k}_link", v, _coll.LINKS)]
+             for k, v in (("dp", dp_link), ("tp", tp_link), ("pp", pp_link))}
     grad = max(rank_params(spec, layout, k) for k in {0, layout.pp - 1}) * _mem.param_bytes(precision)  # the fullest stages
     act = b * s * spec.hidden_size * _mem._dtype_bytes(precision, "cuda")["half"]
     m, L = layout.micro_batches, spec.num_layers
@@ -569,12 +727,11 @@ def ddp_buckets(param_bytes: list[int], *, bucket_cap_mb: float = 25, first_buck
     holds at least its cap; the first bucket's cap is `first_bucket_mb` (torch's
     _DEFAULT_FIRST_BUCKET_BYTES, 1 MiB) so that communication starts early. Returns bucket bytes, in
     the order they are all-reduced."""
-    if not isinstance(param_bytes, (list, tuple)) or not param_bytes:
-        raise ValueError("param_bytes must be a non-empty list of byte counts")
-    sizes = [_count("a parameter's bytes", n, lo=0, hi=1 << 50) for n in param_bytes]
-    for name, cap in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)):
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < 1 << 20:
-            raise ValueError(f"{name} must be a positive number of MiB, got {cap!r}")
+    sizes = _byte_counts("param_bytes", param_bytes)
+    bucket_cap_mb, first_bucket_mb = (
+        _checks.number(name, cap, lo=0, lo_open=True, hi=1 << 20, hi_open=True,
+                       what="a positive number of MiB (below 1,048,576)")
+        for name, cap in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_mb", first_bucket_mb)))
     buckets, current, cap = [], 0, int(first_bucket_mb * 2**20)
     for n in reversed(sizes):
         current += n
@@ -591,12 +748,11 @@ def ddp_overlap(buckets: list[int], *, n: int, backward_seconds: float, link: st
     the backward has produced its share of the gradients (gradients assumed to appear at a constant
     rate), all-reduces run one at a time on the link. Returns the communication time, the time it
     exceeds the backward by (exposed), and the share hidden."""
-    if not isinstance(buckets, (list, tuple)) or not buckets:
-        raise ValueError("buckets must be a non-empty list of byte counts (see ddp_buckets)")
-    buckets = [_count("a bucket's bytes", x, lo=0, hi=1 << 50) for x in buckets]
-    n = _count("n", n)
-    if isinstance(backward_seconds, bool) or not isinstance(backward_seconds, (int, float)) or not 0 <= backward_seconds < math.inf:
-        raise ValueError(f"backward_seconds must be a finite non-negative number, got {backward_seconds!r}")
+    buckets = _byte_counts("buckets", buckets, hint=" (see ddp_buckets)")
+    n = _count("n", n, hi=_checks.MAX_COUNT)
+    backward_seconds = _checks.number("backward_seconds", backward_seconds, lo=0)
+    if not isinstance(link, _coll.Link):
+        link = _coll.LINKS[_checks.one_of("link", link, _coll.LINKS)]
     total = sum(buckets)
     ready, t_link, comm = 0, 0.0, 0.0
     for size in buckets:
@@ -623,6 +779,11 @@ def _stage_fit(spec: ModelSpec, layout: Layout, gpu, *, micro_batch_size: int, s
     return _mem.device_fit(stages[i], gpu, largest_tensor=largest, expandable_segments=expandable_segments), stages[i]
 
 
+# what `fits` passes on to `estimate_layout` (it sets the rest itself)
+_ESTIMATE_OPTIONS = ("precision", "optimizer", "optimizer_impl", "attention", "recompute", "device",
+                     "gradient_as_bucket_view", "keep_stage_output", "keep_gradients", "implementation")
+
+
 def fits(model: ModelSpec | str, layout: Layout, gpu, *, micro_batch_size: int, seq_len: int,
          expandable_segments: bool = False, max_search: int = 1 << 12, **kw) -> "_mem.Fit":
     """Does the layout fit on GPUs of type `gpu`, and what is the largest micro-batch size that does?
@@ -631,10 +792,14 @@ def fits(model: ModelSpec | str, layout: Layout, gpu, *, micro_batch_size: int, 
     from .specs import gpu as _gpu
 
     spec = _mem._resolve(model)
+    _check_layout(layout)
     g = _gpu(gpu)
-    _mem._check_positive(micro_batch_size=micro_batch_size, max_search=max_search)
+    micro_batch_size = _count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT)
+    max_search = _count("max_search", max_search, hi=_checks.MAX_COUNT)
+    expandable_segments = _checks.flag("expandable_segments", expandable_segments)
+    _checks.no_unknown("fits", kw, _ESTIMATE_OPTIONS)
     if kw.get("device", "cuda") != "cuda":
-        raise ValueError("fits() answers for a GPU: leave device at 'cuda'")
+        raise ValueError(f"device must be 'cuda' here (fits() answers for a GPU), got {_checks.show(kw['device'])}")
 
     def verdict(b: int, **found) -> "_mem.Fit":
         return dataclasses.replace(_stage_fit(spec, layout, g, micro_batch_size=b, seq_len=seq_len,
@@ -669,7 +834,8 @@ class LayoutPlan:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def plan_layouts(model: ModelSpec | str, gpus: int, gpu, *, seq_len: int, global_batch: int, micro_batch_size: int = 1,
@@ -698,14 +864,22 @@ def plan_layouts(model: ModelSpec | str, gpus: int, gpu, *, seq_len: int, global
     g = _gpu(gpu)
     n = _count("gpus", gpus)
     node = _count("gpus_per_node", gpus_per_node, hi=1024)
-    b, s = _mem._check_positive(micro_batch_size=micro_batch_size, seq_len=seq_len)
-    (gb,) = _mem._check_positive(global_batch=global_batch)
-    if isinstance(mfu, bool) or not isinstance(mfu, (int, float)) or not 0 < mfu <= 1:
-        raise ValueError(f"mfu is a fraction of the peak FLOP/s in (0, 1], got {mfu!r}")
+    b, s = _count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
+    _checks.positions(spec, s)
+    gb = _count("global_batch", global_batch, hi=_checks.MAX_COUNT)
+    if gb > MAX_MICRO_BATCHES * b:  # a layout with one replica would run gb / b micro-batches
+        raise ValueError(f"global_batch must be at most {MAX_MICRO_BATCHES:,} micro-batches of micro_batch_size={b} "
+                         f"({MAX_MICRO_BATCHES * b:,} sequences), got {gb:,}")
+    _checks.one_of("precision", precision, _mem.PRECISIONS)
+    mfu = _checks.fraction("mfu", mfu)
     if g.peak_tflops_16 <= 0:
-        raise ValueError(f"{g.name} has no FLOP/s figure: pass a GPU preset")
-    for r in recomputes:
-        _mem._check_choice(r, RECOMPUTE, "recompute")
+        raise ValueError(f"gpu must have a FLOP/s figure ({g.name} has none): pass a GPU preset")
+    if isinstance(recomputes, (str, bytes, dict)) or not isinstance(recomputes, _abc.Iterable):
+        raise ValueError(f"recomputes must be a list of recompute plans ({', '.join(RECOMPUTE)}), "
+                         f"got {_checks.show(recomputes)}")
+    recomputes = tuple(str(_checks.one_of(f"recomputes[{i}]", r, RECOMPUTE)) for i, r in enumerate(recomputes))
+    if not recomputes:
+        raise ValueError(f"recomputes must name at least one recompute plan ({', '.join(RECOMPUTE)}), got none")
     if spec.family not in DECODER_FAMILIES:
         raise ValueError(f"layouts are planned for decoder-only LMs ({', '.join(DECODER_FAMILIES)}); {spec.name} is {spec.family}")
     f = _ck.flops(spec, batch_size=b, seq_len=s)
@@ -723,13 +897,13 @@ def plan_layouts(model: ModelSpec | str, gpus: int, gpu, *, seq_len: int, global
             for sp in ((False, True) if tp > 1 else (False,)):
                 for zero in ((0, 1) if dp > 1 else (0,)):
                     layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batches=m)
+                    comm = communication(spec, layout, micro_batch_size=b, seq_len=s, precision=precision)
                     kept: list[LayoutPlan] = []
                     for r in sorted(recomputes, key=extra.get):  # least recompute first
                         verdict, peak = _stage_fit(spec, layout, g, micro_batch_size=b, seq_len=s, expandable_segments=False,
                                                    kw=dict(precision=precision, recompute=r, optimizer_impl="fused"))
                         bubble = Fraction(pp - 1, m)
                         compute = m * (f["step"] + extra[r]) / (tp * pp) / peak_flops
-                        comm = communication(spec, layout, micro_batch_size=b, seq_len=s, precision=precision)
                         seconds = compute * (1 + bubble) + comm["tp"]["seconds"] + comm["pp"]["seconds"]
                         if any(k.peak.total <= peak.total for k in kept):
                             continue  # more recompute for no less memory (selective under SDPA: no scores to drop)

@@ -67,6 +67,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import checks
 from . import parallel as P
 from .specs import ModelSpec, from_config
 
@@ -1406,6 +1407,8 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
     if not xs or any(not 1 <= x <= 64 for x in xs):
         raise argparse.ArgumentTypeError(f"each value must be from 1 to 64, got {text!r}")
+    if len(set(xs)) != len(xs):
+        raise argparse.ArgumentTypeError(f"each value once, got {text!r}")
     return xs
 
 
@@ -1417,61 +1420,80 @@ def _schedules(text: str) -> list[str]:
     bad = [x for x in xs if x not in SCHEDULES]
     if bad:
         raise argparse.ArgumentTypeError(f"schedules are {', '.join(SCHEDULES)}, got {bad}")
+    if len(set(xs)) != len(xs):
+        raise argparse.ArgumentTypeError(f"each schedule once, got {text!r}")
     return xs
 
 
+PROG = "python -m vramlab.parlab"
+# options that only one experiment reads (given to another, they would be ignored): their defaults
+ONLY_FOR = {"bucket_cap_mb": ("ddp", 1.0), "micro_batches": ("pp", [1, 2, 4, 8]),
+            "schedules": ("pp", ["gpipe", "1f1b"]), "chunks": ("pp", 2), "repeats": ("pp", 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Lab 3's parallelism experiments, measured per rank.")
+    A, whole = checks.argtype, checks.whole
+    p = checks.Parser(prog=PROG, description="Lab 3's parallelism experiments, measured per rank.")
     p.add_argument("experiment", choices=EXPERIMENTS)
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
-    p.add_argument("--nproc", type=int, default=2, help="local processes to spawn (ignored under torchrun)")
+    p.add_argument("--nproc", type=A(whole, int, lo=1, hi=64), default=2,
+                   help="local processes to spawn, 1 to 64 (ignored under torchrun)")
     p.add_argument("--model", default="lab", choices=list(MODELS),
                    help="the model (default: lab 3's Llama; the others validate vramlab.parallel)")
-    p.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch and rank (default 4)")
-    p.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
+    p.add_argument("--micro-batch", type=A(whole, int, lo=1, hi=4096), default=4,
+                   help="sequences per micro-batch and rank (default 4)")
+    p.add_argument("--seq", type=A(whole, int, lo=2), default=128,
+                   help="tokens per sequence, at most the model's positions (default 128)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="fp32, or bf16 autocast around forward and loss (fp32 parameters, gradients, states)")
     p.add_argument("--optimizer-impl", default="foreach", choices=("foreach", "for-loop"),
                    help="AdamW's implementation (default foreach, lab 3's)")
     p.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
                    help="activation recomputation: none, selective (the attention core), full (every block)")
-    p.add_argument("--bucket-cap-mb", type=float, default=1.0, help="ddp: DDP's bucket_cap_mb (default 1)")
+    p.add_argument("--bucket-cap-mb", type=A(checks.positive, float, hi=1 << 20), default=None,
+                   help="ddp: DDP's bucket_cap_mb, a positive number (default 1)")
     p.add_argument("--gradient-as-bucket-view", action="store_true", help="ddp: gradients as views of DDP's buckets")
     p.add_argument("--sp", action="store_true", help="tp: sequence parallelism on the norms")
-    p.add_argument("--micro-batches", type=_ints, default=[1, 2, 4, 8], help="pp: micro-batches per step")
-    p.add_argument("--schedule", dest="schedules", type=_schedules, default=["gpipe", "1f1b"],
+    p.add_argument("--micro-batches", type=_ints, default=None, help="pp: micro-batches per step (default 1,2,4,8)")
+    p.add_argument("--schedule", dest="schedules", type=_schedules, default=None,
                    help="pp: schedules, from gpipe, 1f1b, interleaved (default gpipe,1f1b)")
-    p.add_argument("--chunks", type=int, default=2, help="pp, interleaved: model chunks (virtual stages) per rank")
-    p.add_argument("--repeats", type=int, default=3, help="pp: timed steps per setting (median)")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--port", type=int, default=0, help="rendezvous port (default: a free one)")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds a rendezvous or collective may take")
+    p.add_argument("--chunks", type=A(whole, int, lo=2, hi=8), default=None,
+                   help="pp, interleaved: model chunks (virtual stages) per rank, 2 to 8 (default 2)")
+    p.add_argument("--repeats", type=A(whole, int, lo=1, hi=100), default=None,
+                   help="pp: timed steps per setting (median), 1 to 100 (default 3)")
+    p.add_argument("--out", default=None, help="write the results as JSON here (checked before any rank starts)")
+    p.add_argument("--port", type=A(whole, int, lo=0, hi=65535), default=0,
+                   help="rendezvous port, 1 to 65535 (default 0: a free one)")
+    p.add_argument("--timeout", type=A(checks.positive, float, hi=86400), default=120.0,
+                   help="seconds a rendezvous or collective may take (default 120)")
     args = p.parse_args(argv)
-    args.foreach = args.optimizer_impl == "foreach"
-    spec = model_spec(args.model)
-    if not 1 <= args.nproc <= 64:
-        p.error("--nproc must be from 1 to 64")
-    if not 1 <= args.micro_batch <= 4096 or not 2 <= args.seq <= spec.max_position_embeddings:
-        p.error(f"--micro-batch must be from 1 to 4096 and --seq from 2 to {spec.max_position_embeddings}")
-    if not 1 <= args.repeats <= 100:
-        p.error("--repeats must be from 1 to 100")
-    if not 2 <= args.chunks <= 8:
-        p.error("--chunks must be from 2 to 8")
+    for name, (experiment, default) in ONLY_FOR.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif args.experiment != experiment:
+            option = "--schedule" if name == "schedules" else "--" + name.replace("_", "-")
+            p.error(f"{option} applies to {experiment} only")
     if args.sp and args.experiment != "tp":
         p.error("--sp applies to tp only")
     if args.gradient_as_bucket_view and args.experiment != "ddp":
         p.error("--gradient-as-bucket-view applies to ddp only")
+    args.foreach = args.optimizer_impl == "foreach"
+    spec = model_spec(args.model)
+    try:
+        checks.positions(spec, args.seq, name="--seq")
+    except ValueError as e:
+        p.error(str(e))
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
     why = (tp_problem(spec, world, sp=args.sp, seq=args.seq) if args.experiment == "tp" else
            pp_problem(spec, world, args.schedules, args.chunks, args.micro_batches) if args.experiment == "pp" else None)
     if why:
         p.error(why)
-    from .commbench import _check_out, launch
+    from .commbench import launch
 
-    if args.out:
-        _check_out(args.out)
+    checks.output_path(PROG, args.out, make_folder=True)
     return launch(_worker, args, prog="parlab", error=ParlabError, torchrun_port=29512)
+
 
 if __name__ == "__main__":
     sys.exit(main())

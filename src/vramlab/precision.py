@@ -14,8 +14,11 @@ master weights; gradients smaller than fp16's smallest subnormal flush to zero, 
 from __future__ import annotations
 
 import math
+import numbers as _numbers
 from dataclasses import dataclass
 from typing import Literal
+
+from . import checks as _checks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,6 +28,17 @@ class Format:
     exponent_bits: int  # 0 for integers
     mantissa_bits: int  # explicit fraction bits (the sign bit is separate)
     finite_only: bool = False  # fp8 e4m3fn: no infinity, max 448
+
+    def __post_init__(self) -> None:
+        _checks.text("name", self.name)
+        bits = _checks.whole("bits", self.bits, lo=2, hi=64)
+        e = _checks.whole("exponent_bits", self.exponent_bits, lo=0, hi=min(bits - 1, 11))  # 11: fp64's
+        m = _checks.whole("mantissa_bits", self.mantissa_bits, lo=0 if e else 1, hi=bits - 1 - e if e else bits - 1)
+        if e == 1:
+            raise ValueError("exponent_bits must be 0 (an integer format) or at least 2, got 1")
+        for k, v in (("bits", bits), ("exponent_bits", e), ("mantissa_bits", m),
+                     ("finite_only", _checks.flag("finite_only", self.finite_only))):
+            object.__setattr__(self, k, v)
 
     @property
     def is_float(self) -> bool:
@@ -75,11 +89,22 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
 
 
 def fmt(name: str | Format) -> Format:
+    """A format by name (FORMATS' keys), or a Format as it is."""
     if isinstance(name, Format):
         return name
-    if name not in FORMATS:
-        raise ValueError(f"unknown format {name!r}; choose from {', '.join(FORMATS)}")
-    return FORMATS[name]
+    return FORMATS[_checks.one_of("format", name, FORMATS)]
+
+
+def _real(name: str, x) -> float:
+    """A real number (numpy's too) as a float: NaN and the infinities are values a cast takes;
+    strings, bools and ints beyond a float's range are refused, naming `name`."""
+    if isinstance(x, _numbers.Real) and not _checks.is_bool(x):
+        try:
+            return float(x)
+        except OverflowError:
+            pass
+    _checks.number(name, x, lo=None, what="a real number")  # raises: it names what x is not
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def round_to(x: float, f: str | Format) -> float:
@@ -87,13 +112,13 @@ def round_to(x: float, f: str | Format) -> float:
     Overflow gives +-inf; fp8 e4m3fn has no infinity, and torch's cast saturates there to +-448
     (checked against torch in the tests). Small values go through the subnormals and flush to 0."""
     f = fmt(f)
-    if isinstance(x, bool) or not isinstance(x, (int, float)) and not hasattr(x, "__float__"):
-        raise ValueError(f"round_to needs a number, got {x!r}")
-    x = float(x)
+    x = _real("x", x)
     if not f.is_float:
         if math.isnan(x):
-            raise ValueError("int8 has no NaN: round_to(nan, 'int8') has no answer")
-        return float(max(-128, min(127, round(x)))) if math.isfinite(x) else (127.0 if x > 0 else -128.0)
+            raise ValueError(f"x must be a number {f.name} holds: {f.name} has no NaN, so round_to(nan, {f.name!r}) "
+                             "has no answer")
+        top = f.max  # two's complement: -(top + 1) .. top (int8: -128 .. 127)
+        return float(max(-top - 1, min(top, round(x)))) if math.isfinite(x) else (top if x > 0 else -top - 1)
     if f.finite_only and math.isinf(x):
         return math.copysign(f.max, x)
     if x == 0 or math.isnan(x) or math.isinf(x):
@@ -118,6 +143,7 @@ def update_survives(weight: float, lr: float, grad: float, f: str | Format) -> b
     """Does w - lr * grad, computed in format `f` (the product rounded first, then the
     difference), differ from w? The update is lost when |lr x grad| < half the weight's ulp."""
     f = fmt(f)
+    weight, lr, grad = (_checks.number(k, v, lo=None) for k, v in (("weight", weight), ("lr", lr), ("grad", grad)))
     w = round_to(weight, f)
     u = round_to(lr * grad, f)
     return round_to(w - u, f) != w
@@ -127,8 +153,7 @@ def min_loss_scale(grad: float, f: str | Format = "fp16") -> int:
     """The smallest power-of-two loss scale S for which grad x S does not flush to zero when cast
     to `f` (grad itself given in fp32)."""
     f = fmt(f)
-    if isinstance(grad, bool) or not isinstance(grad, (int, float)) or not math.isfinite(grad):
-        raise ValueError(f"grad must be a finite number, got {grad!r}")
+    grad = _checks.number("grad", grad, lo=None)
     if grad == 0:
         raise ValueError("a zero gradient stays zero at any scale")
     s = 1
@@ -152,9 +177,19 @@ class DynamicLossScaler:
     growth_tracker: int = 0
     skipped_steps: int = 0
 
+    def __post_init__(self) -> None:
+        # torch.amp.GradScaler's own rules: growth_factor > 1, backoff_factor < 1
+        self.scale = _checks.number("scale", self.scale, lo=0, lo_open=True)
+        self.growth_factor = _checks.number("growth_factor", self.growth_factor, lo=1, lo_open=True)
+        self.backoff_factor = _checks.number("backoff_factor", self.backoff_factor, lo=0, hi=1, lo_open=True,
+                                             hi_open=True)
+        self.growth_interval = _checks.whole("growth_interval", self.growth_interval)
+        self.growth_tracker = _checks.whole("growth_tracker", self.growth_tracker, lo=0)
+        self.skipped_steps = _checks.whole("skipped_steps", self.skipped_steps, lo=0)
+
     def update(self, found_inf: bool) -> bool:
         """Record one step; returns True when the optimizer step is taken (no overflow)."""
-        if found_inf:
+        if _checks.flag("found_inf", found_inf):
             self.scale *= self.backoff_factor
             self.growth_tracker = 0
             self.skipped_steps += 1
@@ -180,6 +215,13 @@ class RecipeLedger:
     master_weights: float
     optimizer_states: float
     note: str
+
+    def __post_init__(self) -> None:
+        _checks.text("name", self.name)
+        for k in ("weights", "gradients", "master_weights", "optimizer_states"):
+            object.__setattr__(self, k, _checks.number(k, getattr(self, k), lo=0, hi=64))
+        if not isinstance(self.note, str):
+            raise ValueError(f"note must be a string, got {self.note!r}")
 
     @property
     def total(self) -> float:

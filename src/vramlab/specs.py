@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import numbers as _numbers
+import operator
 import os
 import re
 import stat
@@ -22,6 +24,7 @@ from functools import cache
 from importlib import resources
 from typing import Any, Literal, Mapping
 
+from . import checks as _checks
 from .units import GB, GiB, MiB
 
 Family = Literal["gpt2", "gpt_neox", "opt", "llama", "bert", "t5"]
@@ -43,6 +46,37 @@ MODEL_TYPES: dict[str, Family] = {
 
 class SpecError(ValueError):
     """A model or GPU description that vramlab cannot use; the message says what is wrong."""
+
+
+def _index(value) -> "int | None":
+    """An int or a numpy integer as an int; None for anything else (a bool, a float, a string)."""
+    if _checks.is_bool(value):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _real(value) -> "float | None":
+    """A finite real number (numpy's too) as a float; None for anything else (a bool, NaN, a string)."""
+    if _checks.is_bool(value) or not isinstance(value, _numbers.Real):
+        return None
+    try:
+        v = float(value)
+    except (OverflowError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _spec_check(check, *args, **kwargs):
+    """A `checks` function whose ValueError is a SpecError (what this module raises)."""
+    try:
+        return check(*args, **kwargs)
+    except SpecError:
+        raise
+    except ValueError as e:
+        raise SpecError(str(e)) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,29 +119,34 @@ class ModelSpec:
     rotary_fraction: float = 0.0  # GPT-NeoX partial rotary; 1.0 for Llama-style
 
     def __post_init__(self) -> None:
-        if self.model_type not in MODEL_TYPES:
-            raise SpecError(f"unsupported model_type {self.model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+        if not isinstance(self.model_type, str) or self.model_type not in MODEL_TYPES:
+            raise SpecError(f"unsupported model_type {_checks.show(self.model_type)}; supported: {', '.join(MODEL_TYPES)}")
         bounds = {"vocab_size": (1, MAX_WIDTH), "hidden_size": (1, MAX_WIDTH), "num_layers": (1, MAX_LAYERS),
                   "num_heads": (1, MAX_WIDTH), "num_kv_heads": (1, MAX_WIDTH), "head_dim": (1, MAX_WIDTH),
                   "intermediate_size": (1, MAX_WIDTH), "max_position_embeddings": (1, MAX_POSITIONS),
                   "num_decoder_layers": (0, MAX_LAYERS), "relative_attention_num_buckets": (0, MAX_WIDTH),
                   "type_vocab_size": (0, MAX_WIDTH), "word_embed_proj_dim": (0, MAX_WIDTH)}
+        put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen: numpy's numbers stored as Python's)
         for field, (lo, hi) in bounds.items():
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            value = _index(getattr(self, field))
+            if value is None or not lo <= value <= hi:
                 what = "a positive integer" if lo == 1 else "a non-negative integer"
-                raise SpecError(f"{field} must be {what} up to {hi:,}, got {value!r}")
+                raise SpecError(f"{field} must be {what} up to {hi:,}, got {_checks.show(getattr(self, field))}")
+            put(field, value)
         for field in ("gated_mlp", "tie_word_embeddings", "qkv_bias", "out_bias", "mlp_bias", "norm_bias",
                       "norm_affine", "final_norm", "parallel_residual"):
-            if not isinstance(getattr(self, field), bool):
-                raise SpecError(f"{field} must be True or False, got {getattr(self, field)!r}")
+            put(field, _spec_check(_checks.flag, field, getattr(self, field)))
         for field, upper_ok in (("hidden_dropout", False), ("attention_dropout", False), ("rotary_fraction", True)):
-            v = getattr(self, field)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v <= 1) or (v == 1 and not upper_ok):
-                raise SpecError(f"{field} must be a number in [0, 1{']' if upper_ok else ')'}, got {v!r}")
+            v = _real(getattr(self, field))
+            if v is None or not (0 <= v <= 1) or (v == 1 and not upper_ok):
+                raise SpecError(f"{field} must be a number in [0, 1{']' if upper_ok else ')'}, "
+                                f"got {_checks.show(getattr(self, field))}")
+            put(field, v)
         for field in ("name", "activation"):
             if not isinstance(getattr(self, field), str):
-                raise SpecError(f"{field} must be text, got {getattr(self, field)!r}")
+                raise SpecError(f"{field} must be text, got {_checks.show(getattr(self, field))}")
+        if not isinstance(self.norm, str) or self.norm not in ("layernorm", "rmsnorm"):
+            raise SpecError(f"unknown norm {_checks.show(self.norm)}; choose from layernorm, rmsnorm")
         if self.family in ("gpt2", "gpt_neox", "opt", "bert"):
             if self.num_heads * self.head_dim != self.hidden_size or self.num_kv_heads != self.num_heads:
                 raise SpecError(f"{self.model_type}: num_heads x head_dim must equal hidden_size and every head has "
@@ -381,17 +420,18 @@ def _get(cfg: Mapping[str, Any], key: str, default: Any) -> Any:
     if isinstance(default, int):
         hi = MAX_LAYERS if key in _LAYER_KEYS else MAX_POSITIONS if key in _POSITION_KEYS else MAX_WIDTH
         lo = 0 if key in _ZERO_OK else 1
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise SpecError(f"{key}: expected a whole number from {lo} to {hi:,}, got {value!r}")
-        return value
+        v = _index(value)  # numpy's integers too (a config dict built in Python)
+        if v is None or not lo <= v <= hi:
+            raise SpecError(f"{key}: expected a whole number from {lo} to {hi:,}, got {_checks.show(value)}")
+        return v
     if isinstance(default, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        v = _real(value)
         if key in _FRACTION_KEYS:
-            if not (ok and 0 < value <= 1):
-                raise SpecError(f"{key}: expected a fraction in (0, 1], got {value!r}")
-        elif not (ok and 0 <= value < 1):
-            raise SpecError(f"{key}: expected a probability in [0, 1), got {value!r}")
-        return float(value)
+            if not (v is not None and 0 < v <= 1):
+                raise SpecError(f"{key}: expected a fraction in (0, 1], got {_checks.show(value)}")
+        elif not (v is not None and 0 <= v < 1):
+            raise SpecError(f"{key}: expected a probability in [0, 1), got {_checks.show(value)}")
+        return v
     if isinstance(default, str):
         if not isinstance(value, str) or not value or len(value) > 100:
             raise SpecError(f"{key}: expected a name, got {value!r}")
@@ -597,6 +637,8 @@ def from_config(config: Any, *, name: str | None = None) -> ModelSpec:
     inconsistent sizes, with a message that says which.
     """
     where = "config"
+    if name is not None:
+        _spec_check(_checks.text, "name", name)
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
         if os.path.isdir(path):
@@ -673,7 +715,9 @@ def preset_names() -> tuple[str, ...]:
 
 def preset(name: str) -> ModelSpec:
     """A built-in model (configs stored in the package; nothing is downloaded)."""
-    key = name.lower()
+    if not isinstance(name, str):
+        raise SpecError(f"a model preset is named by a string ({', '.join(preset_names())}), got {_checks.show(name)}")
+    key = name.strip().lower()
     if key not in preset_names():
         raise SpecError(f"unknown model preset {name!r}; known: {', '.join(preset_names())}")
     cfg = json.loads((_preset_dir() / f"{key}.json").read_text(encoding="utf-8"))
@@ -687,6 +731,7 @@ def preset(name: str) -> ModelSpec:
 # 13, torch 2.11) after a training step. The default for GPUs where nobody has measured it: newer
 # drivers load modules lazily, older stacks take more (Hugging Face measured 1343 MB on a V100).
 DEFAULT_CONTEXT_BYTES = 787_283_968
+MAX_GPU_BYTES = 1 << 50  # a PiB: beyond any device, small enough that no product of it overflows a float
 # nvidia-smi's total minus what cudaMemGetInfo calls total, on the H100: the driver keeps it
 DEFAULT_DRIVER_HOLD_FRACTION = 1 - 85_017_493_504 / (81559 * MiB)
 
@@ -708,6 +753,20 @@ class GPUSpec:
     measured_usable_bytes: int | None = None  # torch.cuda.mem_get_info()[1] on this card
     measured_context_bytes: int | None = None  # device use - max_memory_reserved, on this card
     peak_tops_int8: float = 0.0  # dense INT8 (tensor cores; Pascal's DP4A: 4x fp32), vendor figure; 0: unknown
+
+    def __post_init__(self) -> None:
+        put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen: numpy's numbers stored as Python's)
+        for k in ("name", "interconnect", "architecture"):
+            _spec_check(_checks.text, k, getattr(self, k))
+        put("memory_bytes", _spec_check(_checks.whole, "memory_bytes", self.memory_bytes, hi=MAX_GPU_BYTES))
+        for k in ("bandwidth_GBps", "peak_tflops_fp32", "peak_tflops_16", "host_link_GBps", "peak_tops_int8"):
+            put(k, _spec_check(_checks.number, k, getattr(self, k), lo=0, hi=1e9))  # 0: unknown
+        if self.measured_usable_bytes is not None:
+            put("measured_usable_bytes", _spec_check(_checks.whole, "measured_usable_bytes", self.measured_usable_bytes,
+                                                     hi=self.memory_bytes))
+        if self.measured_context_bytes is not None:
+            put("measured_context_bytes", _spec_check(_checks.whole, "measured_context_bytes",
+                                                      self.measured_context_bytes, lo=0, hi=self.memory_bytes))
 
     @property
     def usable_bytes(self) -> int:
@@ -780,7 +839,9 @@ def gpu_for_device(device_name: str, memory_bytes: "int | None" = None) -> "GPUS
     "NVIDIA H100 80GB HBM3"...), or None when the catalogue has none (then say so, rather than
     predicting for another GPU). An A100 without its size in the name is told by `memory_bytes`."""
     if not isinstance(device_name, str):
-        raise SpecError(f"a device name is a string (torch.cuda.get_device_name()), got {device_name!r}")
+        raise SpecError(f"device_name must be a string (torch.cuda.get_device_name()), got {_checks.show(device_name)}")
+    if memory_bytes is not None:
+        memory_bytes = _spec_check(_checks.whole, "memory_bytes", memory_bytes, hi=MAX_GPU_BYTES)
     key = re.sub(r"[\s_\-]", "", device_name.lower())
     for needle, name in _DEVICE_NAMES:
         if needle == "t4" and not re.search(r"(^|tesla|nvidia)t4($|\W)", key):
@@ -796,10 +857,18 @@ def gpu_for_device(device_name: str, memory_bytes: "int | None" = None) -> "GPUS
 def custom_gpu(memory: int, *, name: str = "custom", context_bytes: int | None = None) -> GPUSpec:
     """A GPU known only by its memory in bytes: what cudaMemGetInfo reports as total (speed fields
     zero). `context_bytes`: what the CUDA context takes outside PyTorch's allocator, if measured."""
-    if isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0:
-        raise SpecError(f"GPU memory must be a positive number of bytes, got {memory!r}")
-    if context_bytes is not None and (not isinstance(context_bytes, int) or not 0 <= context_bytes < memory):
-        raise SpecError(f"context_bytes must be between 0 and the GPU's memory, got {context_bytes!r}")
+    n = _index(memory)
+    if n is None or not 1 <= n <= MAX_GPU_BYTES:
+        raise SpecError(f"memory must be a positive number of bytes (a whole number up to {MAX_GPU_BYTES:,}: "
+                        f"GPU memory), got {_checks.show(memory)}")
+    memory = n
+    _spec_check(_checks.text, "name", name)
+    if context_bytes is not None:
+        c = _index(context_bytes)
+        if c is None or not 0 <= c < memory:
+            raise SpecError(f"context_bytes must be a whole number of bytes from 0 to the GPU's memory "
+                            f"({memory:,}), got {_checks.show(context_bytes)}")
+        context_bytes = c
     return GPUSpec(name=name, memory_bytes=int(memory), bandwidth_GBps=0.0, peak_tflops_fp32=0.0,
                    peak_tflops_16=0.0, interconnect="unknown", host_link_GBps=0.0, architecture="unknown",
                    measured_usable_bytes=int(memory), measured_context_bytes=context_bytes)

@@ -3,6 +3,10 @@ decimal GB (10**9) appears only when quoting a vendor's figure."""
 
 from __future__ import annotations
 
+import math
+
+from . import checks as _checks
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
@@ -12,15 +16,18 @@ _BINARY = (("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
 
 
 def to_gib(n_bytes: int | float) -> float:
-    return n_bytes / GiB
+    return _checks.number("n_bytes", n_bytes, lo=None) / GiB
 
 
 def to_mib(n_bytes: int | float) -> float:
-    return n_bytes / MiB
+    return _checks.number("n_bytes", n_bytes, lo=None) / MiB
 
 
 def fmt_bytes(n_bytes: int | float, *, digits: int = 2) -> str:
-    """Human-readable binary size: fmt_bytes(3 * 2**30) == '3.00 GiB'. Negative values keep their sign."""
+    """Human-readable binary size: fmt_bytes(3 * 2**30) == '3.00 GiB'. Negative values keep their sign.
+    A byte count is a finite number (numpy's too): a bool, a string, NaN or an infinity is a ValueError."""
+    n_bytes = _checks.number("n_bytes", n_bytes, lo=None, what="a finite number of bytes")
+    digits = _checks.whole("digits", digits, lo=0, hi=20)
     sign = "-" if n_bytes < 0 else ""
     n = abs(n_bytes)
     for name, size in _BINARY:
@@ -31,6 +38,7 @@ def fmt_bytes(n_bytes: int | float, *, digits: int = 2) -> str:
 
 def parse_bytes(text: str) -> int:
     """Parse '16GiB', '16 GB', '512MiB', '1024' (bytes) into integer bytes."""
+    _checks.text("text", text)
     units = {"b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": 1 << 40,
              "kb": 10**3, "mb": 10**6, "gb": GB, "tb": 10**12}
     s = text.strip().lower().replace(" ", "")
@@ -40,10 +48,13 @@ def parse_bytes(text: str) -> int:
             break
     else:
         suffix, number = "b", s
+    shown = text if len(text) <= 40 else text[:30] + "..."
     try:
         value = float(number)
     except ValueError:
-        raise ValueError(f"cannot read a size from {text!r}: expected e.g. '16GiB' or '512MiB'") from None
+        raise ValueError(f"text must be a size such as '16GiB' or '512MiB', got {shown!r}") from None
+    if not math.isfinite(value) or not math.isfinite(value * units[suffix]) or value * units[suffix] >= 10**300:
+        raise ValueError(f"text must be a finite size such as '16GiB', got {shown!r}")
     if value < 0:
-        raise ValueError(f"a size cannot be negative: {text!r}")
+        raise ValueError(f"text must not be a negative size, got {shown!r}")
     return int(round(value * units[suffix]))

@@ -28,9 +28,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from . import checks as _checks
 from . import collectives as _coll
 from . import memory as _mem
-from .parallel import _count
 from .specs import ModelSpec
 
 Stage = Literal[0, 1, 2, 3]
@@ -46,21 +46,36 @@ RECIPES: dict[str, tuple[int, int, int]] = {
 }
 
 
-def _stage(stage) -> int:
-    if isinstance(stage, bool) or stage not in STAGES:
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    return int(stage)
+MAX_RANKS = 1 << 20  # data-parallel ranks: as parallel.MAX_DEVICES
+MAX_ELEMENTS = 10**15  # parameters, bucket and threshold sizes in elements: far beyond any model
+
+
+def _stage(stage, choices: tuple[int, ...] = STAGES) -> int:
+    """A ZeRO stage as an int: a whole number (numpy's too; never a bool, 2.0 or '2') among `choices`."""
+    try:
+        v = _checks.whole("stage", stage, lo=0)
+    except ValueError:
+        v = None
+    if v not in choices:
+        raise ValueError(f"unknown stage {_checks.show(stage)}; choose from {', '.join(map(str, choices))}")
+    return v
 
 
 def _recipe(recipe: str) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer-state) bytes per parameter of a recipe, or a ValueError."""
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; choose from {', '.join(RECIPES)}")
-    return RECIPES[recipe]
+    return RECIPES[_checks.one_of("recipe", recipe, RECIPES)]
 
 
 def _psi(n_params) -> int:
-    return _count("n_params", n_params, lo=0, hi=10**15)
+    return _checks.whole("n_params", n_params, lo=0, hi=MAX_ELEMENTS)
+
+
+def _ranks(n_ranks) -> int:
+    return _checks.whole("n_ranks", n_ranks, hi=MAX_RANKS)
+
+
+def _elements(name: str, value, lo: int = 0, hi: int = MAX_ELEMENTS) -> int:
+    return _checks.whole(name, value, lo=lo, hi=hi)
 
 
 def paper_per_rank(n_params: int, n_ranks: int, stage: Stage, *, k: int = 12, param_bytes: int = 2,
@@ -68,9 +83,9 @@ def paper_per_rank(n_params: int, n_ranks: int, stage: Stage, *, k: int = 12, pa
     """Model states per rank by the ZeRO paper (Section 5, Figure 1): 2 Psi + 2 Psi + K Psi, the
     optimizer states divided by N from stage 1, the gradients from stage 2, the parameters at stage 3.
     Exact integers: each partition rounded up (a rank holds ceil(x / N) of a flat buffer)."""
-    psi, n, s = _psi(n_params), _count("n_ranks", n_ranks), _stage(stage)
-    for name, v in (("k", k), ("param_bytes", param_bytes), ("grad_bytes", grad_bytes)):
-        _count(name, v, lo=0, hi=64)
+    psi, n, s = _psi(n_params), _ranks(n_ranks), _stage(stage)
+    k, param_bytes, grad_bytes = (_checks.whole(name, v, lo=0, hi=64) for name, v in
+                                  (("k", k), ("param_bytes", param_bytes), ("grad_bytes", grad_bytes)))
 
     def share(total: int, split: bool) -> int:
         return -(-total // n) if split else total
@@ -112,30 +127,33 @@ def deepspeed_estimate(n_params: int, stage: Literal[2, 3], *, gpus_per_node: in
     ZeRO-3 (`stage3.estimate_zero3_model_states_mem_needs`): 4 x largest layer + 18 Psi / N; offloading
     the optimizer leaves 2 Psi / N on the GPU, offloading the parameters too leaves the largest layer."""
     psi = _psi(n_params)
-    g, nodes = _count("gpus_per_node", gpus_per_node), _count("nodes", nodes)
+    g = _checks.whole("gpus_per_node", gpus_per_node, hi=MAX_RANKS)
+    nodes = _checks.whole("nodes", nodes, hi=MAX_RANKS)
     total = g * nodes
-    if stage not in (2, 3) or isinstance(stage, bool):
-        raise ValueError(f"DeepSpeed's estimators cover ZeRO-2 and ZeRO-3, got stage {stage!r}")
-    if formula not in ("code", "docs"):
-        raise ValueError(f"formula must be 'code' or 'docs', got {formula!r}")
-    if isinstance(buffer_factor, bool) or not isinstance(buffer_factor, (int, float)) or not 0 < buffer_factor < 100:
-        raise ValueError(f"buffer_factor must be a positive number, got {buffer_factor!r}")
-    for name, flag in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params),
-                       ("zero_init", zero_init)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    try:
+        stage = _stage(stage, (2, 3))
+    except ValueError:
+        raise ValueError(f"stage must be 2 or 3 (DeepSpeed's estimators cover ZeRO-2 and ZeRO-3), "
+                         f"got {_checks.show(stage)}") from None
+    _checks.one_of("formula", formula, ("code", "docs"))
+    buffer_factor = _checks.number("buffer_factor", buffer_factor, lo=0, lo_open=True, hi=100, hi_open=True)
+    offload_optimizer = _checks.flag("offload_optimizer", offload_optimizer)
+    offload_params = _checks.flag("offload_params", offload_params)
+    zero_init = _checks.flag("zero_init", zero_init)
+    largest_layer = _elements("largest_layer", largest_layer)
     if stage == 2:
         if offload_params:
-            raise ValueError("ZeRO-2 cannot offload parameters (ZeRO-3 can)")
+            raise ValueError("offload_params=True needs stage 3: ZeRO-2 cannot offload parameters (ZeRO-3 can)")
         if formula == "docs":  # memory.rst's table: 4 Psi + 16 Psi / N, or 2 Psi with the optimizer offloaded
             gpu = 4 * psi + int(16 * psi / total) if not offload_optimizer else 2 * psi
         else:
             gpu = 2 * psi + int(18 * psi / total) if not offload_optimizer else 2 * psi
         cpu = psi * max(4 * total, 16) * buffer_factor if offload_optimizer else psi * 4 * g * buffer_factor
         return {"gpu": int(gpu), "cpu": int(cpu)}
-    layer = 4 * _count("largest_layer", largest_layer, lo=0, hi=10**15)
+    layer = 4 * largest_layer
     if offload_params and not offload_optimizer:
-        raise ValueError("DeepSpeed offloads parameters only together with the optimizer")
+        raise ValueError("offload_params=True needs offload_optimizer=True: DeepSpeed offloads parameters only "
+                         "together with the optimizer")
     share = 1 / nodes
     if offload_optimizer and offload_params:
         gpu = layer
@@ -160,7 +178,7 @@ def persistent_params(model: ModelSpec | str, threshold: int = PERSISTENCE) -> i
     """Parameters that ZeRO-3 keeps whole on every rank (tensors below the persistence threshold),
     as well as their partition."""
     spec = _mem._resolve(model)
-    _count("threshold", threshold, lo=0, hi=10**15)
+    threshold = _elements("threshold", threshold)
     return sum(n for _, n in spec.param_tensors() if n < threshold)
 
 
@@ -186,11 +204,11 @@ def model_states(model: ModelSpec | str, n_ranks: int, stage: Stage, *, recipe: 
       `MixedPrecisionPolicy` casts a gathered copy for compute) and Adam's fp32 moments, sharded over
       N; nothing else between steps."""
     spec = _mem._resolve(model)
-    n, s = _count("n_ranks", n_ranks), _stage(stage)
+    n, s = _ranks(n_ranks), _stage(stage)
     pb, gb, k = _recipe(recipe)
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
-    _count("reduce_bucket", reduce_bucket, lo=0, hi=10**12)
+    _checks.one_of("implementation", implementation, IMPLEMENTATIONS)
+    reduce_bucket = _elements("reduce_bucket", reduce_bucket, hi=10**12)
+    persistence_threshold = _elements("persistence_threshold", persistence_threshold)
     psi = spec.params
     label = f"{spec.name}: ZeRO-{s} per rank, N = {n}, {recipe} ({implementation})"
     if implementation == "paper":
@@ -199,7 +217,8 @@ def model_states(model: ModelSpec | str, n_ranks: int, stage: Stage, *, recipe: 
     share = -(-psi // n)
     if implementation == "fsdp2":
         if s != 3:
-            raise ValueError("FSDP2's fully_shard is ZeRO-3 (stage 3); ZeRO-2 is reshard_after_forward=False, not modelled")
+            raise ValueError(f"stage must be 3 with implementation='fsdp2', got {s}: FSDP2's fully_shard is ZeRO-3; "
+                             "ZeRO-2 is reshard_after_forward=False, not modelled")
         # the sharded parameters stay fp32 (MixedPrecisionPolicy casts a gathered copy for compute)
         return _mem.MemoryBreakdown(parameters=share * 4, optimizer_states=share * 8,
                                     label=label.replace(f"ZeRO-{s}", "FSDP2"))
@@ -262,7 +281,7 @@ def partition_touches(model: ModelSpec | str, n_ranks: int) -> list[int]:
     boundary. Rank N-1 owns the end of the buffer: the last blocks and the head, whose gradients the
     backward makes first."""
     spec = _mem._resolve(model)
-    n = _count("n_ranks", n_ranks)
+    n = _ranks(n_ranks)
     part = -(-spec.params // n)
     touch, start = [0] * n, 0
     for _, numel in spec.param_tensors():
@@ -317,20 +336,22 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
     with transformers' KV cache on (`memory.training_phases`; vramlab.zerolab's models do, as their
     configs default)."""
     spec = _mem._resolve(model)
-    n, s = _count("n_ranks", n_ranks), _stage(stage)
+    n, s = _ranks(n_ranks), _stage(stage)
     pb, gb, k = _recipe(recipe)
-    if implementation not in ("deepspeed", "fsdp2"):
-        raise ValueError(f"implementation must be deepspeed or fsdp2, got {implementation!r}")
+    _checks.one_of("implementation", implementation, ("deepspeed", "fsdp2"))
     if implementation == "fsdp2" and s != 3:
-        raise ValueError("FSDP2's fully_shard is ZeRO-3 (stage 3)")
-    _mem._check_choice(optimizer_impl, _mem.OPTIMIZER_IMPLS, "optimizer implementation")
-    _mem._check_choice(device, ("cuda", "cpu"), "device")
-    _mem._check_positive(batch_size=micro_batch_size, seq_len=seq_len)
-    _mem._check_positions(spec, seq_len)
-    bucket = _count("reduce_bucket", reduce_bucket, lo=1, hi=10**12)
-    live = _count("max_live_parameters", max_live_parameters, lo=1, hi=10**15)
-    prefetch_bucket = _count("prefetch_bucket", prefetch_bucket, lo=0, hi=10**15)
-    reuse_distance = _count("max_reuse_distance", max_reuse_distance, lo=0, hi=10**15)
+        raise ValueError(f"stage must be 3 with implementation='fsdp2', got {s}: FSDP2's fully_shard is ZeRO-3")
+    _checks.one_of("optimizer_impl", optimizer_impl, _mem.OPTIMIZER_IMPLS)
+    _checks.one_of("device", device, ("cuda", "cpu"))
+    _checks.one_of("attention", attention, _mem.ATTENTIONS)
+    micro_batch_size = _checks.whole("micro_batch_size", micro_batch_size)
+    seq_len = _checks.positions(spec, _checks.whole("seq_len", seq_len))
+    use_cache = _checks.flag("use_cache", use_cache)
+    bucket = _elements("reduce_bucket", reduce_bucket, lo=1, hi=10**12)
+    live = _elements("max_live_parameters", max_live_parameters, lo=1)
+    prefetch_bucket = _elements("prefetch_bucket", prefetch_bucket)
+    reuse_distance = _elements("max_reuse_distance", max_reuse_distance)
+    persistence_threshold = _elements("persistence_threshold", persistence_threshold)
     between = model_states(spec, n, s, recipe=recipe, implementation=implementation, reduce_bucket=bucket,
                            persistence_threshold=persistence_threshold)
     psi = spec.params
@@ -513,9 +534,10 @@ def communication(n_params: int, n_ranks: int, stage: Stage, *, bytes_per_value:
     the parameters: 3 Psi, half again the paper's. ZeRO-3 keeps a parameter gathered in the forward
     for its backward when fewer than `stage3_max_reuse_distance` (1e9) elements are fetched in
     between: a model below that gathers once, 2 Psi; a larger one twice, 3 Psi."""
-    psi, n, s = _psi(n_params), _count("n_ranks", n_ranks), _stage(stage)
-    _count("bytes_per_value", bytes_per_value, hi=8)
-    _mem._check_choice(implementation, COMM_IMPLEMENTATIONS, "communication implementation")
+    psi, n, s = _psi(n_params), _ranks(n_ranks), _stage(stage)
+    bytes_per_value = _checks.whole("bytes_per_value", bytes_per_value, hi=8)
+    _checks.one_of("implementation", implementation, COMM_IMPLEMENTATIONS)
+    link = _coll._link(link, "link")
     size = psi * bytes_per_value
     ds = implementation == "deepspeed"
     if s == 0:
@@ -534,6 +556,12 @@ def communication(n_params: int, n_ranks: int, stage: Stage, *, bytes_per_value:
 
 
 # ----------------------------------------------------------------------------- does it fit
+# what `fits` passes on to `estimate_rank` (its own micro_batch_size, seq_len and gpu aside)
+_ESTIMATE_OPTIONS = ("recipe", "implementation", "attention", "reduce_bucket", "max_live_parameters",
+                     "persistence_threshold", "prefetch_bucket", "max_reuse_distance", "optimizer_impl", "device",
+                     "use_cache")
+
+
 def fits(model: ModelSpec | str, n_ranks: int, stage: Stage, gpu, *, micro_batch_size: int, seq_len: int,
          expandable_segments: bool = False, max_search: int = 1 << 12, **kw) -> _mem.Fit:
     """Does one rank's step fit on `gpu`, and what is the largest micro-batch size that does?
@@ -541,11 +569,16 @@ def fits(model: ModelSpec | str, n_ranks: int, stage: Stage, gpu, *, micro_batch
     <= usable) applied to `estimate_rank` (whose keyword arguments `kw` are)."""
     from .specs import gpu as _gpu
 
+    _checks.no_unknown("zero.fits", kw, _ESTIMATE_OPTIONS)
     spec = _mem._resolve(model)
     g = _gpu(gpu)
-    _mem._check_positive(micro_batch_size=micro_batch_size, max_search=max_search)
+    micro_batch_size = _checks.whole("micro_batch_size", micro_batch_size)
+    max_search = _checks.whole("max_search", max_search)
+    expandable_segments = _checks.flag("expandable_segments", expandable_segments)
     if kw.get("device", "cuda") != "cuda":
-        raise ValueError("fits() answers for a GPU: leave device at 'cuda'")
+        raise ValueError(f"device must be 'cuda' in fits(), which answers for a GPU, got {_checks.show(kw['device'])}")
+    _recipe(kw.get("recipe", "mixed-adam"))
+    _checks.one_of("attention", kw.get("attention", "sdpa"), _mem.ATTENTIONS)
 
     def verdict(b: int, **found) -> _mem.Fit:
         est = estimate_rank(spec, n_ranks, stage, micro_batch_size=b, seq_len=seq_len, gpu=g, **kw)  # checks kw

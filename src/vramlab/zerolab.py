@@ -46,6 +46,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import checks
 from . import collectives as C
 from .specs import ModelSpec, from_config
 
@@ -1196,10 +1197,16 @@ def _elements(minimum: int):
     return parse
 
 
+PROG = "python -m vramlab.zerolab"
+MAX_RANKS = 256  # real ranks (processes on this machine, or one per GPU)
+MAX_FAKE_WORLD = 1 << 16  # --backend fake: the world one measured rank belongs to
+
+
 def main(argv: list[str] | None = None) -> int:
     from .commbench import backend_problem, launch
 
-    p = argparse.ArgumentParser(prog="python -m vramlab.zerolab", description=__doc__.split("\n\n")[0])
+    A, whole = checks.argtype, checks.whole
+    p = checks.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--setups", default=",".join(SETUPS), help="comma-separated: ZeRO stages 0-3 and/or fsdp2")
     p.add_argument("--model", default=DEFAULT_MODEL, choices=list(MODELS),
                    help=f"the model trained (default {DEFAULT_MODEL}, lab 4's; --list-models describes them)")
@@ -1207,12 +1214,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=("gloo", "nccl", "fake"), default="gloo",
                    help="fake: one rank (--rank) of --nproc alone in this process, torch's fake process group "
                         "(FSDP2 only; on a GPU where there is one)")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--rank", type=int, default=0, help="with --backend fake: the rank measured (default 0)")
-    p.add_argument("--micro-batch", type=int, default=None, help="per rank (default: the model's, 2 for the lab's)")
-    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's, 64 for the lab's)")
+    p.add_argument("--nproc", type=A(whole, int, lo=1, hi=MAX_FAKE_WORLD), default=2,
+                   help=f"ranks: 1 to {MAX_RANKS} real ones, or the world of --backend fake (up to {MAX_FAKE_WORLD:,})")
+    p.add_argument("--rank", type=A(whole, int, lo=0, hi=MAX_FAKE_WORLD - 1), default=0,
+                   help="with --backend fake: the rank measured (default 0)")
+    p.add_argument("--micro-batch", type=A(whole, int, lo=1, hi=4096), default=None,
+                   help="per rank (default: the model's, 2 for the lab's)")
+    p.add_argument("--seq", type=A(whole, int, lo=1), default=None,
+                   help="tokens per sequence, at most the model's positions (default: the model's, 64 for the lab's)")
     p.add_argument("--steps", type=int, default=5,
-                   help="steps trained; every one after the first two is measured (the peak is their largest)")
+                   help="steps trained, 2 to 1000; every one after the first two is measured (the peak is their "
+                        "largest)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                    help="bf16: DeepSpeed's bf16 optimizer, FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 reductions)")
     ds = p.add_argument_group("DeepSpeed's zero_optimization (elements; default: DeepSpeed's own)")
@@ -1230,9 +1242,11 @@ def main(argv: list[str] | None = None) -> int:
                         "fused-QKV blocks save (vramlab.memory.training_phases' use_cache)")
     p.add_argument("--no-allocator-check", dest="allocator_check", action="store_false",
                    help="skip the cross-check against the CPU allocator's record (the profiler's memory events)")
-    p.add_argument("--out", default="")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--timeout", type=int, default=300)
+    p.add_argument("--out", default="", help="write the results as JSON here (checked before any rank starts)")
+    p.add_argument("--port", type=A(whole, int, lo=0, hi=65535), default=0,
+                   help="rendezvous port, 1 to 65535 (default 0: a free one)")
+    p.add_argument("--timeout", type=A(checks.positive, float, hi=86400), default=300.0,
+                   help="seconds a rendezvous or collective may take (default 300)")
     args = p.parse_args(argv)
     args.use_cache = {"default": None, "on": True, "off": False}[args.kv_cache]
     if args.list_models:
@@ -1246,9 +1260,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in args.setups if s not in SETUPS]
     if bad or not args.setups:
         p.error(f"unknown setup {', '.join(bad) or '(none)'}; choose from {', '.join(SETUPS)}")
-    for name in ("nproc", "micro_batch", "seq", "steps"):
-        if getattr(args, name) < 1 or (name == "steps" and args.steps < 2):
-            p.error(f"--{name.replace('_', '-')} must be at least {2 if name == 'steps' else 1}")
+    if len(set(args.setups)) != len(args.setups):
+        p.error(f"--setups names each setup once, got {','.join(args.setups)}")
+    if not 2 <= args.steps <= 1000:
+        p.error(f"--steps must be at least 2 and at most 1,000 (the first two are not measured), got {args.steps}")
     if args.seq > spec["max_seq"]:
         which = "the lab model's" if args.model == DEFAULT_MODEL else f"{args.model}'s"
         p.error(f"--seq must be at most {spec['max_seq']} ({which} positions)")
@@ -1257,17 +1272,21 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--backend fake runs FSDP2 only: add --setups fsdp2")
         if not 0 <= args.rank < args.nproc:
             p.error(f"--rank must be between 0 and {args.nproc - 1} (--nproc {args.nproc})")
+        checks.output_path(PROG, args.out)
         args.argv = list(sys.argv[1:] if argv is None else argv)
         return _fake_rank(args)
     if args.rank:
         p.error("--rank needs --backend fake (real ranks are all measured)")
+    if args.nproc > MAX_RANKS:
+        p.error(f"--nproc must be at most {MAX_RANKS} real ranks, got {args.nproc} (--backend fake measures one rank "
+                f"of a larger world)")
     if MODELS[args.model].get("scale") == "gpu" and args.backend == "gloo":
         p.error(f"{args.model} is GPU-scale: measure one of its ranks with --backend fake --setups fsdp2 "
                 f"(on a GPU), or choose a CPU model (--list-models)")
+    checks.output_path(PROG, args.out)
     why = backend_problem(args)
-    if why:
-        print(f"zerolab: {why}", file=sys.stderr)
-        return 2
+    if why:  # NCCL: one process per GPU, before any rank starts
+        checks.fail(PROG, why)
     # one process group per setup, in fresh processes: nothing of one setup (DeepSpeed's buffers, a
     # model) can be alive in the next one's measurement
     import tempfile
