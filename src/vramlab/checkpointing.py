@@ -194,11 +194,31 @@ def cheapest_plan(model: ModelSpec | str, budget_bytes: "int | None", *, batch_s
     plans = [recompute_plan(p, spec) for p in plans]  # every plan checked before the first is weighed
     if not plans:
         raise ValueError("plans must not be empty")
-    results = [evaluate(spec, p, batch_size=batch_size, seq_len=seq_len, **kw) for p in plans]
-    fitting = [r for r in results if _fits(r, budget_bytes)]
-    if not fitting:
-        return None
-    return min(fitting, key=lambda r: (r.plan.offload, r.recompute_flops, _recomputes(r.plan), r.peak.total))
+    # The answer is the fitting plan least by (offload, recompute FLOPs, recomputes at all, peak): the
+    # first three need no ledger, so the plans are weighed group by group in that order and the first
+    # group with a plan that fits answers (the same plan an evaluation of every plan would pick: within
+    # a group the original order breaks ties). Parameters and optimizer states are the same under
+    # every plan: when they alone do not fit, nothing does, and one evaluation says so.
+    f = flops(spec, batch_size=batch_size, seq_len=seq_len)
+    rank = {i: (p.offload, _recomputed(p, f), _recomputes(p)) for i, p in enumerate(plans)}
+    order = sorted(rank, key=rank.get)
+    for _, group in itertools.groupby(order, key=rank.get):
+        results = [evaluate(spec, plans[i], batch_size=batch_size, seq_len=seq_len, **kw) for i in group]
+        fitting = [r for r in results if _fits(r, budget_bytes)]
+        if fitting:
+            return min(fitting, key=lambda r: r.peak.total)
+        if _states_exceed(results[0], budget_bytes):
+            return None
+    return None
+
+
+def _states_exceed(r: PlanResult, budget_bytes: "int | None") -> bool:
+    """Whether the parameters and optimizer states alone (held in every phase, whatever the plan)
+    exceed the budget, or what the GPU makes available when `budget_bytes` is None."""
+    held = min(m.parameters + m.optimizer_states for m in r.phases)
+    if budget_bytes is not None:
+        return held > budget_bytes
+    return r.fit is not None and held > r.fit.available
 
 
 def _recomputes(plan: Plan) -> bool:

@@ -128,6 +128,8 @@ def share(name: str, value) -> float:
 def one_of(name: str, value, choices: Iterable) -> Any:
     """`value` if it is one of `choices` (a bool never stands for 1 or 0), else a ValueError listing them."""
     choices = tuple(choices)
+    if type(value) is str and value in choices:  # the common case: a string among strings
+        return value
     if not _is_bool(value):
         for c in choices:
             try:
