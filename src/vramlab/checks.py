@@ -31,8 +31,19 @@ from typing import Any, Callable, Iterable, NoReturn
 MAX_COUNT = 1 << 31
 
 
-def _is_bool(value) -> bool:
+def is_bool(value) -> bool:
+    """True for Python's and numpy's booleans, which are never a count, a number or a choice."""
     return isinstance(value, bool) or type(value).__name__ in ("bool_", "bool")  # numpy.bool_ too
+
+
+def index(value) -> int | None:
+    """An int or a numpy integer, as an int; None for anything else (a bool, a float, a string)."""
+    if is_bool(value):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def _same_kind(a, b) -> bool:
@@ -43,18 +54,8 @@ def _same_kind(a, b) -> bool:
     return True
 
 
-def is_bool(value) -> bool:
-    """True for Python's and numpy's booleans, which are never a count, a number or a choice."""
-    return _is_bool(value)
-
-
 def show(value) -> str:
-    """The value as Python writes it, cut short to fit a one-line message."""
-    return _show(value)
-
-
-def _show(value) -> str:
-    """The offending value as Python writes it, cut short: an error is one line."""
+    """The value as Python writes it, cut short: an error is one line."""
     r = repr(value)
     return r if len(r) <= 60 else r[:40] + "..." + r[-12:]
 
@@ -67,10 +68,7 @@ def whole(name: str, value, *, lo: int = 1, hi: int = MAX_COUNT) -> int:
     """A whole number in [lo, hi] (an int or a numpy integer), as an int; else a ValueError naming
     `name`. Bools, floats (even 2.0) and strings are refused: a count is never a truth value or a
     measurement."""
-    try:
-        v = None if _is_bool(value) else operator.index(value)
-    except TypeError:
-        v = None
+    v = index(value)
     if v is None or not lo <= v <= hi:
         if v is not None and v > hi and hi == MAX_COUNT:
             raise ValueError(f"{name} must be at most {hi:,}, got {v:,}")
@@ -78,7 +76,7 @@ def whole(name: str, value, *, lo: int = 1, hi: int = MAX_COUNT) -> int:
             what = "a positive integer" if lo == 1 else f"a whole number >= {lo:,}"
         else:
             what = f"a whole number from {lo:,} to {hi:,}"
-        raise ValueError(f"{name} must be {what}, got {_show(value)}")
+        raise ValueError(f"{name} must be {what}, got {show(value)}")
     return v
 
 
@@ -87,7 +85,7 @@ def number(name: str, value, *, lo: float | None = 0, hi: float | None = None, l
     """A finite real number within the bounds (None: unbounded on that side), as a float (an int
     stays an int, so byte counts stay exact); else a ValueError naming `name`. Bools, strings,
     NaN and infinities are refused."""
-    ok = not _is_bool(value) and isinstance(value, _numbers.Real)
+    ok = not is_bool(value) and isinstance(value, _numbers.Real)
     if ok:
         v = value if isinstance(value, int) else (int(value) if isinstance(value, _numbers.Integral) else float(value))
         ok = abs(v) < 10**300 if isinstance(v, int) else math.isfinite(v)  # beyond a float's range is a typo
@@ -106,7 +104,7 @@ def number(name: str, value, *, lo: float | None = 0, hi: float | None = None, l
             else:
                 what = "a number"
             what = f"a finite {what[2:]}" if what.startswith("a ") else what
-        raise ValueError(f"{name} must be {what}, got {_show(value)}")
+        raise ValueError(f"{name} must be {what}, got {show(value)}")
     return v
 
 
@@ -130,7 +128,7 @@ def one_of(name: str, value, choices: Iterable) -> Any:
     choices = tuple(choices)
     if type(value) is str and value in choices:  # the common case: a string among strings
         return value
-    if not _is_bool(value):
+    if not is_bool(value):
         for c in choices:
             try:
                 # equal and of the same kind: 2.0 is not the choice 2, True is not 1, "2" is not 2
@@ -138,13 +136,13 @@ def one_of(name: str, value, choices: Iterable) -> Any:
                     return c  # the choice itself: a numpy integer comes back as the plain int it matched
             except (TypeError, ValueError):  # an array, or something whose == gives no truth value
                 break
-    raise ValueError(f"unknown {name} {_show(value)}; choose from {', '.join(str(c) for c in choices)}")
+    raise ValueError(f"unknown {name} {show(value)}; choose from {', '.join(str(c) for c in choices)}")
 
 
 def flag(name: str, value) -> bool:
     """True or False (numpy's too), as a bool; 1, 'yes' and None are refused."""
-    if not _is_bool(value):
-        raise ValueError(f"{name} must be True or False, got {_show(value)}")
+    if not is_bool(value):
+        raise ValueError(f"{name} must be True or False, got {show(value)}")
     return bool(value)
 
 
@@ -152,7 +150,7 @@ def numbers(name: str, values, *, lo: float | None = 0, hi: float | None = None,
             empty: bool = False) -> list:
     """A sequence (not a string or a mapping) of finite numbers within the bounds, as a list."""
     if isinstance(values, (str, bytes, dict)) or not isinstance(values, Iterable):
-        raise ValueError(f"{name} must be a list of numbers, got {_show(values)}")
+        raise ValueError(f"{name} must be a list of numbers, got {show(values)}")
     out = list(values)
     if not out and not empty:
         raise ValueError(f"{name} must not be empty")
@@ -167,7 +165,7 @@ def numbers(name: str, values, *, lo: float | None = 0, hi: float | None = None,
 def wholes(name: str, values, *, lo: int = 0, hi: int = MAX_COUNT, empty: bool = False) -> list[int]:
     """A sequence (not a string or a mapping) of whole numbers in [lo, hi], as a list of ints."""
     if isinstance(values, (str, bytes, dict)) or not isinstance(values, Iterable):
-        raise ValueError(f"{name} must be a list of whole numbers, got {_show(values)}")
+        raise ValueError(f"{name} must be a list of whole numbers, got {show(values)}")
     out = list(values)
     if not out and not empty:
         raise ValueError(f"{name} must not be empty")
@@ -178,7 +176,7 @@ def wholes(name: str, values, *, lo: int = 0, hi: int = MAX_COUNT, empty: bool =
 
 def text(name: str, value) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{name} must be a non-empty string, got {_show(value)}")
+        raise ValueError(f"{name} must be a non-empty string, got {show(value)}")
     return value
 
 

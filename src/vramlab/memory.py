@@ -616,7 +616,7 @@ class Plan:
             bad = any(isinstance(p, (str, bytes, dict)) or not isinstance(p, Iterable) for p in pairs)
         if not bad:
             pairs = [list(p) for p in pairs]
-            bad = any(len(p) != 2 or not all(_is_index(x) for x in p) for p in pairs)
+            bad = any(len(p) != 2 or not all(_checks.index(x) is not None for x in p) for p in pairs)
         if bad:
             raise ValueError(f"plan {self.name!r}: segments must be (start, end) pairs of block indices, "
                              f"got {_checks.show(self.segments)}")
@@ -670,7 +670,7 @@ def recompute_plan(recompute: "str | Plan | Iterable[int]", model: ModelSpec | s
         return recompute
     if not isinstance(recompute, str):
         try:
-            if isinstance(recompute, (bytes, dict)) or not all(_is_index(i) for i in recompute):
+            if isinstance(recompute, (bytes, dict)) or not all(_checks.index(i) is not None for i in recompute):
                 raise TypeError
             blocks = sorted({operator.index(i) for i in recompute})
         except TypeError:
@@ -949,17 +949,6 @@ def _string(name: str, value) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{name} must be a string, got {_checks.show(value)}")
     return value
-
-
-def _is_index(value) -> bool:
-    """An int or a numpy integer, not a bool (numpy's neither)."""
-    if _checks.is_bool(value):
-        return False
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
 
 
 def _gpu_or_none(gpu) -> "GPUSpec | None":
@@ -1375,7 +1364,7 @@ def device_fit(estimate: "MemoryBreakdown | int", gpu: GPUSpec | str, *, largest
     fullest device of a layout."""
     g = _gpu(gpu)
     total = estimate.total if isinstance(estimate, MemoryBreakdown) else estimate
-    if not _is_index(total) or not 0 <= total <= MAX_BYTES:
+    if _checks.index(total) is None or not 0 <= total <= MAX_BYTES:
         raise ValueError(f"estimate must be a MemoryBreakdown or a whole number of bytes from 0 to {MAX_BYTES:,}, "
                          f"got {_checks.show(estimate if isinstance(estimate, MemoryBreakdown) else total)}")
     total = operator.index(total)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import numbers as _numbers
-import operator
 import os
 import re
 import stat
@@ -46,16 +45,6 @@ MODEL_TYPES: dict[str, Family] = {
 
 class SpecError(ValueError):
     """A model or GPU description that vramlab cannot use; the message says what is wrong."""
-
-
-def _index(value) -> "int | None":
-    """An int or a numpy integer as an int; None for anything else (a bool, a float, a string)."""
-    if _checks.is_bool(value):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _real(value) -> "float | None":
@@ -128,7 +117,7 @@ class ModelSpec:
                   "type_vocab_size": (0, MAX_WIDTH), "word_embed_proj_dim": (0, MAX_WIDTH)}
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen: numpy's numbers stored as Python's)
         for field, (lo, hi) in bounds.items():
-            value = _index(getattr(self, field))
+            value = _checks.index(getattr(self, field))
             if value is None or not lo <= value <= hi:
                 what = "a positive integer" if lo == 1 else "a non-negative integer"
                 raise SpecError(f"{field} must be {what} up to {hi:,}, got {_checks.show(getattr(self, field))}")
@@ -420,7 +409,7 @@ def _get(cfg: Mapping[str, Any], key: str, default: Any) -> Any:
     if isinstance(default, int):
         hi = MAX_LAYERS if key in _LAYER_KEYS else MAX_POSITIONS if key in _POSITION_KEYS else MAX_WIDTH
         lo = 0 if key in _ZERO_OK else 1
-        v = _index(value)  # numpy's integers too (a config dict built in Python)
+        v = _checks.index(value)  # numpy's integers too (a config dict built in Python)
         if v is None or not lo <= v <= hi:
             raise SpecError(f"{key}: expected a whole number from {lo} to {hi:,}, got {_checks.show(value)}")
         return v
@@ -857,14 +846,14 @@ def gpu_for_device(device_name: str, memory_bytes: "int | None" = None) -> "GPUS
 def custom_gpu(memory: int, *, name: str = "custom", context_bytes: int | None = None) -> GPUSpec:
     """A GPU known only by its memory in bytes: what cudaMemGetInfo reports as total (speed fields
     zero). `context_bytes`: what the CUDA context takes outside PyTorch's allocator, if measured."""
-    n = _index(memory)
+    n = _checks.index(memory)
     if n is None or not 1 <= n <= MAX_GPU_BYTES:
         raise SpecError(f"memory must be a positive number of bytes (a whole number up to {MAX_GPU_BYTES:,}: "
                         f"GPU memory), got {_checks.show(memory)}")
     memory = n
     _spec_check(_checks.text, "name", name)
     if context_bytes is not None:
-        c = _index(context_bytes)
+        c = _checks.index(context_bytes)
         if c is None or not 0 <= c < memory:
             raise SpecError(f"context_bytes must be a whole number of bytes from 0 to the GPU's memory "
                             f"({memory:,}), got {_checks.show(context_bytes)}")
