@@ -33,7 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from vramlab import calculators, offload, parallel  # noqa: E402
+from vramlab import offload, parallel  # noqa: E402
+from vramlab.present import calculators
 
 BUDGET_MS = 100.0
 

@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"checkpointing_validation: cannot write --out {a.out}: {e.strerror or e}", file=sys.stderr)
         return 2
-    from vramlab.ckptlab import _case
-    from vramlab.measure import provenance
+    from vramlab.measure.checkpointing import _case
+    from vramlab.measure.record import provenance
 
     t0 = time.perf_counter()
     cases = []

@@ -9,7 +9,7 @@ and compares the measured peak with `estimate_training`:
     python benchmarks/estimator_accuracy.py --subset ci      # the quick cases the tests assert
     python benchmarks/estimator_accuracy.py --report         # stored CPU-trace and GPU results side by side
 
-On CUDA every case runs in its own process (`vramlab.measure.measure_isolated`): nothing of one
+On CUDA every case runs in its own process (`vramlab.measure.memory.measure_isolated`): nothing of one
 case can count in the next.
 
 Trace and CPU runs execute CPU kernels, so the estimate is asked for device="cpu" (full-width
@@ -87,7 +87,7 @@ def case_name(name: str, over: dict, opts: dict) -> str:
 
 
 def run_case(name: str, over: dict, opts: dict, *, mode: str) -> dict:
-    from vramlab.measure import measure_isolated, measure_training
+    from vramlab.measure.memory import measure_isolated, measure_training
 
     spec = dataclasses.replace(preset(name), **over)
     est = estimate_training(spec, device="cuda" if mode == "cuda" else "cpu", **opts)
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     for group, s in summary.items():
         print(f"{group}: {s['cases']} cases, median |error| {s['median_abs_error_pct']:.2f}%, "
               f"max |error| {s['max_abs_error_pct']:.2f}%")
-    from vramlab.measure import provenance
+    from vramlab.measure.record import provenance
 
     dev = "cuda" if args.mode == "cuda" else "cpu"
     result = {"mode": args.mode, "measured_as": "torch.cuda.max_memory_allocated()" if dev == "cuda"

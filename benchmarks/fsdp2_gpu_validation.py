@@ -7,7 +7,7 @@ benchmarks/results/zero/gpu/.
     python benchmarks/fsdp2_gpu_validation.py --list          # the cases and their command lines
     python benchmarks/fsdp2_gpu_validation.py --jobs 3        # cases run side by side (peaks are per process)
 
-Each case is one `python -m vramlab.zerolab --backend fake ...`: one rank of a world of N alone in its
+Each case is one `python -m vramlab.measure.zero --backend fake ...`: one rank of a world of N alone in its
 process with torch's fake process group, so every collective returns at once and moves nothing while
 FSDP2 allocates its all-gather and reduce-scatter buffers, shards and gathered parameters as on real
 ranks (on the CPU the same method gives byte for byte what real gloo ranks measure:
@@ -62,7 +62,7 @@ STEPS = "4"  # two warm-up steps, two measured
 
 def command(name: str, out: Path | None = None) -> list[str]:
     out = out or OUT / f"{name}.json"
-    return ["-m", "vramlab.zerolab", "--backend", "fake", "--setups", "fsdp2", "--steps", STEPS, *CASES[name][1],
+    return ["-m", "vramlab.measure.zero", "--backend", "fake", "--setups", "fsdp2", "--steps", STEPS, *CASES[name][1],
             "--out", str(out.relative_to(ROOT))]
 
 

@@ -114,7 +114,7 @@ def run_parallel(jobs: list[tuple[str, int, object]], budget: int, workers: int 
 
 def accuracy(gpu_spec, dry: bool) -> None:
     from vramlab import estimate_training, preset
-    from vramlab.measure import provenance
+    from vramlab.measure.record import provenance
 
     bench = _bench()
     jobs = []
@@ -141,7 +141,7 @@ def accuracy(gpu_spec, dry: bool) -> None:
 
 def inference(gpu_spec, dry: bool) -> list[dict]:
     from vramlab import estimate_inference, preset
-    from vramlab.measure import measure_isolated
+    from vramlab.measure.memory import measure_isolated
 
     say(f"inference: {len(INFERENCE)} configurations, one process each")
     if dry:
@@ -167,7 +167,7 @@ def inference(gpu_spec, dry: bool) -> list[dict]:
 
 def maxbatch(gpu_spec, dry: bool) -> list[dict]:
     from vramlab import fit, preset
-    from vramlab.measure import largest_batch
+    from vramlab.measure.memory import largest_batch
 
     opts = {k: v for k, v in MAXBATCH.items() if k != "model"}
     rows = []
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         report[step] = run(gpu_spec, args.dry_run)
         if not args.dry_run:  # after each step: a step cut short by a time limit keeps the ones before it
-            from vramlab.measure import provenance
+            from vramlab.measure.record import provenance
 
             report.update(provenance=provenance("cuda"), command="python benchmarks/gpu_campaign.py --only " + args.only)
             out.write_text(json.dumps(report, indent=1) + "\n")

@@ -1,11 +1,11 @@
 """Per-rank memory of data, tensor and pipeline parallelism, measured on real gloo CPU ranks, on models
 other than lab 3's: the ground truth for `vramlab.parallel`'s layout estimate.
 
-Each case runs `python -m vramlab.parlab ...` in its own processes (one per rank) and stores that run's
+Each case runs `python -m vramlab.measure.parallel ...` in its own processes (one per rank) and stores that run's
 JSON, with provenance and the exact command, in benchmarks/results/parallel/validation/<case>.json.
 The measurement is parlab's ledger (`memory` in every rank's record: the peak over one steady-state
 step, its phase, the peak of each phase, bytes by category at those points, the largest storages);
-see `vramlab.parlab`. After each run the file is checked against counts made here from the config
+see `vramlab.measure.parallel`. After each run the file is checked against counts made here from the config
 alone (parameter bytes of each rank's shard, gradients = parameters, AdamW's two moments, DDP's
 buckets, the bytes each pipeline stage sends, micro-batches in flight), and the checks are stored with
 it ("checks"):
@@ -231,8 +231,8 @@ def run_case(name: str, out_dir: Path) -> tuple[bool, float]:
     exp, extra = CASES[name]
     args = [exp, *(["--nproc", "2"] if "--nproc" not in extra else []), *extra, *FOR_LOOP]
     path = out_dir / f"{name}.json"
-    cmd = [sys.executable, "-m", "vramlab.parlab", *args, "--out", str(path)]
-    print(f"[{name}] python -m vramlab.parlab {' '.join(args)}", file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "vramlab.measure.parallel", *args, "--out", str(path)]
+    print(f"[{name}] python -m vramlab.measure.parallel {' '.join(args)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=1800)
@@ -246,7 +246,7 @@ def run_case(name: str, out_dir: Path) -> tuple[bool, float]:
     run["note"] = NOTE
     run["sweep"] = {"script": "benchmarks/layout_validation.py", "case": name, "wall_s": round(wall, 1),
                     "stdout": r.stdout.splitlines()}
-    run["command"] = " ".join(["python -m vramlab.parlab", *args, "--out", str(path.relative_to(ROOT))])
+    run["command"] = " ".join(["python -m vramlab.measure.parallel", *args, "--out", str(path.relative_to(ROOT))])
     run["checks"] = check_run(run)
     path.write_text(json.dumps(run, indent=1) + "\n")
     bad = [c for c in run["checks"] if not c["ok"]]

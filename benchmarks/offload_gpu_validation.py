@@ -52,11 +52,11 @@ def _cpu_model() -> str:
 
 
 def _provenance() -> dict:
-    """vramlab.measure.provenance's keys (gpu, driver, cuda, torch, transformers, date), and the host's
+    """vramlab.measure.memory.provenance's keys (gpu, driver, cuda, torch, transformers, date), and the host's
     CPU and DeepSpeed: the host runs the optimizer step here."""
     import torch
 
-    from vramlab.measure import provenance
+    from vramlab.measure.record import provenance
 
     out = provenance("cuda" if torch.cuda.is_available() else None)
     out.update(cpu=_cpu_model(), cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads())
@@ -81,7 +81,7 @@ def zero_offload_case(name: str) -> dict:
     import deepspeed
     import torch
 
-    from vramlab.models import build_model, make_batch
+    from vramlab.measure.models import build_model, make_batch
     from vramlab.specs import preset
 
     _, model_name, batch_size, bucket = CASES[name]

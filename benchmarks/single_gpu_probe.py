@@ -1,5 +1,5 @@
 """The FSDP2 GPU cases' models without FSDP2, on one GPU: estimate_training against the allocator, one
-configuration per process (vramlab.measure.measure_isolated), to tell the single-device engine's error
+configuration per process (vramlab.measure.memory.measure_isolated), to tell the single-device engine's error
 from the FSDP2 layer's. Writes benchmarks/results/h100/single_gpu_probe_h100.jsonl.
 
     python benchmarks/single_gpu_probe.py
@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from vramlab import estimate_training, preset  # noqa: E402
-from vramlab.measure import measure_isolated, provenance  # noqa: E402
-from vramlab.zerolab import model_spec  # noqa: E402
+from vramlab.measure.memory import measure_isolated  # noqa: E402
+from vramlab.measure.record import provenance  # noqa: E402
+from vramlab.measure.zero import model_spec  # noqa: E402
 
 CASES = [  # (model, overrides, options)
     ("pythia-410m", {}, dict(batch_size=4, seq_len=1024, precision="fp32")),

@@ -7,7 +7,7 @@ the validation data for vramlab.zero's estimates, one JSON per run in benchmarks
     python benchmarks/zero_validation.py --summary            # tables from the stored files
     python benchmarks/zero_validation.py --check              # the stored files against counts from the models
 
-Each case is one `python -m vramlab.zerolab ...` (every setup in fresh processes, 2 warm-up steps and 3
+Each case is one `python -m vramlab.measure.zero ...` (every setup in fresh processes, 2 warm-up steps and 3
 measured, AdamW(foreach=False), no gradient clipping); the file it writes records the command, the
 DeepSpeed config used, the provenance (date, torch, deepspeed, transformers, python, platform) and,
 added here, the case's name and wall time. The reduce and all-gather buckets (5e5 elements) are far
@@ -68,7 +68,7 @@ CASES: dict[str, tuple[str, list[str]]] = {
 
 
 def command(name: str) -> list[str]:
-    return ["-m", "vramlab.zerolab", *CASES[name][1], "--out", str((OUT / f"{name}.json").relative_to(ROOT))]
+    return ["-m", "vramlab.measure.zero", *CASES[name][1], "--out", str((OUT / f"{name}.json").relative_to(ROOT))]
 
 
 def run(name: str) -> float:
@@ -108,7 +108,7 @@ def noise(r: dict) -> float:
     if key not in _NOISE:
         import torch
 
-        from vramlab import zerolab
+        from vramlab.measure import zero as zerolab
 
         torch.set_num_threads(1)
         _NOISE[key] = zerolab.accumulation_noise(key[1], key[2], key[3], key[4], key[0])

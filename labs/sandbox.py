@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from answer_worker import MAX_FRAME  # the one bound on a message, both ways
-from vramlab.grading import ANSWER_PACKAGES, sandbox_env, tail as file_tail
+from vramlab.grading.run import ANSWER_PACKAGES, sandbox_env, tail as file_tail
 
 LABS = Path(__file__).resolve().parent
 ROOT = LABS.parent
@@ -289,7 +289,7 @@ class Worker:
         self.others = _children()  # this process's children before the answer's (not to be killed)
         # without a sandbox the answer's process is not this one's child: a small go-between is (so
         # that os.kill(os.getppid(), ...) from an answer ends the go-between, not the grader)
-        from vramlab.grading import go_between
+        from vramlab.grading.run import go_between
 
         between = [] if prefix else go_between((req_r, resp_w))
         # the grader keeps its own descriptor of the output file and reads through it (the answer may

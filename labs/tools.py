@@ -224,16 +224,16 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
         raise RuntimeError(f"a sandbox was required: {how}")
     report = report if report is not None else {}
     report.update(sandbox=how, outputs={})
-    import vramlab.grading
+    import vramlab.grading.run
 
     # without a sandbox an answer could write to the checkout or the packages: compare before and after
     # (in the sandbox they are read-only, and a change would be someone else's)
     before = sb.fingerprint() if not prefix else {}
     scores = {}
-    saved_prefix, saved_limits = list(vramlab.grading.SANDBOX_PREFIX), dict(vramlab.grading.RANK_LIMITS)
-    vramlab.grading.SANDBOX_PREFIX[:] = prefix  # labs 2-4's checks run the answer's ranks in it too
-    vramlab.grading.RANK_LIMITS.clear()  # ... under the answer worker's limits and --timeout
-    vramlab.grading.RANK_LIMITS.update(timeout=timeout, memory_bytes=int(memory_gib * 2**30))
+    saved_prefix, saved_limits = list(vramlab.grading.run.SANDBOX_PREFIX), dict(vramlab.grading.run.RANK_LIMITS)
+    vramlab.grading.run.SANDBOX_PREFIX[:] = prefix  # labs 2-4's checks run the answer's ranks in it too
+    vramlab.grading.run.RANK_LIMITS.clear()  # ... under the answer worker's limits and --timeout
+    vramlab.grading.run.RANK_LIMITS.update(timeout=timeout, memory_bytes=int(memory_gib * 2**30))
     try:
         with tempfile.TemporaryDirectory(prefix="vramlab-grade-") as scratch:
             for i, cell in enumerate(nb.cells):
@@ -258,9 +258,9 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
                 report["outputs"][gid] = out[-MAX_OUTPUT_CHARS:]
                 scores[gid] = (points if ok else 0, points, why)
     finally:
-        vramlab.grading.SANDBOX_PREFIX[:] = saved_prefix
-        vramlab.grading.RANK_LIMITS.clear()
-        vramlab.grading.RANK_LIMITS.update(saved_limits)
+        vramlab.grading.run.SANDBOX_PREFIX[:] = saved_prefix
+        vramlab.grading.run.RANK_LIMITS.clear()
+        vramlab.grading.run.RANK_LIMITS.update(saved_limits)
     after = sb.fingerprint() if not prefix else {}
     changed = sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
     if changed:

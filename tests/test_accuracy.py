@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from vramlab import estimate_training, from_config  # noqa: E402
-from vramlab.measure import measure_training  # noqa: E402
+from vramlab.measure.memory import measure_training  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "estimator_accuracy", Path(__file__).resolve().parents[1] / "benchmarks" / "estimator_accuracy.py")

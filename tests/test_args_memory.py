@@ -12,8 +12,10 @@ import sys
 
 import pytest
 
+import vramlab.activations
+import vramlab.fitting
 from vramlab import checkpointing as C
-from vramlab import cli
+from vramlab.present import cli
 from vramlab import memory as M
 from vramlab import precision as P
 from vramlab import specs as S
@@ -84,15 +86,15 @@ def test_cli_refuses_generation_for_an_encoder_only_model():
 
 @pytest.mark.parametrize("mode", ["infer", "train"])
 def test_fit_without_seq_len_names_seq_len(mode):
-    one_error(lambda: M.fit("gpt2", "t4", mode=mode), "seq_len")
+    one_error(lambda: vramlab.fitting.fit("gpt2", "t4", mode=mode), "seq_len")
 
 
 @pytest.mark.parametrize("call", [
     lambda: C.cheapest_plan("gpt2", 10**10, bogus=1, **KW),
     lambda: C.brute_force_blocks("gpt2", 10**10, bogus=1, **KW),
-    lambda: M.fragmentation_bytes("gpt2", bogus=1, **KW),
-    lambda: M.largest_tensor_bytes("gpt2", bogus=1, **KW),
-    lambda: M.fit("gpt2", "t4", seq_len=8, bogus=1),
+    lambda: vramlab.fitting.fragmentation_bytes("gpt2", bogus=1, **KW),
+    lambda: vramlab.fitting.largest_tensor_bytes("gpt2", bogus=1, **KW),
+    lambda: vramlab.fitting.fit("gpt2", "t4", seq_len=8, bogus=1),
 ])
 def test_unknown_keywords_passed_on_are_named(call):
     one_error(call, "bogus")
@@ -113,19 +115,19 @@ def test_cheapest_plan_refuses_a_bad_budget(budget):
 @pytest.mark.parametrize("segments", [(("a", "b"),), ((0.5, 2),), ((0, 2.0),), ((True, 2),), (0, 2), "ab", 5,
                                       ((0, 1, 2),), ((0, 10**30),), ((np.bool_(False), 2),), (None,)])
 def test_plan_segments_are_pairs_of_block_indices(segments):
-    one_error(lambda: M.Plan(name="mine", segments=segments), "segment")
+    one_error(lambda: vramlab.activations.Plan(name="mine", segments=segments), "segment")
 
 
 def test_plan_segments_take_numpy_integers():
-    p = M.Plan(name="mine", segments=((np.int64(0), np.int32(2)), [np.int64(4), 6]))
+    p = vramlab.activations.Plan(name="mine", segments=((np.int64(0), np.int32(2)), [np.int64(4), 6]))
     assert p.segments == ((0, 2), (4, 6)) and all(type(x) is int for seg in p.segments for x in seg)
-    assert M.Plan(name="mine", segments=((0, 2),), offload=np.bool_(True)).offload is True
+    assert vramlab.activations.Plan(name="mine", segments=((0, 2),), offload=np.bool_(True)).offload is True
 
 
 @pytest.mark.parametrize("plan", ["every-²", "every-0", "every--1", "first-x", "segments-", "every-1e3", "segments-0",
                                   "every-٣", "first-1.5", "every-", "sqrt-2", "FULL", "every-99999999999999999999"])
 def test_odd_plan_names_say_what_plans_are_valid(plan):
-    msg = one_error(lambda: M.recompute_plan(plan, "gpt2"), "recompute plan")
+    msg = one_error(lambda: vramlab.activations.recompute_plan(plan, "gpt2"), "recompute plan")
     assert "invalid literal" not in msg
     if "9999" not in plan:
         assert "every-K" in msg and "full" in msg
@@ -141,10 +143,10 @@ def test_cli_odd_plan_names_are_one_line(plan):
 
 def test_valid_plan_names_still_work():
     gpt2 = S.preset("gpt2")
-    assert M.recompute_plan("every-4", gpt2).checkpointed() == {0, 4, 8}
-    assert M.recompute_plan("first-0", gpt2).segments == ()
-    assert M.recompute_plan("every-007", gpt2).checkpointed() == {0, 7}
-    assert M.recompute_plan(np.array([2, 7]), gpt2).segments == ((2, 3), (7, 8))
+    assert vramlab.activations.recompute_plan("every-4", gpt2).checkpointed() == {0, 4, 8}
+    assert vramlab.activations.recompute_plan("first-0", gpt2).segments == ()
+    assert vramlab.activations.recompute_plan("every-007", gpt2).checkpointed() == {0, 7}
+    assert vramlab.activations.recompute_plan(np.array([2, 7]), gpt2).segments == ((2, 3), (7, 8))
 
 
 # ----------------------------------------------------------------------------- memory, further
@@ -154,15 +156,15 @@ def test_numpy_scalars_give_the_same_plain_ints():
     kw = dict(batch_size=np.int64(2), seq_len=np.int32(16))
     assert M.kv_cache_bytes(spec, **kw) == M.kv_cache_bytes(spec, batch_size=2, seq_len=16)
     assert type(M.kv_cache_bytes(spec, **kw)) is int
-    a = M.activation_bytes(spec, **kw)
-    assert all(type(v) is int for v in a["kept"]) and a == M.activation_bytes(spec, batch_size=2, seq_len=16)
+    a = vramlab.activations.activation_bytes(spec, **kw)
+    assert all(type(v) is int for v in a["kept"]) and a == vramlab.activations.activation_bytes(spec, batch_size=2, seq_len=16)
     assert all(type(b) is int for _, b in C.timeline("gpt2", **kw))
-    assert M.device_fit(np.int64(10**9), "t4", largest_tensor=np.int64(10)).estimate == 10**9
+    assert vramlab.fitting.device_fit(np.int64(10**9), "t4", largest_tensor=np.int64(10)).estimate == 10**9
     assert M.checkpoint_bytes(np.int64(10)) == 40
     assert M.checkpoint_bytes(70_000_000_000, dtype="bf16") == 140_000_000_000  # beyond 2^31 parameters
     assert M.model_states("gpt2", trainable_params=np.int64(5)) == M.model_states("gpt2", trainable_params=5)
-    assert M.fit("gpt2", "t4", seq_len=np.int64(64), batch_size=np.int64(2)) == M.fit("gpt2", "t4", seq_len=64, batch_size=2)
-    assert M.largest_true(lambda n: n <= 37, limit=np.int64(100)) == 37
+    assert vramlab.fitting.fit("gpt2", "t4", seq_len=np.int64(64), batch_size=np.int64(2)) == vramlab.fitting.fit("gpt2", "t4", seq_len=64, batch_size=2)
+    assert vramlab.fitting.largest_true(lambda n: n <= 37, limit=np.int64(100)) == 37
     assert M.optimizer_state_bytes("adamw", np.int64(10), "fp32") == 80
 
 
@@ -173,13 +175,13 @@ def test_numpy_scalars_give_the_same_plain_ints():
     (lambda: M.estimate_training("gpt2", use_cache="no", **KW), "use_cache"),
     (lambda: M.estimate_training("gpt2", gpu=5, device="cpu", **KW), "GPU"),
     (lambda: M.estimate_training("gpt2", trainable_params=2.5, **KW), "trainable_params"),
-    (lambda: M.activation_bytes(S.preset("gpt2"), frozen_base="yes", **KW), "frozen_base"),
-    (lambda: M.activation_bytes(S.preset("gpt2"), share="all", **KW), "share"),
-    (lambda: M.layer_saved(S.preset("gpt2"), decoder=1), "decoder"),
-    (lambda: M.layer_saved(S.preset("gpt2"), batch_size=0), "batch_size"),
-    (lambda: M.layer_saved("nope"), "preset"),
-    (lambda: M.model_saved(5), "model"),
-    (lambda: M.tp_split("q", S.preset("gpt2")), "Saved"),
+    (lambda: vramlab.activations.activation_bytes(S.preset("gpt2"), frozen_base="yes", **KW), "frozen_base"),
+    (lambda: vramlab.activations.activation_bytes(S.preset("gpt2"), share="all", **KW), "share"),
+    (lambda: vramlab.activations.layer_saved(S.preset("gpt2"), decoder=1), "decoder"),
+    (lambda: vramlab.activations.layer_saved(S.preset("gpt2"), batch_size=0), "batch_size"),
+    (lambda: vramlab.activations.layer_saved("nope"), "preset"),
+    (lambda: vramlab.activations.model_saved(5), "model"),
+    (lambda: vramlab.activations.tp_split("q", S.preset("gpt2")), "Saved"),
     (lambda: M.param_bytes("fp64"), "precision"),
     (lambda: M.state_bytes(True), "precision"),
     (lambda: M.optimizer_state_bytes("lion", 10, "fp32"), "optimizer"),
@@ -189,22 +191,22 @@ def test_numpy_scalars_give_the_same_plain_ints():
     (lambda: M.optimizer_step_temporaries("adamw", "for-loop", [1.5, 2], 10, "fp32"), "spec"),
     (lambda: M.checkpoint_bytes(True), "parameter_count"),
     (lambda: M.checkpoint_bytes(10**30), "parameter_count"),
-    (lambda: M.device_fit(float("inf"), "t4", largest_tensor=0), "estimate"),
-    (lambda: M.device_fit(10**9, "t4", largest_tensor=-1), "largest_tensor"),
-    (lambda: M.device_fit(10**9, "t4", largest_tensor=0, expandable_segments="yes"), "expandable_segments"),
-    (lambda: M.device_fit(10**9, "t4", largest_tensor=0, max_batch_size=1.5), "max_batch_size"),
-    (lambda: M.largest_tensor_bytes("gpt2", mode="decode", **KW), "mode"),
-    (lambda: M.largest_tensor_bytes("gpt2", dtype="fp7", mode="infer", **KW), "dtype"),
-    (lambda: M.largest_tensor_bytes("gpt2", batch_size=True, seq_len=8), "batch_size"),
-    (lambda: M.largest_true(5), "fits"),
-    (lambda: M.largest_true(lambda n: True, limit="5"), "limit"),
-    (lambda: M.largest_true(lambda n: True, start=0.5), "start"),
-    (lambda: M.fit("gpt2", "t4", seq_len=8, mode=True), "mode"),
-    (lambda: M.fit("gpt2", "t4", seq_len=8, max_search=np.float64(5)), "max_search"),
-    (lambda: M.fit("gpt2", "t4", seq_len=8, expandable_segments=1), "expandable_segments"),
-    (lambda: M.fit("gpt2", "t4", mode="infer", seq_len=8, new_tokens="5"), "new_tokens"),
-    (lambda: M.recompute_plan("full", 3.5), "model"),
-    (lambda: M.recompute_plan(None, "gpt2"), "recompute"),
+    (lambda: vramlab.fitting.device_fit(float("inf"), "t4", largest_tensor=0), "estimate"),
+    (lambda: vramlab.fitting.device_fit(10**9, "t4", largest_tensor=-1), "largest_tensor"),
+    (lambda: vramlab.fitting.device_fit(10**9, "t4", largest_tensor=0, expandable_segments="yes"), "expandable_segments"),
+    (lambda: vramlab.fitting.device_fit(10**9, "t4", largest_tensor=0, max_batch_size=1.5), "max_batch_size"),
+    (lambda: vramlab.fitting.largest_tensor_bytes("gpt2", mode="decode", **KW), "mode"),
+    (lambda: vramlab.fitting.largest_tensor_bytes("gpt2", dtype="fp7", mode="infer", **KW), "dtype"),
+    (lambda: vramlab.fitting.largest_tensor_bytes("gpt2", batch_size=True, seq_len=8), "batch_size"),
+    (lambda: vramlab.fitting.largest_true(5), "fits"),
+    (lambda: vramlab.fitting.largest_true(lambda n: True, limit="5"), "limit"),
+    (lambda: vramlab.fitting.largest_true(lambda n: True, start=0.5), "start"),
+    (lambda: vramlab.fitting.fit("gpt2", "t4", seq_len=8, mode=True), "mode"),
+    (lambda: vramlab.fitting.fit("gpt2", "t4", seq_len=8, max_search=np.float64(5)), "max_search"),
+    (lambda: vramlab.fitting.fit("gpt2", "t4", seq_len=8, expandable_segments=1), "expandable_segments"),
+    (lambda: vramlab.fitting.fit("gpt2", "t4", mode="infer", seq_len=8, new_tokens="5"), "new_tokens"),
+    (lambda: vramlab.activations.recompute_plan("full", 3.5), "model"),
+    (lambda: vramlab.activations.recompute_plan(None, "gpt2"), "recompute"),
 ])
 def test_memory_arguments_are_named(call, name):
     one_error(call, name)
@@ -231,14 +233,14 @@ def test_memory_breakdown_takes_numpy_integers_and_differences():
     (dict(embedding_grad="full"), "embedding_grad"), (dict(optimizer_shards=2.0), "optimizer_shards"),
 ])
 def test_device_share_fields_are_checked(kw, name):
-    one_error(lambda: M.DeviceShare(**kw), name)
+    one_error(lambda: vramlab.activations.DeviceShare(**kw), name)
 
 
 def test_device_share_takes_numpy_scalars():
-    share = M.DeviceShare(blocks=(np.int64(0), np.int64(1)), tp=np.int64(2), first=np.bool_(False), last=False,
+    share = vramlab.activations.DeviceShare(blocks=(np.int64(0), np.int64(1)), tp=np.int64(2), first=np.bool_(False), last=False,
                           param_tensors=np.array([3, 4]))
-    assert share == M.DeviceShare(blocks=(0, 1), tp=2, first=False, last=False, param_tensors=(3, 4))
-    assert M.DeviceShare() == M.WHOLE_MODEL and M.DeviceShare().whole
+    assert share == vramlab.activations.DeviceShare(blocks=(0, 1), tp=2, first=False, last=False, param_tensors=(3, 4))
+    assert vramlab.activations.DeviceShare() == vramlab.activations.WHOLE_MODEL and vramlab.activations.DeviceShare().whole
 
 
 @pytest.mark.parametrize("kw, name", [
@@ -247,11 +249,11 @@ def test_device_share_takes_numpy_scalars():
     (dict(name="a", width=1, kind="x", per_score=1), "per_score"),
 ])
 def test_saved_fields_are_checked(kw, name):
-    one_error(lambda: M.Saved(**kw), name)
+    one_error(lambda: vramlab.activations.Saved(**kw), name)
 
 
 def test_fit_result_is_checked():
-    good = M.device_fit(10**9, "t4", largest_tensor=0)
+    good = vramlab.fitting.device_fit(10**9, "t4", largest_tensor=0)
     one_error(lambda: dataclasses.replace(good, fits="yes"), "fits")
     one_error(lambda: dataclasses.replace(good, needed=-1), "needed")
     one_error(lambda: dataclasses.replace(good, gpu="t4"), "gpu")

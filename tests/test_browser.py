@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from vramlab import calculators as C
+from vramlab.present import calculators as C
 
 ROOT = Path(__file__).resolve().parents[1]
 BROWSER = ROOT / "tests" / "browser"

@@ -7,9 +7,12 @@ from pathlib import Path
 
 import pytest
 
+import vramlab.activations
+import vramlab.precision
+import vramlab.specs
 from vramlab import checkpointing as C
 from vramlab import memory as M
-from vramlab.ckptlab import lab_spec  # the lab's models (a choice of shapes, not an expectation)
+from vramlab.measure.checkpointing import lab_spec  # the lab's models (a choice of shapes, not an expectation)
 from vramlab.specs import from_config, preset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,15 +21,15 @@ GiB = 1 << 30
 
 def test_plan_names_give_the_segments_they_promise():
     gpt2 = preset("gpt2")  # 12 blocks
-    assert M.recompute_plan("none", gpt2).segments == ()
-    assert M.recompute_plan("full", gpt2).segments == tuple((i, i + 1) for i in range(12))
-    assert M.recompute_plan("sqrt", gpt2).segments == ((0, 3), (3, 6), (6, 9), (9, 12))  # round(sqrt 12) = 3
-    assert M.recompute_plan("segments-5", gpt2).segments == ((0, 5), (5, 10), (10, 12))
-    assert M.recompute_plan("every-4", gpt2).checkpointed() == {0, 4, 8}
-    assert M.recompute_plan("first-3", gpt2).checkpointed() == {0, 1, 2}
-    assert M.recompute_plan({7, 2}, gpt2).segments == ((2, 3), (7, 8))
+    assert vramlab.activations.recompute_plan("none", gpt2).segments == ()
+    assert vramlab.activations.recompute_plan("full", gpt2).segments == tuple((i, i + 1) for i in range(12))
+    assert vramlab.activations.recompute_plan("sqrt", gpt2).segments == ((0, 3), (3, 6), (6, 9), (9, 12))  # round(sqrt 12) = 3
+    assert vramlab.activations.recompute_plan("segments-5", gpt2).segments == ((0, 5), (5, 10), (10, 12))
+    assert vramlab.activations.recompute_plan("every-4", gpt2).checkpointed() == {0, 4, 8}
+    assert vramlab.activations.recompute_plan("first-3", gpt2).checkpointed() == {0, 1, 2}
+    assert vramlab.activations.recompute_plan({7, 2}, gpt2).segments == ((2, 3), (7, 8))
     t5 = preset("t5-small")  # 6 + 6 blocks: a segment never spans encoder and decoder
-    assert M.recompute_plan("segments-4", t5).segments == ((0, 4), (4, 6), (6, 10), (10, 12))
+    assert vramlab.activations.recompute_plan("segments-4", t5).segments == ((0, 4), (4, 6), (6, 10), (10, 12))
 
 
 @pytest.mark.parametrize("plan, match", [("every-0", "unknown recompute plan"), ("first-13", "only 12 blocks"),
@@ -75,9 +78,9 @@ def test_h100_reference_full_recompute():
 
 def test_more_checkpoints_never_cost_memory_at_the_forward_end():
     kw = dict(batch_size=4, seq_len=512, device="cpu")
-    acts = [M.activation_bytes(preset("gpt2"), recompute=f"first-{k}", **kw)["layers"] for k in range(13)]
+    acts = [vramlab.activations.activation_bytes(preset("gpt2"), recompute=f"first-{k}", **kw)["layers"] for k in range(13)]
     assert all(a > b for a, b in zip(acts, acts[1:]))
-    assert acts[12] == M.activation_bytes(preset("gpt2"), recompute="full", **kw)["layers"]
+    assert acts[12] == vramlab.activations.activation_bytes(preset("gpt2"), recompute="full", **kw)["layers"]
 
 
 def test_sqrt_beats_full_where_activations_dominate():
@@ -88,7 +91,7 @@ def test_sqrt_beats_full_where_activations_dominate():
     kw = dict(batch_size=8, seq_len=1024, device="cpu", precision="fp32")
     full, sqrt = C.evaluate(deep, "full", **kw), C.evaluate(deep, "sqrt", **kw)
     assert sqrt.recompute_flops == full.recompute_flops
-    layers = lambda p: M.activation_bytes(deep, recompute=p, batch_size=8, seq_len=1024, device="cpu")["layers"]
+    layers = lambda p: vramlab.activations.activation_bytes(deep, recompute=p, batch_size=8, seq_len=1024, device="cpu")["layers"]
     assert layers("sqrt") * 8 == layers("full")  # 8 checkpoints instead of 64
 
 
@@ -134,13 +137,13 @@ def test_timeline_rises_in_the_forward_and_peaks_in_the_backward():
     full = C.timeline("gpt2", "full", batch_size=2, seq_len=512, device="cpu")
     assert max(b for _, b in full) < max(b for _, b in ev) / 3
     # the full plan's backward holds the checkpoints before the block and the block recomputed
-    act = M.activation_bytes(preset("gpt2"), batch_size=2, seq_len=512, device="cpu", recompute="full")
+    act = vramlab.activations.activation_bytes(preset("gpt2"), batch_size=2, seq_len=512, device="cpu", recompute="full")
     assert dict(full)["backward 11"] == 11 * act["block_in"] + act["full"][11] + act["outside"]
 
 
 # ----------------------------------------------------------------------------- measured (lab 7)
 def _stored():
-    """`python -m vramlab.ckptlab --time 3` on this project's CPU machine (chapter 7's table)."""
+    """`python -m vramlab.measure.checkpointing --time 3` on this project's CPU machine (chapter 7's table)."""
     return json.loads((ROOT / "benchmarks" / "results" / "checkpointing" / "ckptlab_cpu.json").read_text())
 
 
@@ -243,21 +246,8 @@ def test_t5_checkpoints_keep_one_shared_bias_of_all_heads(plan):
     the last segment's start instead)."""
     t5 = preset("t5-small")
     kw = dict(batch_size=3, seq_len=256, precision="fp32")
-    extra = M.activation_bytes(t5, recompute=plan, **kw)["outside"] - M.activation_bytes(t5, **kw)["outside"]
+    extra = vramlab.activations.activation_bytes(t5, recompute=plan, **kw)["outside"] - vramlab.activations.activation_bytes(t5, **kw)["outside"]
     assert extra == t5.num_heads * 256 * 256 * 4
-
-
-@pytest.mark.parametrize("argv, says", [(["--plans", "selective"], "computed by vramlab.memory but not measured"),
-                                        (["--models", "t5-small", "--plans", "none,sqrt"], "decoder-only models"),
-                                        (["--plans", "most"], "unknown recompute plan"),
-                                        (["--time", "2", "--timed-plans", "full"], "must be none")])
-def test_ckptlab_refuses_what_it_cannot_measure_before_any_process_starts(argv, says, capsys):
-    pytest.importorskip("torch")
-    from vramlab import ckptlab
-
-    assert ckptlab.main(argv) == 2
-    err = capsys.readouterr().err
-    assert says in err and err.count("\n") == 1 and "measured" not in err.split("ckptlab:")[0]
 
 
 @pytest.mark.parametrize("kw, needle", [(dict(segments=((3, 1),)), "empty or reversed"),
@@ -269,14 +259,14 @@ def test_ckptlab_refuses_what_it_cannot_measure_before_any_process_starts(argv, 
 def test_hand_built_plans_are_checked(kw, needle):
     """Issue 27: a reversed or empty segment was accepted and answered a smaller peak with no recompute
     FLOPs; a bogus `keep` was accepted. Now one line says what is wrong."""
-    from vramlab.memory import Plan
+    from vramlab.activations import Plan
 
     with pytest.raises(ValueError, match=needle):
         Plan(name="mine", **kw)
 
 
 def test_a_plan_cannot_cross_from_encoder_to_decoder():
-    from vramlab.memory import Plan
+    from vramlab.activations import Plan
 
     with pytest.raises(ValueError, match="crosses from t5-small's encoder into its decoder"):
         C.evaluate("t5-small", Plan(name="mine", segments=((5, 7),)), batch_size=1, seq_len=8)
@@ -301,7 +291,7 @@ def test_offload_plan_pays_its_copies_as_chapter_6_measured_them():
 
 def _cheapest_by_weighing_every_plan(model, budget, **kw):
     """cheapest_plan as it was: every candidate evaluated, the least (offload, recompute, peak) that fits."""
-    spec = M._resolve(model)
+    spec = vramlab.specs.resolve(model)
     results = [C.evaluate(spec, p, **kw) for p in C.candidate_plans(spec)]
     fitting = [r for r in results if C._fits(r, budget)]
     if not fitting:
@@ -319,7 +309,7 @@ def test_cheapest_plan_weighs_groups_but_answers_as_weighing_every_plan(model):
     answers = set()
     for _ in range(5):
         kw = dict(batch_size=rng.choice((1, 4, 16, 64)), seq_len=rng.choice((128, 512)),
-                  precision=rng.choice(M.PRECISIONS))
+                  precision=rng.choice(vramlab.precision.PRECISIONS))
         for budget, gpu in ((None, rng.choice(("t4", "h100-80gb", "gtx-1060-6gb"))),
                             (rng.choice((10**8, 10**9, 4 * 10**9, 2 * 10**10)), None)):
             extra = dict(kw, gpu=gpu) if gpu else kw

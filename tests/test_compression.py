@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 import warnings
 from pathlib import Path
 
@@ -33,7 +32,7 @@ def test_compression_is_pure_python(assert_pure_python):
 def _peft_trainable(spec, rank: int, targets) -> int:
     from peft import LoraConfig, get_peft_model
 
-    from vramlab.models import build_model
+    from vramlab.measure.models import build_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -256,7 +255,7 @@ def test_lora_training_within_5_percent_of_a_cpu_measurement(which, targets, b, 
     """A real peft LoRA step on the CPU (tensor tracking of the CPU kernels, not a GPU)."""
     from peft import LoraConfig, get_peft_model
 
-    from vramlab.measure import measure_training
+    from vramlab.measure.memory import measure_training
 
     spec = {"lab": from_config(LAB, name="lab"), "gpt2": _GPT, "t5": _T5}[which]
     tm = None if targets == "default" else targets
@@ -280,7 +279,7 @@ def test_qlora_is_smaller_than_lora_and_full():
 
 # ---------------------------------------------------------------------------- pruning, sharing, factorising
 def test_pruned_llama_spec_builds_a_model_with_its_count():
-    from vramlab.models import build_model
+    from vramlab.measure.models import build_model
 
     spec = from_config(LAB, name="lab")
     small = C.prune(spec, heads=4, intermediate=200, layers=1)
@@ -305,7 +304,7 @@ def test_prune_gqa_and_refusals():
 
 
 def test_shared_and_low_rank_counts_against_torch():
-    from vramlab.models import build_model
+    from vramlab.measure.models import build_model
 
     spec = preset("bert-base")
     model = build_model(spec, device="meta")
@@ -338,19 +337,6 @@ def test_quantized_inference_weights_and_bad_format():
         C.weight_bytes("gpt2", "int3")
 
 
-def test_measuring_8bit_adamw_says_what_it_needs(monkeypatch):
-    """measure_training with bitsandbytes' 8-bit AdamW: refused on fake tensors (its step reads
-    values), and a one-line reason when bitsandbytes is missing."""
-    from vramlab import measure
-
-    spec = from_config(LAB, name="lab")
-    with pytest.raises(NotImplementedError, match="mode='cpu'"):
-        measure.measure_training(spec, batch_size=1, seq_len=8, mode="trace", optimizer="adamw-8bit")
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import fails as if not installed
-    with pytest.raises(NotImplementedError, match="needs bitsandbytes"):
-        measure.make_optimizer([torch.nn.Parameter(torch.zeros(3))], optimizer="adamw-8bit", optimizer_impl="foreach")
-
-
 @pytest.mark.parametrize("autocast, recompute", [(True, "none"), (False, "none"), (True, "full")])
 def test_qlora_step_within_5_percent_of_bitsandbytes_on_cpu(autocast, recompute):
     """A real QLoRA step (bitsandbytes' NF4 Linear4bit base, CPU backend; fp32 peft adapters on every
@@ -358,7 +344,7 @@ def test_qlora_step_within_5_percent_of_bitsandbytes_on_cpu(autocast, recompute)
     casts each adapter's input to fp32 (measured: about 50 % more activations); and with every block
     checkpointed, as QLoRA trained (issue 27)."""
     pytest.importorskip("bitsandbytes")
-    from vramlab import complab
+    from vramlab.measure import compression as complab
 
     cfg = {"method": "qlora", "targets": "all-linear", "batch_size": 8, "seq_len": 128, "mode": "cpu", "autocast": autocast,
            "recompute": recompute}
@@ -412,7 +398,7 @@ def _peft_measured(spec, targets, rank, **kw):
     """One real peft LoRA step on the CPU (4 x 128 tokens; tensor tracking of the CPU kernels)."""
     from peft import LoraConfig, get_peft_model
 
-    from vramlab.measure import measure_training
+    from vramlab.measure.memory import measure_training
 
     tm = None if targets == "default" else targets
     with warnings.catch_warnings():
@@ -457,28 +443,6 @@ def test_sparse24_keeps_half_and_a_nibble_per_four():
     assert C.sparse24_bytes(8, 16) / (2 * 8 * 16) == pytest.approx(0.5625)
     with pytest.raises(ValueError, match="divide by 4"):
         C.sparse24_bytes(8, 6)
-
-
-def test_lab8_int8_matmul_is_llm_int8():
-    """complab's torch INT8 matmul (what lab 8 runs its model with) computes what the pure-Python
-    `compression.llm_int8` does, on activations with outlier columns; W8A8 is the same with none
-    kept in full precision, and differs from it there."""
-    from vramlab.complab import Int8Matmul
-
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(5, 24, generator=g, dtype=torch.float64)
-    x[:, [3, 17]] *= 40
-    lin = torch.nn.Linear(24, 7, bias=False).double()
-    ref = C.llm_int8(x.tolist(), lin.weight.tolist(), threshold=6.0)
-    for scheme, want in (("llm.int8", ref["y"]), ("w8a8", C.llm_int8(x.tolist(), lin.weight.tolist(), threshold=1e9)["y"])):
-        m = Int8Matmul(lin, scheme)
-        with torch.no_grad():
-            got = m(x)
-        assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), rtol=1e-9, atol=1e-9), scheme
-    assert ref["outlier_columns"] == [3, 17]
-    exact = (x @ lin.weight.T).detach()
-    with torch.no_grad():
-        assert (Int8Matmul(lin, "w8a8")(x) - exact).abs().max() > 10 * (Int8Matmul(lin, "llm.int8")(x) - exact).abs().max()
 
 
 @pytest.mark.parametrize("which, targets, rank", [("gpt2", "default", 16), ("gpt2", "all-linear", 64),

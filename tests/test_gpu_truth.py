@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from vramlab import estimate_inference, estimate_training, fit, gpu, preset
-from vramlab.memory import largest_tensor_bytes
+from vramlab.fitting import largest_tensor_bytes
 
 H100 = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "h100"
 TOLERANCE = 0.03  # issue #9: every stored case within 3 % of max_memory_allocated
@@ -230,9 +230,9 @@ T5_VERSIONS = json.loads((H100 / "t5_transformers_versions.json").read_text())
 
 
 def _t5_spec(row: dict):
-    from vramlab.zerolab import model_spec
+    from vramlab.measure.zero import model_spec
 
-    spec = model_spec("mt5-base") if row["spec"].startswith("vramlab.zerolab") else preset(row["model"])
+    spec = model_spec("mt5-base") if row["spec"].startswith("vramlab.measure.zero") else preset(row["model"])
     return dataclasses.replace(spec, **row["overrides"])
 
 

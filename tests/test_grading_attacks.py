@@ -183,7 +183,7 @@ def test_instructor_commands_fail_cleanly():
 
 def test_assemble_takes_only_solution_cells():
     nb = student()
-    extra = nbformat.v4.new_code_cell("import vramlab.grading as g\ng.check_int = lambda *a, **k: None")
+    extra = nbformat.v4.new_code_cell("import vramlab.grading.memory as g\ng.check_int = lambda *a, **k: None")
     nb.cells.insert(0, extra)
     graded = tools.assemble(nb, LAB)
     instructor = tools.source_notebook(LAB)
@@ -212,7 +212,7 @@ def _graded_with(lab: str, gid: str, code: str, **kw) -> dict:
 PATCH_THE_CHECKS = '''
 import sys, types
 try:
-    import vramlab.grading as g
+    import vramlab.grading.memory as g
     g.check_int = lambda *a, **k: None
 except ImportError:
     pass
@@ -325,7 +325,7 @@ def test_in_the_sandbox_the_course_and_package_are_out_of_reach():
     assert scores["ex1-test"][0] == 0 and "vramlab" in scores["ex1-test"][2], scores["ex1-test"]
     probe = solutions()["ex1-solution"] + f'''
 _found = []
-for _p in ({str(INSTRUCTOR_SOURCE)!r}, {str(ROOT / "labs" / "tools.py")!r}, {str(ROOT / "src" / "vramlab" / "grading.py")!r}):
+for _p in ({str(INSTRUCTOR_SOURCE)!r}, {str(ROOT / "labs" / "tools.py")!r}, {str(ROOT / "src" / "vramlab" / "grading" / "memory.py")!r}):
     try:
         open(_p, "a").close()
         _found.append(_p)
@@ -688,7 +688,7 @@ except OSError:
 for _d in glob.glob(sys.prefix + "/lib/python*/site-packages/vramlab*.dist-info/direct_url.json"):
     try:
         _url = json.load(open(_d)).get("url", "")
-        if _url.startswith("file://") and os.path.exists(_url[7:] + "/src/vramlab/grading.py"):
+        if _url.startswith("file://") and os.path.exists(_url[7:] + "/src/vramlab/grading/run.py"):
             _found.append("the editable source through " + _d)
     except (OSError, ValueError):
         pass
@@ -756,7 +756,7 @@ def test_the_sandbox_holds_nothing_but_what_grading_needs(tmp_path):
     listener.listen()
     try:
         probe = solutions()["ex1-solution"] + SANDBOX_PROBE.format(
-            reads=[str(ROOT / ".git" / "HEAD"), str(INSTRUCTOR_SOURCE), str(ROOT / "src" / "vramlab" / "grading.py"),
+            reads=[str(ROOT / ".git" / "HEAD"), str(INSTRUCTOR_SOURCE), str(ROOT / "src" / "vramlab" / "grading" / "memory.py"),
                    str(ROOT / "labs" / "tools.py"), str(other / "answers.md"), str(Path.home() / ".bashrc")],
             git=str(ROOT / ".git"), instructor=f"labs/source/{LAB}/{LAB}.md", root=str(ROOT), allowed=allowed,
             writes=writes, port=listener.getsockname()[1])
@@ -785,7 +785,7 @@ def test_the_grader_does_not_follow_links_an_answer_leaves(tmp_path):
 def test_the_grader_reads_rank_reports_only_as_regular_files(tmp_path):
     """Issue 28: a report a rank could have replaced is read without following a link (to a file only
     the grader may read), without blocking on a FIFO and without reading more than its bound."""
-    from vramlab.grading import _read_regular
+    from vramlab.grading.run import read_regular
 
     secret = tmp_path / "secret"
     secret.write_text('{"grader": "only"}')
@@ -795,10 +795,10 @@ def test_the_grader_reads_rank_reports_only_as_regular_files(tmp_path):
     (tmp_path / "ok").write_text("[1]")
     for name in ("link", "fifo"):
         with pytest.raises(OSError):
-            _read_regular(str(tmp_path / name), 1000)
+            read_regular(str(tmp_path / name), 1000)
     with pytest.raises(ValueError):
-        _read_regular(str(tmp_path / "big"), 1000)
-    assert _read_regular(str(tmp_path / "ok"), 1000) == b"[1]"
+        read_regular(str(tmp_path / "big"), 1000)
+    assert read_regular(str(tmp_path / "ok"), 1000) == b"[1]"
 
 
 RING_THROUGH_ANOTHER_CHANNEL = '''

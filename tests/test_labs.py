@@ -335,7 +335,7 @@ def test_lab3_stored_memory_within_5_percent_of_the_estimate():
     change to the estimator is checked against the stored measurement): DDP, TP alone, with sequence
     parallelism and with full recompute, the two-stage pipeline at m = 1..8 and the four-stage one
     under GPipe, 1F1B and the interleaved schedule; 1F1B's stages hold p - k micro-batches, GPipe's m."""
-    from vramlab import parlab
+    from vramlab.measure import parallel as parlab
 
     saved = _lab3()
     for name, run in saved["runs"].items():
@@ -379,7 +379,7 @@ def test_lab3_stored_bubble_against_the_formula():
     15 % of it up to m = 4 plus what the stages' measured inequality explains (a shared 2-core machine
     does not give two processes equal cores: the formula assumes equal stages); at m = 8 (a bubble of
     1/9) within 0.05 of the step."""
-    from vramlab import parlab
+    from vramlab.measure import parallel as parlab
 
     rows = {(b["schedule"], b["micro_batches"]): b for b in parlab.bubble_rows(_lab3()["runs"]["pp"])}
     for schedule, m, got, formula in _raw_bubbles(_lab3()["runs"]["pp"]):
@@ -412,7 +412,7 @@ def test_lab3_replayed_bubble_separates_schedule_from_overhead():
     host run (16 cores) is replayed too: its overhead is smaller still."""
     import json
 
-    from vramlab import parlab
+    from vramlab.measure import parallel as parlab
 
     for b in parlab.bubble_rows(_lab3()["runs"]["pp"]):
         formula = 1 / (b["micro_batches"] + 1)
@@ -431,7 +431,7 @@ def test_lab3_on_the_gpu_machines_host_predicts_every_rank():
     step ledger, as on 2 cores (memory by live-tensor tracking does not depend on the cores)."""
     import json
 
-    from vramlab import parlab
+    from vramlab.measure import parallel as parlab
 
     host = json.loads((ROOT / "labs" / "results" / "h100" / "lab03_parallelism_h100_host.json").read_text())
     assert {"ddp", "tp", "tp_sp", "tp_full", "pp", "pp4"} <= set(host["runs"])
@@ -446,7 +446,7 @@ def test_replayed_bubble_of_equal_operations_is_the_formula(schedule, p, m):
     """Operations laid out by parallel.simulate (equal forward 1, backward 2) and replayed from their
     start/end times: the bubble is (p-1)/(m+p-1), even when the recorded times are shifted by gaps."""
     from vramlab import parallel as P
-    from vramlab import parlab
+    from vramlab.measure import parallel as parlab
 
     if schedule == "1f1b" and m < p:
         pytest.skip("1F1B needs m >= p")
@@ -531,7 +531,7 @@ def test_lab4_stored_run():
     zero.model_states by category, and its step peak (the largest over ranks) within 5 % of
     zero.estimate_rank; the stages' peaks differ."""
     from vramlab import zero as Z
-    from vramlab.zerolab import lab_model
+    from vramlab.measure.zero import lab_model
 
     saved = json.loads((ROOT / "labs" / "results" / "lab04_zero.json").read_text())
     run = saved["run"]
@@ -623,7 +623,7 @@ def test_lab7_stored_run():
     """The committed lab 7 run: each plan's peak as vramlab.checkpointing computes it now (within
     5 %, recomputed here), with its provenance."""
     from vramlab import checkpointing as CK
-    from vramlab.ckptlab import lab_spec
+    from vramlab.measure.checkpointing import lab_spec
 
     saved = json.loads((ROOT / "labs" / "results" / "lab07_checkpointing.json").read_text())
     assert {"date", "torch", "platform"} <= set(saved["provenance"]) and saved["command"].endswith("lab07_checkpointing")
@@ -745,7 +745,7 @@ def test_lab8_instructor_full_marks_and_cpu_run(tmp_path):
     """Lab 8 in CPU mode: full marks; per-tensor INT8 loses clearly more than per-row on the model
     with outlier channels (whose rescaling left the fp32 loss unchanged); every fine-tuning step's
     memory within 5 % of its prediction; peft's trainable count is vramlab's."""
-    from vramlab.complab import probe_label
+    from vramlab.measure.compression import probe_label
 
     saved, executed = _run_instructor("lab08_compression", 15, tmp_path)
     assert "not a GPU" in saved["note"] and {"date", "torch", "platform"} <= set(saved["provenance"])
@@ -851,7 +851,7 @@ def test_lab8_stored_run():
     INT4 per-tensor broken; each measured step within 5 % of what vramlab.compression predicts now
     (recomputed here); the distilled student beats the same student trained on the data."""
     from vramlab import compression as C
-    from vramlab.complab import probe_label, teacher_spec
+    from vramlab.measure.compression import probe_label, teacher_spec
 
     saved = json.loads((ROOT / "labs" / "results" / "lab08_compression.json").read_text())
     assert {"date", "torch", "platform"} <= set(saved["provenance"]) and saved["command"].endswith("lab08_compression")

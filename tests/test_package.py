@@ -45,7 +45,8 @@ def test_wheel_and_sdist_metadata(dist):
     for label, url in p["urls"].items():
         assert f"Project-URL: {label}, {url}" in meta
     assert "Provides-Extra: torch" in meta and "Provides-Extra: labs" in meta
-    assert "vramlab/presets/gpt2.json" in names and "vramlab/calculators.py" in names
+    assert "vramlab/presets/gpt2.json" in names and "vramlab/present/calculators.py" in names
+    assert "vramlab/measure/zero.py" in names and "vramlab/grading/__init__.py" in names
     assert any(n.endswith("licenses/LICENSE") for n in names)
     with tarfile.open(dist["sdist"]) as t:
         sdist = t.getnames()

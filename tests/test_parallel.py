@@ -276,7 +276,7 @@ def test_one_device_layout_is_estimate_training(name, b, s, precision, recompute
 
 
 def test_layout_fits_is_memory_fit():
-    """One definition of "fits" (memory.device_fit): llama-3.2-1b at 1024 tokens, bf16-mixed, on an H100:
+    """One definition of "fits" (fitting.device_fit): llama-3.2-1b at 1024 tokens, bf16-mixed, on an H100:
     the training calculator, a 1 x 1 x 1 layout, the checkpointing calculator's plan "none" and
     zero's one-rank check all use it. Before, a 1 x 1 x 1 layout said 23 and llama-3.2-1b fp32 at
     micro-batch 30 x 512 "fitted" an H100 where estimate_training alone is 85 GiB."""

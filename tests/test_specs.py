@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from vramlab import specs
+from vramlab import fitting, specs
 from vramlab.specs import SpecError, from_config, gpu, preset, preset_names
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from vramlab.models import build_model, count_parameters  # noqa: E402
+from vramlab.measure.models import build_model, count_parameters  # noqa: E402
 
 
 def real_count(spec) -> int:
@@ -152,16 +152,16 @@ def test_param_tensors_match_named_parameters(seed):
 def test_every_gpu_argument_takes_a_gpuspec_or_a_name():
     """specs.gpu passes a GPUSpec through, so every function with a `gpu` argument takes either:
     checkpointing.evaluate used to refuse a preset GPUSpec ("a GPU is named by a catalogue name")."""
-    from vramlab import checkpointing, memory, offload, specs
+    from vramlab import checkpointing, offload, specs
 
     h100 = specs.gpu("h100")
     assert specs.gpu(h100) is h100
     kw = dict(batch_size=1, seq_len=64)
     assert checkpointing.evaluate("gpt2", "full", gpu=h100, **kw) == checkpointing.evaluate("gpt2", "full", gpu="h100", **kw)
-    assert memory.fit("gpt2", h100, seq_len=64) == memory.fit("gpt2", "h100", seq_len=64)
+    assert fitting.fit("gpt2", h100, seq_len=64) == fitting.fit("gpt2", "h100", seq_len=64)
     assert offload.host_link_GBps(h100) == offload.host_link_GBps("h100")
     with pytest.raises(ValueError, match="custom_gpu"):
-        memory.fit("gpt2", 80, seq_len=64)
+        fitting.fit("gpt2", 80, seq_len=64)
 
 
 @pytest.mark.parametrize("device, memory, want", [

@@ -2,8 +2,8 @@
 
 The expected values are measurements, never the estimator's output: real gloo ranks on the CPU, each
 rank's live storages tracked by owner through one steady-state step (DeepSpeed 0.19.8 ZeRO-0..3 and
-FSDP2: `vramlab.zerolab`, driven by benchmarks/zero_validation.py; DDP, DTensor tensor parallelism and
-torch.distributed.pipelining: `vramlab.parlab`, driven by benchmarks/layout_validation.py). The models
+FSDP2: `vramlab.measure.zero`, driven by benchmarks/zero_validation.py; DDP, DTensor tensor parallelism and
+torch.distributed.pipelining: `vramlab.measure.parallel`, driven by benchmarks/layout_validation.py). The models
 are not the labs' (OPT-, GPT-NeoX-, Llama-GQA- and mT5-like, with buckets far smaller than the model,
 a root unit larger than a block and the reverse, fp32 and bf16, 1, 2 and 4 ranks).
 
@@ -39,7 +39,7 @@ def zero_cases() -> list[tuple[str, str]]:
 
 def zero_estimate(run: dict, setup: str, device: str = "cpu"):
     """estimate_rank's phases for the run's configuration, as a user would ask for it."""
-    from vramlab.zerolab import predict
+    from vramlab.measure.zero import predict
 
     return predict(run, setup, device=device, phases=True)
 
@@ -95,7 +95,7 @@ def test_zero_between_steps(name, setup):
 
 
 def _spec(run):
-    from vramlab.zerolab import model_spec
+    from vramlab.measure.zero import model_spec
 
     return model_spec(run["model_name"])
 
@@ -230,8 +230,8 @@ def test_training_with_the_kv_cache_on_changes_fused_qkv_blocks():
     import dataclasses
 
     from vramlab import estimate_training, preset
-    from vramlab.measure import measure_training
-    from vramlab.zerolab import model_spec
+    from vramlab.measure.memory import measure_training
+    from vramlab.measure.zero import model_spec
 
     def cache(flag):
         def hook(model):
@@ -281,8 +281,8 @@ def test_pure_bf16_t5_keeps_fp32_copies():
     import dataclasses
 
     from vramlab import estimate_training
-    from vramlab.measure import measure_training
-    from vramlab.zerolab import model_spec
+    from vramlab.measure.memory import measure_training
+    from vramlab.measure.zero import model_spec
 
     spec = dataclasses.replace(model_spec("mt5-base"), num_layers=3, num_decoder_layers=3, vocab_size=1024)
     for prec in ("bf16", "fp32"):
@@ -323,7 +323,7 @@ def _layout_record(name: str, schedule: str, m: int, rank: int) -> tuple[dict, d
 def layout_estimate(name: str, schedule: str, m: int, rank: int):
     """estimate_layout's breakdown for this rank's stage, configured as the run was (parlab's
     `layout_estimate` reads the run's settings: model, layout, schedule, precision, recompute...)."""
-    from vramlab.parlab import layout_estimate as estimate
+    from vramlab.measure.parallel import layout_estimate as estimate
 
     run, row = _layout_record(name, schedule, m, rank)
     return estimate(run, row)

@@ -68,7 +68,7 @@ def test_zero2_documentation_formula_prints_what_the_docs_print():
 def test_largest_layer_is_deepspeeds_largest_module():
     """DeepSpeed's model_to_params on a real GPT-2 and a Llama built from configs (random init)."""
     ds = pytest.importorskip("deepspeed.runtime.zero.stage3")
-    from vramlab.models import build_model
+    from vramlab.measure.models import build_model
 
     for name in ("gpt2", "llama-3.2-1b"):
         spec = preset(name)
@@ -91,7 +91,6 @@ def test_communication_volume(n):
     assert c3["bytes_sent_per_rank"] == pytest.approx(3 * (n - 1) / n * S)
     assert [r["op"] for r in c3["collectives"]] == ["all_gather", "all_gather", "reduce_scatter"]
     assert c3["seconds"] > Z.communication(psi, n, 2)["seconds"]
-
 
 
 @pytest.mark.parametrize("n", [2, 8])
@@ -135,7 +134,7 @@ def test_resident_model_states_against_the_stored_measurement(setup, precision, 
     stage 1 on, ZeRO-3's persistent small tensors and its reduce bucket (2 GB in fp32, 1 GB in bf16) are
     all in the measurement; in bf16, DeepSpeed holds 16-bit parameters (and ZeRO-3 16-bit gradient
     partitions), FSDP2 fp32 shards (its MixedPrecisionPolicy casts gathered copies)."""
-    from vramlab.zerolab import lab_model
+    from vramlab.measure.zero import lab_model
 
     run = _stored_zero() if precision == "fp32" else json.loads(
         (ROOT / "benchmarks" / "results" / "zero" / "zerolab_gloo_2ranks_bf16.json").read_text())
@@ -167,7 +166,7 @@ def test_step_peak_against_the_stored_measurement(setup):
     differ): within 5 % of the largest measured (a layout fits only if every rank fits) and never more
     than 5 % below it. The estimate before the phase-by-phase model was 13.5 % low for bf16 ZeRO-0 and
     21 % low for FSDP2; ZeRO-1 and ZeRO-2 were equal."""
-    from vramlab.zerolab import lab_model
+    from vramlab.measure.zero import lab_model
 
     spec = lab_model()
     impl, stage = ("fsdp2", 3) if setup == "fsdp2" else ("deepspeed", int(setup))
@@ -185,7 +184,7 @@ def test_step_peak_against_the_stored_measurement(setup):
 def test_step_peak_against_the_h100_allocator():
     """The one-rank H100 run: estimate_rank on CUDA (with the two cuBLAS workspaces) against the
     allocator's peak over the measured step, ZeRO-3 and FSDP2 within 5 %."""
-    from vramlab.zerolab import lab_model
+    from vramlab.measure.zero import lab_model
 
     run = json.loads((ROOT / "benchmarks" / "results" / "zero" / "zerolab_h100_nccl1_fp32.json").read_text())
     for setup, s in run["setups"].items():
@@ -237,16 +236,6 @@ def test_bad_input_is_one_clear_error(call, match):
         call()
 
 
-@pytest.mark.parametrize("argv, says", [(["--setups", "5"], "unknown setup 5"), (["--steps", "1"], "--steps must be at least 2"),
-                                        (["--seq", "999"], "--seq must be at most 128")])
-def test_zerolab_cli_refuses_bad_input_in_one_line(argv, says):
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-m", "vramlab.zerolab", *argv], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
-
-
 def test_zerolab_runs_two_ranks_and_matches_the_stored_resident_bytes(tmp_path):
     """A fresh run of ZeRO-1 and FSDP2 (about 10 s): the same resident bytes as the stored run, byte for byte."""
     import subprocess
@@ -254,7 +243,7 @@ def test_zerolab_runs_two_ranks_and_matches_the_stored_resident_bytes(tmp_path):
 
     pytest.importorskip("deepspeed")
     out = tmp_path / "z.json"
-    r = subprocess.run([sys.executable, "-m", "vramlab.zerolab", "--setups", "1,fsdp2", "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "vramlab.measure.zero", "--setups", "1,fsdp2", "--out", str(out)],
                        capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"})
     assert r.returncode == 0, r.stderr[-2000:]
     fresh, stored = json.loads(out.read_text()), _stored_zero()
@@ -285,7 +274,7 @@ def test_one_rank_zero3_holds_each_parameter_once():
     """ZeRO-3 on one rank (the H100 run): the persistent small tensors are not held beside a partition,
     the partition is the whole model. model_states matches the measured resident categories within
     0.5 % (it counted the persistent tensors twice, +17 % of the parameters' bytes, before)."""
-    from vramlab.zerolab import lab_model
+    from vramlab.measure.zero import lab_model
 
     run = json.loads((ROOT / "benchmarks" / "results" / "zero" / "zerolab_h100_nccl1_fp32.json").read_text())
     assert run["ranks"] == 1 and "--precision" not in run["command"]  # fp32, the default
@@ -293,40 +282,3 @@ def test_one_rank_zero3_holds_each_parameter_once():
     pred = Z.model_states(lab_model(), 1, 3, recipe="fp32-adam")
     for cat in ("parameters", "gradients", "optimizer_states", "other"):
         assert abs(got[cat] - getattr(pred, cat)) <= 0.005 * getattr(pred, cat) + 4096, (cat, got[cat], getattr(pred, cat))
-
-
-@pytest.mark.parametrize("module", ["vramlab.zerolab", "vramlab.parlab", "vramlab.commbench"])
-def test_nccl_without_gpus_is_one_line(module):
-    """The three multi-process tools share one launcher: --backend nccl on a machine without GPUs is
-    refused before any rank starts (it was a ZeroDivisionError from inside a rank)."""
-    import subprocess
-    import sys
-
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("this machine has GPUs")
-    argv = ["ddp"] if module.endswith("parlab") else []
-    r = subprocess.run([sys.executable, "-m", module, *argv, "--backend", "nccl"], capture_output=True, text=True,
-                       timeout=120)
-    assert r.returncode == 2 and "needs CUDA GPUs and this machine has none" in r.stderr
-    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
-
-
-def test_predict_asks_what_the_record_ran():
-    """zerolab.predict: a results record's own configuration into estimate_rank (the book's tables and
-    tests/test_validation.py ask through it); an unknown setup is one clear line."""
-    from vramlab.zerolab import model_spec, predict
-
-    run = json.loads((ROOT / "benchmarks" / "results" / "zero" / "gpu" / "pythia410m_fp32_4r_rank0_nocache.json").read_text())
-    assert run["use_cache"] is False
-    direct = Z.estimate_rank(model_spec("pythia-410m"), 4, 3, micro_batch_size=run["micro_batch_size"], seq_len=run["seq_len"],
-                             recipe="fp32-adam", implementation="fsdp2", optimizer_impl="for-loop", device="cuda",
-                             use_cache=False)
-    assert predict(run, "fsdp2", device="cuda").total == direct.total
-    assert predict({**run, "use_cache": True}, "fsdp2", device="cuda").total < direct.total  # the fused qkv output freed
-    for gpu in ("h100", "t4"):  # the GPU (its cuBLAS workspaces) reaches every phase too
-        phases = predict(run, "fsdp2", device="cuda", gpu=gpu, phases=True)
-        assert max(b.total for b in phases) == predict(run, "fsdp2", device="cuda", gpu=gpu).total
-    assert predict(run, "fsdp2", device="cuda", gpu="t4").total != predict(run, "fsdp2", device="cuda", gpu="h100").total
-    with pytest.raises(ValueError, match="unknown setup '4'"):
-        predict(run, "4")

@@ -1,8 +1,10 @@
 """Sphinx extension: package vramlab's pure-Python modules for the book's live calculators, and
 tidy what the theme stack puts on every page.
 
-At the end of an HTML build it writes `_static/vendor/vramlab-<version>-<hash>.zip` (the package's
-.py files and presets, straight from src/, so it always matches the code that rendered the page)
+At the end of an HTML build it writes `_static/vendor/vramlab-<version>-<hash>.zip` (what the browser
+runs, straight from src/, so it always matches the code that rendered the page: the pure folder's
+modules and presets, and the two pure modules of `vramlab.present` the page calls, `calculators` and
+`svg`; nothing of `measure`, `grading`, the widgets, the figures or the CLI)
 and `_static/vramlab-live.json` naming it; book/_static/live-worker.mjs unpacks it into Pyodide.
 The hash in the name keeps a reader's browser from using a stale cached copy.
 
@@ -26,9 +28,17 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "vramlab"
 
 
+# what runs in the reader's browser (Pyodide): pure Python only (tests/test_layers.py checks each)
+BROWSER = ("*.py", "presets/*.json", "present/__init__.py", "present/calculators.py", "present/svg.py")
+
+
+def browser_files() -> list[Path]:
+    return sorted({p for pattern in BROWSER for p in SRC.glob(pattern) if p.name != "__main__.py"})
+
+
 def archive() -> tuple[bytes, str]:
     buf = io.BytesIO()
-    files = sorted(p for p in SRC.rglob("*") if p.is_file() and p.suffix in (".py", ".json") and "__pycache__" not in p.parts)
+    files = browser_files()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
         for p in files:
             info = zipfile.ZipInfo(f"vramlab/{p.relative_to(SRC).as_posix()}", date_time=(2026, 1, 1, 0, 0, 0))

@@ -12,7 +12,7 @@ async function init() {
   const archive = await (await fetch(new URL(manifest.archive, base))).arrayBuffer();
   py.unpackArchive(archive, "zip", { extractDir: "/home/pyodide/vramlab-live" });
   py.runPython("import sys; sys.path.insert(0, '/home/pyodide/vramlab-live')");
-  runHtml = py.pyimport("vramlab.calculators").run_html;
+  runHtml = py.pyimport("vramlab.present.calculators").run_html;
   const python = py.runPython("import sys; '.'.join(map(str, sys.version_info[:3]))");
   postMessage({ type: "ready", ms: performance.now() - t0, version: manifest.version, python });
 }

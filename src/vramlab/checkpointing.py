@@ -20,8 +20,13 @@ from typing import Iterable
 
 from . import checks as _checks
 from . import memory as _mem
+from . import specs as _specs
+from . import precision as _prec
+from . import fitting as _fitting
+from . import activations as _act
 from . import offload as _off
-from .memory import MemoryBreakdown, Plan, recompute_plan
+from .activations import Plan, recompute_plan
+from .memory import MemoryBreakdown
 from .specs import GPUSpec, ModelSpec, gpu as _gpu
 
 PLANS: tuple[str, ...] = ("none", "selective", "sac-matmuls", "full", "sqrt", "offload")
@@ -42,7 +47,7 @@ def flops(model: ModelSpec | str, *, batch_size: int, seq_len: int) -> dict:
     """Forward FLOPs of each block ('blocks', forward order) and of the head ('head': the LM head or
     MLM head), their attention-core part per block ('attention_core'), and the step ('step': 3x
     the forward)."""
-    spec = _mem._resolve(model)  # (no positions check: FLOPs are counted for any length, as the papers' formulas)
+    spec = _specs.resolve(model)  # (no positions check: FLOPs are counted for any length, as the papers' formulas)
     b, s = _mem._check_positive(batch_size=batch_size, seq_len=seq_len)
     tokens = b * s
     core = 4 * b * s * s * spec.q_dim
@@ -55,7 +60,7 @@ def flops(model: ModelSpec | str, *, batch_size: int, seq_len: int) -> dict:
 
 def recompute_flops(model: ModelSpec | str, recompute: "str | Plan", *, batch_size: int, seq_len: int) -> int:
     """FLOPs a plan runs again in the backward."""
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     return _recomputed(recompute_plan(recompute, spec), flops(spec, batch_size=batch_size, seq_len=seq_len))
 
 
@@ -80,7 +85,7 @@ class PlanResult:
     recompute_flops: int
     offload_bytes: int  # each way, per step
     step_seconds: float | None = None  # with a GPU: FLOPs at its achievable rate, plus offload not hidden
-    fit: "_mem.Fit | None" = None  # with a GPU: `memory.device_fit` of the peak (the one definition of "fits")
+    fit: "_fitting.Fit | None" = None  # with a GPU: `fitting.device_fit` of the peak (the one definition of "fits")
 
     def __post_init__(self) -> None:
         for k, kind in (("plan", Plan), ("peak", MemoryBreakdown)):
@@ -92,8 +97,8 @@ class PlanResult:
             object.__setattr__(self, k, _checks.whole(k, getattr(self, k), lo=lo, hi=_MAX_FLOPS))
         if self.step_seconds is not None:
             object.__setattr__(self, "step_seconds", _checks.number("step_seconds", self.step_seconds, lo=0))
-        if self.fit is not None and not isinstance(self.fit, _mem.Fit):
-            raise ValueError(f"fit must be None or a vramlab.memory.Fit, got {_checks.show(self.fit)}")
+        if self.fit is not None and not isinstance(self.fit, _fitting.Fit):
+            raise ValueError(f"fit must be None or a vramlab.fitting.Fit, got {_checks.show(self.fit)}")
 
     @property
     def recompute_fraction(self) -> float:
@@ -113,7 +118,7 @@ def evaluate(model: ModelSpec | str, recompute: "str | Plan" = "none", *, batch_
     `mfu` of the GPU's dense peak for the precision, and for "offload" the transfer of the
     checkpoints over the host link, both ways, added to the compute: torch's `save_on_cpu` copies on
     the compute stream, measured at SAVE_ON_CPU_EFFICIENCY of the nominal rate (chapter 6)."""
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     batch_size, seq_len = _mem._check_positive(batch_size=batch_size, seq_len=seq_len)
     plan = recompute_plan(recompute, spec)
     mfu = _checks.number("mfu", mfu, lo=0, lo_open=True, hi=1,
@@ -125,14 +130,14 @@ def evaluate(model: ModelSpec | str, recompute: "str | Plan" = "none", *, batch_
                                   gpu=gpu if device == "cuda" else None)
     f = flops(spec, batch_size=batch_size, seq_len=seq_len)
     extra = _recomputed(plan, f)
-    x = _mem._dtype_bytes(precision, device)["x"]
+    x = _prec._dtype_bytes(precision, device)["x"]
     moved = len(plan.segments) * batch_size * seq_len * spec.hidden_size * x if plan.offload else 0
     seconds = fit = None
     top = max(phases, key=lambda m: m.total)
     if gpu is not None:
         g = _gpu(gpu)
         if device == "cuda":
-            fit = _mem.device_fit(top, g, largest_tensor=_mem.fragmentation_bytes(
+            fit = _fitting.device_fit(top, g, largest_tensor=_fitting.fragmentation_bytes(
                 spec, batch_size=batch_size, seq_len=seq_len, precision=precision, attention=attention))
         peak = g.peak_tflops_fp32 if precision == "fp32" else g.peak_tflops_16
         if peak <= 0:
@@ -151,7 +156,7 @@ def candidate_plans(model: ModelSpec | str) -> list[str]:
     """The plans `cheapest_plan` weighs: none, selective, sac-matmuls, first-N for every N (the
     cheapest way to checkpoint N equal blocks: the earliest are recomputed while the fewest other
     blocks are alive), segments-K for every K (same compute as full, fewer checkpoints), offload."""
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     n = spec.num_layers + spec.num_decoder_layers
     return (["none", "selective", "sac-matmuls"] + [f"first-{k}" for k in range(1, n + 1)]
             + [f"segments-{k}" for k in range(2, n + 1)] + ["offload"])
@@ -172,9 +177,9 @@ def _budget(where: str, budget_bytes, kw: dict):
     _checks.no_unknown(where, kw, _EVALUATE_OPTIONS)
     if budget_bytes is None:
         if kw.get("gpu") is None or kw.get("device", "cuda") != "cuda":
-            raise ValueError("without budget_bytes, give a gpu: a plan then fits by memory.device_fit")
+            raise ValueError("without budget_bytes, give a gpu: a plan then fits by fitting.device_fit")
         return None
-    return _checks.number("budget_bytes", budget_bytes, lo=0, lo_open=True, hi=_mem.MAX_BYTES,
+    return _checks.number("budget_bytes", budget_bytes, lo=0, lo_open=True, hi=_checks.MAX_BYTES,
                           what="a positive number of bytes")
 
 
@@ -182,11 +187,11 @@ def cheapest_plan(model: ModelSpec | str, budget_bytes: "int | None", *, batch_s
                   plans: "list[str | Plan] | None" = None, **kw) -> PlanResult | None:
     """The plan whose step fits with the least recompute (ties: the smaller peak; offload last, its
     cost is transfer time). None when nothing fits. Fits: its peak within `budget_bytes`, or, with
-    budget_bytes=None and a `gpu`, `memory.device_fit` (estimate + margin + fragmentation + context
+    budget_bytes=None and a `gpu`, `fitting.device_fit` (estimate + margin + fragmentation + context
     within the GPU, as every calculator decides). `plans` defaults to `candidate_plans`; the other
     arguments are `evaluate`'s."""
     budget_bytes = _budget("cheapest_plan", budget_bytes, kw)
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     if plans is None:
         plans = candidate_plans(spec)
     elif isinstance(plans, (str, bytes, dict, Plan)) or not isinstance(plans, Iterable):
@@ -230,7 +235,7 @@ def brute_force_blocks(model: ModelSpec | str, budget_bytes: "int | None", *, ba
     """Every set of blocks checkpointed one by one (2^L plans: small models only), the one that fits
     with the least recompute (ties: smaller peak). The reference `cheapest_plan` is tested against."""
     budget_bytes = _budget("brute_force_blocks", budget_bytes, kw)
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     n = spec.num_layers + spec.num_decoder_layers
     if n > 12:
         raise ValueError(f"{n} blocks is {2 ** n} plans: brute force is for 12 blocks or fewer")
@@ -251,7 +256,7 @@ def timeline(model: ModelSpec | str, recompute: "str | Plan" = "none", *, batch_
     checkpointed block drops its tensors as they are used and keeps its checkpoint), the loss, and
     during each block's backward (a segment is recomputed whole when its last block's backward
     begins). Activations only: model states and gradients are `evaluate`'s."""
-    act = _mem.activation_bytes(_mem._resolve(model), batch_size=batch_size, seq_len=seq_len, recompute=recompute,
+    act = _act.activation_bytes(_specs.resolve(model), batch_size=batch_size, seq_len=seq_len, recompute=recompute,
                                 precision=precision, attention=attention, device=device)
     held = list(itertools.accumulate(act["kept"]))
     return ([(f"forward {i}", b) for i, b in enumerate(held)] + [("loss", held[-1] + act["outside"])]

@@ -29,6 +29,9 @@ from typing import Any, Callable, Iterable, NoReturn
 # A count (sequences in a batch, tokens, layers, ranks...) far beyond any real run, small enough to stay
 # exact and fast: 10^35 is a typo, not a question.
 MAX_COUNT = 1 << 31
+# bounds for counts larger than MAX_COUNT: parameters (10^15 is 1,000x any model) and bytes (an exbibyte)
+MAX_PARAMS = 10**15
+MAX_BYTES = 1 << 60
 
 
 def is_bool(value) -> bool:

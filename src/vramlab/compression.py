@@ -17,8 +17,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import checks as _checks
-from .memory import (MemoryBreakdown, PRECISIONS, _dtype_bytes, _ledger_bytes, _resolve, estimate_inference,
-                     layer_saved, optimizer_state_bytes, param_bytes, recompute_plan, training_phases)
+from .activations import _ledger_bytes, layer_saved, recompute_plan
+from .memory import MemoryBreakdown, estimate_inference, optimizer_state_bytes, param_bytes, training_phases
+from .precision import PRECISIONS, _dtype_bytes
+from .specs import resolve as _resolve
 from .units import fmt_bytes
 from .specs import ModelSpec, SpecError
 
@@ -421,7 +423,7 @@ def adam8bit_state_bytes(sizes, *, block_size: int = BNB_BLOCK, min_8bit_size: i
 # ============================================================================ LoRA / QLoRA training
 METHODS: tuple[str, ...] = ("full", "lora", "lora-int8", "qlora")
 _QUANT_BASE = {"lora-int8": "int8", "qlora": "nf4-dq"}  # the base's linear layers, quantized
-# the inputs in `memory.layer_saved` that only a linear's weight gradient needs, by that linear's role
+# the inputs in `activations.layer_saved` that only a linear's weight gradient needs, by that linear's role
 _SAVED_ROLE = {"attn out (o_proj input)": "o", "o_proj input": "o", "mlp input": "mlp_in", "down input": "mlp_out"}
 # where in a block's ledger the layers of each role begin reading (the first tensor they save)
 _ROLE_START = {"q/k/v input": "qkv", "c_attn input": "qkv", "qkv input": "qkv", "attn out": "o",
@@ -452,7 +454,7 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
     default (`autocast_adapter_dtype=True`), the adapters in fp32 (`adapter_dtype="fp32"`; "base" keeps
     them in the base's dtype), exactly as lora-int8 and qlora hold theirs. "bf16-mixed" keeps the
     frozen base in fp32 (4 bytes a parameter): the result carries a warning saying so.
-    recompute: a plan of `memory.recompute_plan` (QLoRA's 65 B on one 48 GB GPU used "full",
+    recompute: a plan of `activations.recompute_plan` (QLoRA's 65 B on one 48 GB GPU used "full",
     gradient checkpointing of every block): a checkpointed block keeps its input only, and its
     adapters' tensors exist while it (its segment) is recomputed in the backward.
     """

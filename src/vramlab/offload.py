@@ -28,6 +28,9 @@ import re
 
 from . import checks as _checks
 from . import memory as _mem
+from . import specs as _specs
+from . import precision as _prec
+from . import activations as _act
 from .specs import MAX_LAYERS, GPUSpec, ModelSpec, gpu as _gpu
 from .zero import REDUCE_BUCKET, _block_index, _block_tensor_sizes, _units
 
@@ -95,7 +98,7 @@ def host_link_GBps(gpu: GPUSpec | str, *, pinned: bool = True, lanes: int = 16) 
 
 def transfer_seconds(nbytes: int | float, gpu: GPUSpec | str, *, pinned: bool = True, efficiency: float = 1.0) -> float:
     """Seconds to move `nbytes` one way over `gpu`'s host link at `efficiency` of its nominal rate."""
-    nbytes = _checks.number("nbytes", nbytes, hi=_mem.MAX_BYTES)
+    nbytes = _checks.number("nbytes", nbytes, hi=_checks.MAX_BYTES)
     efficiency = _checks.fraction("efficiency", efficiency)
     return nbytes / (host_link_GBps(gpu, pinned=pinned) * efficiency * 1e9)
 
@@ -114,22 +117,22 @@ class ActivationOffload:
 def pinned_block(nbytes: int) -> int:
     """What PyTorch's pinned (page-locked) caching host allocator reserves for a request of `nbytes`:
     the next power of two (c10's CachingHostAllocator rounds every block up so blocks can be reused)."""
-    nbytes = _checks.whole("nbytes", nbytes, lo=0, hi=_mem.MAX_BYTES)
+    nbytes = _checks.whole("nbytes", nbytes, lo=0, hi=_checks.MAX_BYTES)
     return 1 << max(nbytes - 1, 0).bit_length() if nbytes > 0 else 0
 
 
 def _saved_tensors(spec: ModelSpec, *, batch_size: int, seq_len: int, precision: str) -> list[int]:
     """The size of every tensor one training step saves for backward on CUDA (per block, times the
     blocks; outside the blocks; autocast's weight casts as one tensor per linear weight)."""
-    nb = _mem._dtype_bytes(precision, "cuda")
+    nb = _prec._dtype_bytes(precision, "cuda")
     tokens, scores = batch_size * seq_len, batch_size * spec.num_heads * seq_len * seq_len
-    size = lambda x: _mem._saved_bytes(x, tokens=tokens, scores=scores, nbytes=nb, batch=batch_size)  # noqa: E731
+    size = lambda x: _act._saved_bytes(x, tokens=tokens, scores=scores, nbytes=nb, batch=batch_size)  # noqa: E731
     kw = dict(precision=precision, device="cuda", batch_size=batch_size)
-    sizes = [size(x) for x in _mem.layer_saved(spec, **kw)] * spec.num_layers
+    sizes = [size(x) for x in _act.layer_saved(spec, **kw)] * spec.num_layers
     if spec.num_decoder_layers:
-        sizes += [size(x) for x in _mem.layer_saved(spec, decoder=True, **kw)] * spec.num_decoder_layers
-    sizes += [size(x) for x in _mem.model_saved(spec)]
-    if _mem._cuda_amp(precision, "cuda"):  # each linear's weight cast, saved for its input's gradient
+        sizes += [size(x) for x in _act.layer_saved(spec, decoder=True, **kw)] * spec.num_decoder_layers
+    sizes += [size(x) for x in _act.model_saved(spec)]
+    if _act._cuda_amp(precision, "cuda"):  # each linear's weight cast, saved for its input's gradient
         sizes += [2 * n for name, n in spec.param_tensors() if name.endswith("weight") and n > spec.hidden_size
                   and "norm" not in name and "wpe" not in name]
     return sizes
@@ -152,12 +155,12 @@ def activation_offload(model: ModelSpec | str, *, batch_size: int, seq_len: int,
     if baseline_seconds is not None:
         baseline_seconds = _checks.number("baseline_seconds", baseline_seconds)
     efficiency = _checks.fraction("efficiency", efficiency)
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     g = _gpu(gpu)
     phases = _mem.training_phases(spec, batch_size=batch_size, seq_len=seq_len, precision=precision,
                                   optimizer_impl=optimizer_impl, device="cuda", gpu=g)
     baseline = max(phases, key=lambda p: p.total)
-    act = _mem.activation_bytes(spec, batch_size=batch_size, seq_len=seq_len, precision=precision, device="cuda")
+    act = _act.activation_bytes(spec, batch_size=batch_size, seq_len=seq_len, precision=precision, device="cuda")
     saved = act["layers"] + act["outside"] + act["weight_copies"]
     logits32 = batch_size * seq_len * spec.vocab_size * 4
     offloaded = []
@@ -285,7 +288,7 @@ def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_l
     cpu_adam_seconds_per_param = _checks.number("cpu_adam_seconds_per_param", cpu_adam_seconds_per_param)
     efficiency = _checks.fraction("efficiency", efficiency)
     bucket = _checks.whole("reduce_bucket", REDUCE_BUCKET if reduce_bucket is None else reduce_bucket, lo=0, hi=10**12)
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     g = _gpu(gpu)
     psi = spec.params
     phases = _mem.training_phases(spec, batch_size=batch_size, seq_len=seq_len, precision="bf16",
@@ -362,7 +365,7 @@ def _floats(name: str, values, *, lo: float, hi: float, lo_open: bool = False) -
 def _layers(layer_bytes, layer_seconds, link_GBps) -> tuple[list[float], list[float], float]:
     """The layers' bytes (> 0) and compute seconds (>= 0) as floats, as many of each (at most
     MAX_STREAM_LAYERS), and the link's GB/s; or a ValueError naming the argument."""
-    sizes = _floats("layer_bytes", layer_bytes, lo=0, lo_open=True, hi=_mem.MAX_BYTES)
+    sizes = _floats("layer_bytes", layer_bytes, lo=0, lo_open=True, hi=_checks.MAX_BYTES)
     if len(sizes) > MAX_STREAM_LAYERS:
         raise ValueError(f"layer_bytes must list at most {MAX_STREAM_LAYERS:,} layers, got {len(sizes):,}")
     secs = _floats("layer_seconds", layer_seconds, lo=0, hi=MAX_LAYER_SECONDS)
@@ -637,7 +640,7 @@ def stream_model(model: ModelSpec | str, gpu: GPUSpec | str, *, tokens: int = 1,
     GPU memory. The embeddings and head stay
     resident. `most_resident`: the most blocks that fit in the GPU's usable memory beside them and
     `buffers` streaming buffers (activations for a few tokens are small and not counted)."""
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     g = _gpu(gpu)
     tokens = _checks.whole("tokens", tokens, hi=_mem.MAX_BATCH)
     weight_bytes = _whole_choice("weight_bytes", weight_bytes, WEIGHT_BYTES)

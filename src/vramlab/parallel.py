@@ -33,6 +33,10 @@ from typing import Any, Literal
 from . import checks as _checks
 from . import collectives as _coll
 from . import memory as _mem
+from . import specs as _specs
+from . import precision as _prec
+from . import fitting as _fitting
+from . import activations as _act
 from .specs import ModelSpec
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
@@ -452,7 +456,7 @@ def stage_tensors(model: ModelSpec | str, layout: Layout, stage: int) -> tuple[i
     """Element counts of the parameter tensors one tensor-parallel rank of pipeline stage `stage`
     holds, in the model's order: its blocks' shares, the embeddings on the first stage, the final
     norm and head on the last (and, tied, its own copy of the embedding)."""
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     _check_layout_model(spec, layout)
     stage = _count("stage", stage, lo=0, hi=layout.pp - 1)
     return _stage_tensors(spec, layout.tp, layout.pp, layout.chunks, stage)
@@ -494,20 +498,20 @@ def _stage_tensors(spec: ModelSpec, t: int, p: int, v: int, stage: int) -> tuple
 def layer_activation_bytes(spec: ModelSpec, *, micro_batch_size: int, seq_len: int, tp: int = 1, sp: bool = False,
                            precision: str = "fp32", attention: str = "sdpa", device: str = "cuda") -> int:
     """One block's saved tensors on one tensor-parallel rank, from `memory`'s ledger (the tensors
-    PyTorch really saves for this model), split as Megatron splits them (`memory.tp_split`); with
+    PyTorch really saves for this model), split as Megatron splits them (`activations.tp_split`); with
     sequence parallelism the replicated part is split along the sequence too."""
-    spec = _mem._resolve(spec)
+    spec = _specs.resolve(spec)
     b, s = _count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
     _checks.positions(spec, s)
     tp = _check_tp(spec, _count("tp", tp))
     sp = _checks.flag("sp", sp)
     if sp and tp == 1:
         raise ValueError("sp=True needs tp > 1: sequence parallelism splits along the tensor-parallel group")
-    _checks.one_of("precision", precision, _mem.PRECISIONS)
-    _checks.one_of("attention", attention, _mem.ATTENTIONS)
+    _checks.one_of("precision", precision, _prec.PRECISIONS)
+    _checks.one_of("attention", attention, _act.ATTENTIONS)
     _checks.one_of("device", device, ("cuda", "cpu"))
-    share = _mem.DeviceShare(tp=tp, sp=sp, blocks=(0, 1), first=False, last=False)
-    return _mem.activation_bytes(spec, batch_size=b, seq_len=s, precision=precision,
+    share = _act.DeviceShare(tp=tp, sp=sp, blocks=(0, 1), first=False, last=False)
+    return _act.activation_bytes(spec, batch_size=b, seq_len=s, precision=precision,
                                  attention=attention, device=device, share=share)["one_layer"]
 
 
@@ -612,7 +616,7 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
                     keep_gradients: bool = True, implementation: str = "megatron",
                     gpu=None, stages: "tuple[int, ...] | None" = None) -> list[_mem.MemoryBreakdown]:
     """Peak memory of one device of each pipeline stage (index = stage): the largest of
-    `memory.training_phases` for that device's share (`memory.DeviceShare`) -- its parameters,
+    `memory.training_phases` for that device's share (`activations.DeviceShare`) -- its parameters,
     gradients and optimizer states, the activations of the micro-batches the schedule holds in
     flight on it (from `simulate`), the logits and loss on the last stage, the embedding's backward
     on the first, the optimizer's step. A 1 x 1 x 1 layout with keep_gradients=False is
@@ -635,13 +639,13 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
       V x e gradient on every rank before keeping its shard).
     - stages: only these stages (the list then holds theirs, in this order): the first and the last
       are the fullest (the most micro-batches in flight; the logits), which a planner needs."""
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     _check_layout_model(spec, layout)
     b, s = _count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
     _checks.positions(spec, s)
-    for name, value, choices in (("precision", precision, _mem.PRECISIONS), ("optimizer", optimizer, _mem.OPTIMIZERS),
+    for name, value, choices in (("precision", precision, _prec.PRECISIONS), ("optimizer", optimizer, _mem.OPTIMIZERS),
                                  ("optimizer_impl", optimizer_impl, _mem.OPTIMIZER_IMPLS),
-                                 ("attention", attention, _mem.ATTENTIONS), ("recompute", recompute, RECOMPUTE),
+                                 ("attention", attention, _act.ATTENTIONS), ("recompute", recompute, RECOMPUTE),
                                  ("device", device, ("cuda", "cpu")), ("implementation", implementation, IMPLEMENTATIONS)):
         _checks.one_of(name, value, choices)
     gradient_as_bucket_view = _checks.flag("gradient_as_bucket_view", gradient_as_bucket_view)
@@ -651,12 +655,12 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
     p, v, t = layout.pp, layout.chunks, layout.tp
     if stages is not None:
         stages = _checks.wholes("stages", stages, lo=0, hi=p - 1)
-    plan = _mem.recompute_plan(recompute, spec)  # once (training_phases takes the plan as it is)
+    plan = _act.recompute_plan(recompute, spec)  # once (training_phases takes the plan as it is)
     chunks = _stage_layers(spec.num_layers, p * v)
     held = in_flight(layout)
     # torch.distributed.pipelining's receive buffers, allocated for every micro-batch and kept: the
     # activations a stage receives and the gradients sent back to it, b x s x h each
-    x = _mem._dtype_bytes(precision, device)["x"]
+    x = _prec._dtype_bytes(precision, device)["x"]
     recv = layout.micro_batches * -(-b * s * spec.hidden_size * x // (t if layout.sp else 1))
     out = []
     torch_pp = keep_stage_output and p > 1  # torch.distributed.pipelining's buffers and sends
@@ -679,7 +683,7 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
                     for phase in _mem.training_phases(
                         spec, batch_size=b, seq_len=s, precision=precision, optimizer=optimizer,
                         optimizer_impl=optimizer_impl, attention=attention, recompute=plan, device=device, gpu=gpu,
-                        share=_mem.DeviceShare(**share, in_flight=n, received=got, pending_sends=sends))),
+                        share=_act.DeviceShare(**share, in_flight=n, received=got, pending_sends=sends))),
                    key=lambda x: x.total)
         label = (f"{spec.name} stage {stage} of {p}, tp {t}" + (" + sp" if layout.sp else "")
                  + (" + ZeRO-1" if layout.zero else "") + f", {layout.schedule} m={layout.micro_batches}")
@@ -699,15 +703,15 @@ def communication(model: ModelSpec | str, layout: Layout, *, micro_batch_size: i
       and two in the backward (with SP: all-gathers and reduce-scatters of the same volume);
     - pp: per micro-batch, one activation tensor forward and one gradient backward across each stage
       boundary (point to point)."""
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     _check_layout_model(spec, layout)
     b, s = _count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
     _checks.positions(spec, s)
-    _checks.one_of("precision", precision, _mem.PRECISIONS)
+    _checks.one_of("precision", precision, _prec.PRECISIONS)
     links = {k: _coll.LINKS[_checks.one_of(f"{k}_link", v, _coll.LINKS)]
              for k, v in (("dp", dp_link), ("tp", tp_link), ("pp", pp_link))}
     grad = max(rank_params(spec, layout, k) for k in {0, layout.pp - 1}) * _mem.param_bytes(precision)  # the fullest stages
-    act = b * s * spec.hidden_size * _mem._dtype_bytes(precision, "cuda")["half"]
+    act = b * s * spec.hidden_size * _prec._dtype_bytes(precision, "cuda")["half"]
     m, L = layout.micro_batches, spec.num_layers
     per_stage_layers = -(-L // layout.pp)
     tp_calls = 4 * per_stage_layers * m
@@ -766,17 +770,17 @@ def ddp_overlap(buckets: list[int], *, n: int, backward_seconds: float, link: st
 
 
 def _stage_fit(spec: ModelSpec, layout: Layout, gpu, *, micro_batch_size: int, seq_len: int,
-               expandable_segments: bool, kw: dict) -> "tuple[_mem.Fit, _mem.MemoryBreakdown]":
-    """`memory.device_fit` of the layout's fullest device at this micro-batch size, and that device's peak."""
+               expandable_segments: bool, kw: dict) -> "tuple[_fitting.Fit, _mem.MemoryBreakdown]":
+    """`fitting.device_fit` of the layout's fullest device at this micro-batch size, and that device's peak."""
     ends = tuple(sorted({0, layout.pp - 1}))  # the fullest stages: the most in flight, and the logits
     stages = estimate_layout(spec, layout, micro_batch_size=micro_batch_size, seq_len=seq_len, gpu=gpu, stages=ends, **kw)
     i = max(range(len(stages)), key=lambda j: stages[j].total)
     k, t, dense = ends[i], layout.tp, kw.get("implementation", "megatron") == "dtensor"
-    share = _mem.DeviceShare(first=k == 0, last=k == layout.pp - 1, tp=t, embedding_grad="dense" if dense else "sharded",
+    share = _act.DeviceShare(first=k == 0, last=k == layout.pp - 1, tp=t, embedding_grad="dense" if dense else "sharded",
                              blocks=(0, 1))
-    largest = _mem.fragmentation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len, share=share,
+    largest = _fitting.fragmentation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len, share=share,
                                         precision=kw.get("precision", "bf16-mixed"), attention=kw.get("attention", "sdpa"))
-    return _mem.device_fit(stages[i], gpu, largest_tensor=largest, expandable_segments=expandable_segments), stages[i]
+    return _fitting.device_fit(stages[i], gpu, largest_tensor=largest, expandable_segments=expandable_segments), stages[i]
 
 
 # what `fits` passes on to `estimate_layout` (it sets the rest itself)
@@ -785,13 +789,13 @@ _ESTIMATE_OPTIONS = ("precision", "optimizer", "optimizer_impl", "attention", "r
 
 
 def fits(model: ModelSpec | str, layout: Layout, gpu, *, micro_batch_size: int, seq_len: int,
-         expandable_segments: bool = False, max_search: int = 1 << 12, **kw) -> "_mem.Fit":
+         expandable_segments: bool = False, max_search: int = 1 << 12, **kw) -> "_fitting.Fit":
     """Does the layout fit on GPUs of type `gpu`, and what is the largest micro-batch size that does?
-    `memory.fit`'s definition (`memory.device_fit`) applied to the fullest device of `estimate_layout`
+    `fitting.fit`'s definition (`fitting.device_fit`) applied to the fullest device of `estimate_layout`
     (whose keyword arguments `kw` are): estimate + margin + fragmentation + CUDA context <= usable."""
     from .specs import gpu as _gpu
 
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     _check_layout(layout)
     g = _gpu(gpu)
     micro_batch_size = _count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT)
@@ -801,25 +805,25 @@ def fits(model: ModelSpec | str, layout: Layout, gpu, *, micro_batch_size: int, 
     if kw.get("device", "cuda") != "cuda":
         raise ValueError(f"device must be 'cuda' here (fits() answers for a GPU), got {_checks.show(kw['device'])}")
 
-    def verdict(b: int, **found) -> "_mem.Fit":
+    def verdict(b: int, **found) -> "_fitting.Fit":
         return dataclasses.replace(_stage_fit(spec, layout, g, micro_batch_size=b, seq_len=seq_len,
                                               expandable_segments=expandable_segments, kw=kw)[0], **found)
 
     here = verdict(micro_batch_size)  # checks every argument before the search
-    lo = _mem.largest_true(lambda b: verdict(b).fits, limit=max_search, start=micro_batch_size)
+    lo = _fitting.largest_true(lambda b: verdict(b).fits, limit=max_search, start=micro_batch_size)
     return dataclasses.replace(here, max_batch_size=lo, capped=lo >= max_search)
 
 
 # ============================================================================ planning a cluster
 @dataclass(frozen=True)
 class LayoutPlan:
-    """One candidate layout for `plan_layouts`: its fullest device (`peak`), `memory.device_fit`'s
+    """One candidate layout for `plan_layouts`: its fullest device (`peak`), `fitting.device_fit`'s
     verdict, and the step's estimated time and throughput."""
 
     layout: Layout
     recompute: str
     peak: _mem.MemoryBreakdown
-    fit: "_mem.Fit"
+    fit: "_fitting.Fit"
     bubble: Fraction  # of the ideal time (Megatron's convention)
     recompute_fraction: float  # extra FLOPs over the step's
     step_seconds: float
@@ -845,7 +849,7 @@ def plan_layouts(model: ModelSpec | str, gpus: int, gpu, *, seq_len: int, global
     the heads, KV heads and MLP width; pp at most the blocks), with and without sequence parallelism
     and ZeRO-1 over dp, under each recompute plan in `recomputes`, for a global batch of
     `global_batch` sequences of `seq_len` tokens (m = global_batch / (dp x micro_batch_size)
-    micro-batches, 1F1B). Each is checked with `fits` (the fullest device by `memory.device_fit`) and
+    micro-batches, 1F1B). Each is checked with `fits` (the fullest device by `fitting.device_fit`) and
     timed (with a fused optimizer step, as Megatron-LM's FusedAdam): the step's FLOPs plus the
     recompute's at `mfu` of the GPU's dense 16-bit peak, shared by
     tp x pp devices, stretched by the bubble (p-1)/m, plus the tensor-parallel all-reduces on NVLink
@@ -860,7 +864,7 @@ def plan_layouts(model: ModelSpec | str, gpus: int, gpu, *, seq_len: int, global
     from . import checkpointing as _ck
     from .specs import gpu as _gpu
 
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     g = _gpu(gpu)
     n = _count("gpus", gpus)
     node = _count("gpus_per_node", gpus_per_node, hi=1024)
@@ -870,7 +874,7 @@ def plan_layouts(model: ModelSpec | str, gpus: int, gpu, *, seq_len: int, global
     if gb > MAX_MICRO_BATCHES * b:  # a layout with one replica would run gb / b micro-batches
         raise ValueError(f"global_batch must be at most {MAX_MICRO_BATCHES:,} micro-batches of micro_batch_size={b} "
                          f"({MAX_MICRO_BATCHES * b:,} sequences), got {gb:,}")
-    _checks.one_of("precision", precision, _mem.PRECISIONS)
+    _checks.one_of("precision", precision, _prec.PRECISIONS)
     mfu = _checks.fraction("mfu", mfu)
     if g.peak_tflops_16 <= 0:
         raise ValueError(f"gpu must have a FLOP/s figure ({g.name} has none): pass a GPU preset")

@@ -16,9 +16,12 @@ from __future__ import annotations
 import math
 import numbers as _numbers
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from . import checks as _checks
+
+if TYPE_CHECKING:
+    from .specs import ModelSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,3 +246,35 @@ RECIPES: dict[str, RecipeLedger] = {r.name: r for r in (
     RecipeLedger(name="zero-paper", weights=2, gradients=2, master_weights=4, optimizer_states=8,
                  note="Rajbhandari et al. 2019: fp16 params and grads, fp32 master, momentum, variance (K=12)"),
 )}
+
+
+# ============================================================================ training recipes' bytes
+# The precision recipes of a training step (chapter 5), what `vramlab.memory`, `vramlab.activations`
+# and every chapter after them take as `precision=`.
+Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16", "bf16-fp32-states", "fp16-fp32-master"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "bf16-fp32-states", "fp16-fp32-master")
+# 16-bit models: pure bf16 (torch.optim keeps the states in bf16), bf16 with fp32 optimizer states
+# (2 + 2 + 8 = 12 B/param), and the ZeRO paper's recipe: fp16
+# weights and gradients with fp32 master weights, momentum and variance (2 + 2 + 12 = 16 B/param)
+PURE_16BIT: tuple[str, ...] = ("bf16", "bf16-fp32-states", "fp16-fp32-master")
+FP32_STATES: tuple[str, ...] = ("bf16-fp32-states", "fp16-fp32-master")  # 16-bit model, fp32 optimizer states
+
+# Which dtype each saved tensor has, by recipe. Kinds of saved tensor:
+#   "x"    the residual stream and what norms save: the parameter dtype (fp32 under AMP)
+#   "half" inputs and outputs of matmuls: the compute dtype (bf16/fp16 under AMP)
+#   "f32"  always fp32 (norm statistics, the loss's log-softmax, softmax under CUDA autocast)
+#   "loss" the loss's log-softmax: fp32 (transformers' causal-LM loss upcasts the logits, autocast runs
+#          log_softmax in fp32), but in the logits' dtype where a 16-bit model that is not a causal LM
+#          (BERT, T5) hands them to CrossEntropyLoss itself
+#   "mask" a dropout mask: 1 byte (bool) from CUDA's fused dropout; CPU dropout multiplies by a
+#          mask of the input's dtype
+def _dtype_bytes(precision: Precision, device: str) -> dict[str, int]:
+    half = 4 if precision == "fp32" else 2
+    x = 2 if precision in PURE_16BIT else 4
+    return {"x": x, "half": half, "f32": 4, "loss": 4, "mask": 1 if device == "cuda" else half, "i64": 8,
+            "up32": 4 if precision in PURE_16BIT else 0}  # an fp32 copy that exists only under pure 16 bits
+
+
+def _loss_bytes(spec: "ModelSpec", precision: Precision) -> int:
+    """Bytes per element of the loss's log-softmax (kind "loss")."""
+    return 2 if precision in PURE_16BIT and not spec.is_causal_lm else 4

@@ -713,6 +713,15 @@ def preset(name: str) -> ModelSpec:
     return from_config(cfg, name=key)
 
 
+
+def resolve(model: "ModelSpec | str") -> ModelSpec:
+    """A model as every calculator takes it: a `ModelSpec` as it is, a string as a preset's name."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, str):
+        return preset(model)
+    raise ValueError(f"model must be a ModelSpec or a preset name, got {model!r}")
+
 # ----------------------------------------------------------------------------- GPUs
 
 # What a process's CUDA context and libraries (cuBLAS, cuDNN kernels, handles) take outside

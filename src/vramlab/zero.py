@@ -31,6 +31,9 @@ from typing import Literal
 from . import checks as _checks
 from . import collectives as _coll
 from . import memory as _mem
+from . import specs as _specs
+from . import fitting as _fitting
+from . import activations as _act
 from .specs import ModelSpec
 
 Stage = Literal[0, 1, 2, 3]
@@ -104,7 +107,7 @@ def paper_figure1() -> list[tuple[int, float]]:
 def largest_layer_params(model: ModelSpec | str) -> int:
     """The parameters of the largest module counted without its children (what DeepSpeed's
     `estimate_zero3_model_states_mem_needs_all_live` calls the largest layer: usually the embedding)."""
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     by_module: dict[str, int] = {}
     for name, numel in spec.param_tensors():
         module = name.rsplit(".", 1)[0]
@@ -177,7 +180,7 @@ PREFETCH = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size default, in ele
 def persistent_params(model: ModelSpec | str, threshold: int = PERSISTENCE) -> int:
     """Parameters that ZeRO-3 keeps whole on every rank (tensors below the persistence threshold),
     as well as their partition."""
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     threshold = _elements("threshold", threshold)
     return sum(n for _, n in spec.param_tensors() if n < threshold)
 
@@ -203,7 +206,7 @@ def model_states(model: ModelSpec | str, n_ranks: int, stage: Stage, *, recipe: 
     - FSDP2 (`fully_shard`, the optimizer built on the sharded parameters): fp32 parameters (its
       `MixedPrecisionPolicy` casts a gathered copy for compute) and Adam's fp32 moments, sharded over
       N; nothing else between steps."""
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     n, s = _ranks(n_ranks), _stage(stage)
     pb, gb, k = _recipe(recipe)
     _checks.one_of("implementation", implementation, IMPLEMENTATIONS)
@@ -280,7 +283,7 @@ def partition_touches(model: ModelSpec | str, n_ranks: int) -> list[int]:
     whole): at least ceil(Psi / N) for most ranks, and all of a large embedding that straddles a
     boundary. Rank N-1 owns the end of the buffer: the last blocks and the head, whose gradients the
     backward makes first."""
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     n = _ranks(n_ranks)
     part = -(-spec.params // n)
     touch, start = [0] * n, 0
@@ -333,9 +336,9 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
       for-loop = torch's AdamW(foreach=False), two copies of the tensor it updates; DeepSpeed steps one
       flat partition tensor, FSDP2 each parameter's shard).
     On CUDA the two cuBLAS workspaces are under `other`, as in `memory`. `use_cache`: the model trains
-    with transformers' KV cache on (`memory.training_phases`; vramlab.zerolab's models do, as their
+    with transformers' KV cache on (`memory.training_phases`; vramlab.measure.zero's models do, as their
     configs default)."""
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     n, s = _ranks(n_ranks), _stage(stage)
     pb, gb, k = _recipe(recipe)
     _checks.one_of("implementation", implementation, ("deepspeed", "fsdp2"))
@@ -343,7 +346,7 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
         raise ValueError(f"stage must be 3 with implementation='fsdp2', got {s}: FSDP2's fully_shard is ZeRO-3")
     _checks.one_of("optimizer_impl", optimizer_impl, _mem.OPTIMIZER_IMPLS)
     _checks.one_of("device", device, ("cuda", "cpu"))
-    _checks.one_of("attention", attention, _mem.ATTENTIONS)
+    _checks.one_of("attention", attention, _act.ATTENTIONS)
     micro_batch_size = _checks.whole("micro_batch_size", micro_batch_size)
     seq_len = _checks.positions(spec, _checks.whole("seq_len", seq_len))
     use_cache = _checks.flag("use_cache", use_cache)
@@ -377,9 +380,9 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
 
     workspaces = steps[0].other
     def one_block() -> int:  # one block's saved activations: freed by the time an earlier block's backward runs
-        return _mem.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len,
+        return _act.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len,
                                      precision=_ACT_PRECISION[recipe], attention=attention, device=device,
-                                     share=_mem.DeviceShare(blocks=(0, 1), first=False, last=False),
+                                     share=_act.DeviceShare(blocks=(0, 1), first=False, last=False),
                                      use_cache=use_cache)["one_layer"]
     inputs = steps[0].inputs
     if implementation == "fsdp2":
@@ -563,14 +566,14 @@ _ESTIMATE_OPTIONS = ("recipe", "implementation", "attention", "reduce_bucket", "
 
 
 def fits(model: ModelSpec | str, n_ranks: int, stage: Stage, gpu, *, micro_batch_size: int, seq_len: int,
-         expandable_segments: bool = False, max_search: int = 1 << 12, **kw) -> _mem.Fit:
+         expandable_segments: bool = False, max_search: int = 1 << 12, **kw) -> _fitting.Fit:
     """Does one rank's step fit on `gpu`, and what is the largest micro-batch size that does?
-    `memory.fit`'s definition (`memory.device_fit`: estimate + margin + fragmentation + CUDA context
+    `fitting.fit`'s definition (`fitting.device_fit`: estimate + margin + fragmentation + CUDA context
     <= usable) applied to `estimate_rank` (whose keyword arguments `kw` are)."""
     from .specs import gpu as _gpu
 
     _checks.no_unknown("zero.fits", kw, _ESTIMATE_OPTIONS)
-    spec = _mem._resolve(model)
+    spec = _specs.resolve(model)
     g = _gpu(gpu)
     micro_batch_size = _checks.whole("micro_batch_size", micro_batch_size)
     max_search = _checks.whole("max_search", max_search)
@@ -578,15 +581,15 @@ def fits(model: ModelSpec | str, n_ranks: int, stage: Stage, gpu, *, micro_batch
     if kw.get("device", "cuda") != "cuda":
         raise ValueError(f"device must be 'cuda' in fits(), which answers for a GPU, got {_checks.show(kw['device'])}")
     _recipe(kw.get("recipe", "mixed-adam"))
-    _checks.one_of("attention", kw.get("attention", "sdpa"), _mem.ATTENTIONS)
+    _checks.one_of("attention", kw.get("attention", "sdpa"), _act.ATTENTIONS)
 
-    def verdict(b: int, **found) -> _mem.Fit:
+    def verdict(b: int, **found) -> _fitting.Fit:
         est = estimate_rank(spec, n_ranks, stage, micro_batch_size=b, seq_len=seq_len, gpu=g, **kw)  # checks kw
-        largest = _mem.fragmentation_bytes(spec, batch_size=b, seq_len=seq_len,
+        largest = _fitting.fragmentation_bytes(spec, batch_size=b, seq_len=seq_len,
                                             precision=_ACT_PRECISION[kw.get("recipe", "mixed-adam")],
                                             attention=kw.get("attention", "sdpa"))
-        return _mem.device_fit(est, g, largest_tensor=largest, expandable_segments=expandable_segments, **found)
+        return _fitting.device_fit(est, g, largest_tensor=largest, expandable_segments=expandable_segments, **found)
 
     here = verdict(micro_batch_size)
-    lo = _mem.largest_true(lambda b: verdict(b).fits, limit=max_search, start=micro_batch_size)
+    lo = _fitting.largest_true(lambda b: verdict(b).fits, limit=max_search, start=micro_batch_size)
     return dataclasses.replace(here, max_batch_size=lo, capped=lo >= max_search)

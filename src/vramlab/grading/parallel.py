@@ -1,0 +1,463 @@
+"""Lab 3's checks (parallelism): the 1F1B schedule (replayed here), and tensor parallelism and bucketed
+DDP run on ranks that reach each other only through the check's process (`run.Switchboard`), which
+logs every collective a rank calls; the ranks run `programs/tp.py` and `programs/ddp.py`. Every
+expected value is computed here, from data drawn here afresh for every grading (each rank is dealt
+only its own). Lab 4's ZeRO-2 check (`zero`) runs on the DDP check's MLP (`check_mlp_ranks`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .run import cell_source, fresh_generator, run_linked
+
+
+def _parse_orders(got: Any, p: int, m: int) -> list[list[tuple[str, int]]]:
+    """The answer's per-device orders as [[("F" | "B", micro-batch), ...], ...], or AssertionError."""
+    if not isinstance(got, (list, tuple)) or len(got) != p:
+        n = len(got) if isinstance(got, (list, tuple)) else None
+        raise AssertionError(f"p={p}, m={m}: return one list of operations per device ({p} lists), got "
+                             + (f"{n}" if n is not None else repr(got)[:80]))
+    orders = []
+    for d, order in enumerate(got):
+        if not isinstance(order, (list, tuple)):
+            raise AssertionError(f"p={p}, m={m}: device {d}'s operations must be a list, got {repr(order)[:80]}")
+        ops = []
+        for op in order:
+            if (not isinstance(op, (list, tuple)) or len(op) != 2 or op[0] not in ("F", "B")
+                    or type(op[1]) is not int or not 0 <= op[1] < m):
+                raise AssertionError(f"p={p}, m={m}: device {d} has the operation {repr(op)[:80]}; each operation "
+                                     f"is a pair (\"F\" or \"B\", micro-batch in 0..{m - 1})")
+            ops.append((str(op[0]), int(op[1])))
+        for kind in ("F", "B"):
+            seen = [i for k, i in ops if k == kind]
+            missing = sorted(set(range(m)) - set(seen))
+            twice = sorted({i for i in seen if seen.count(i) > 1})
+            if missing or twice:
+                name = "forward" if kind == "F" else "backward"
+                raise AssertionError(f"p={p}, m={m}: device {d} " + (f"never runs the {name} of micro-batch(es) "
+                                     f"{missing}" if missing else f"runs the {name} of micro-batch(es) {twice} twice")
+                                     + ": every device runs each micro-batch's forward and backward exactly once")
+        orders.append(ops)
+    return orders
+
+
+def _pipeline_needs(kind: str, i: int, d: int, p: int) -> tuple[str, int, int] | None:
+    """What an operation of device (stage) d waits for: a forward the previous stage's forward of the
+    same micro-batch; a backward the next stage's backward or, on the last stage, its own forward."""
+    if kind == "F":
+        return ("F", i, d - 1) if d > 0 else None
+    return ("B", i, d + 1) if d < p - 1 else ("F", i, d)
+
+
+def pipeline_replay(orders: list[list[tuple[str, int]]], *, tf: int = 1, tb: int = 2) -> dict:
+    """Replay per-device orders with a forward taking `tf`, a backward `tb` and free communication:
+    each operation starts when its device is free and what it needs is done. Returns {"end": the
+    step's makespan, "in_flight": per device the most micro-batches between their forward and their
+    backward} or {"stuck": [(device, operation, what it waits for), ...]} for a deadlock."""
+    p = len(orders)
+    done: dict[tuple[str, int, int], int] = {}
+    pos, free = [0] * p, [0] * p
+    while any(pos[d] < len(orders[d]) for d in range(p)):
+        progressed = False
+        for d in range(p):
+            if pos[d] < len(orders[d]):
+                kind, i = orders[d][pos[d]]
+                need = _pipeline_needs(kind, i, d, p)
+                if need is None or need in done:
+                    end = max(free[d], done[need] if need else 0) + (tf if kind == "F" else tb)
+                    done[(kind, i, d)] = free[d] = end
+                    pos[d] += 1
+                    progressed = True
+        if not progressed:
+            return {"stuck": [(d, orders[d][pos[d]], _pipeline_needs(*orders[d][pos[d]], d, p))
+                              for d in range(p) if pos[d] < len(orders[d])]}
+    in_flight = []
+    for order in orders:
+        held = peak = 0
+        for kind, _ in order:
+            held += 1 if kind == "F" else -1
+            peak = max(peak, held)
+        in_flight.append(peak)
+    return {"end": max(free), "in_flight": in_flight}
+
+
+def check_one_f_one_b(fn: Callable, *, cases=((2, 4), (4, 8))) -> None:
+    """`fn(p, m)` must return each pipeline device's order of operations, ("F" | "B", micro-batch),
+    that make a 1F1B schedule. Checked by replaying the orders here (forward 1, backward 2, free
+    sends): every operation exactly once, no deadlock, the step as short as GPipe's (the optimum,
+    (m + p - 1)(tf + tb)), and at most p - d micro-batches in flight on device d (GPipe holds m).
+    `cases` are (p, m)."""
+    tf, tb = 1, 2
+    for p, m in cases:
+        orders = _parse_orders(fn(p, m), p, m)
+        run = pipeline_replay(orders, tf=tf, tb=tb)
+        if "stuck" in run:
+            waits = "; ".join(f"device {d}'s next, {k} {i}, waits for {n[0]} {n[1]} on device {n[2]}"
+                              for d, (k, i), n in run["stuck"][:4])
+            raise AssertionError(f"p={p}, m={m}: the orders deadlock, no device can start its next operation ({waits})."
+                                 " A forward needs the previous stage's forward of its micro-batch; a backward "
+                                 "the next stage's backward (on the last stage, its own forward).")
+        for d, held in enumerate(run["in_flight"]):
+            if held > p - d:
+                raise AssertionError(
+                    f"p={p}, m={m}: device {d} holds the activations of {held} micro-batches at once (forwards run, "
+                    f"backwards not yet); 1F1B holds at most p - d = {p - d}: after {p - d - 1} warm-up forwards, "
+                    "alternate one forward and one backward" + (" (all forwards then all backwards is GPipe: it holds "
+                                                                "all m)" if held == m else ""))
+        best = (m + p - 1) * (tf + tb)
+        if run["end"] != best:
+            raise AssertionError(
+                f"p={p}, m={m}: with a forward taking 1 and a backward 2, your step takes {run['end']}; GPipe and 1F1B "
+                f"take (m + p - 1)(tf + tb) = {best}. Too few warm-up forwards leave the pipeline empty: device d "
+                f"runs min(p - d - 1, m) forwards before its first backward.")
+
+
+# ----------------------------------------------------------------------------- what a rank reported
+def rank_problem(report: Any) -> str | None:
+    """Why a rank gave no result (it did not finish, or raised), or None."""
+    if not isinstance(report, dict):
+        return "did not finish"
+    if report.get("error"):
+        return f"raised {str(report['error'])[:300]}"
+    return None
+
+
+def as_tensor(values: Any, like) -> Any:
+    """The answer's values as a tensor shaped like `like`, or None if they do not fit."""
+    import torch
+
+    try:
+        t = torch.tensor(values, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return t.reshape(like.shape) if t.numel() == like.numel() and t.dim() in (1, like.dim()) else None
+
+
+def tclose(got, want) -> bool:
+    """`got` (an `as_tensor`, or None) equals `want` to float64's rounding."""
+    import torch
+
+    return got is not None and torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
+# Tensor parallelism (Megatron-LM's MLP, Shoeybi+19 §3): the answer's f (identity forward, all-reduce
+# backward) and g (all-reduce forward, identity backward) as autograd Functions, each alone, then the
+# column- then row-parallel MLP built with them, on ranks each dealt the whole input x (b, s, h), the
+# output gradient dy and its own shards of w1 (h, f; columns) and w2 (f, h; rows), drawn here
+# (`programs/tp.py`). Only all_reduce is available, logged with the phase it ran in.
+def _tp_reference(b: int, s: int, h: int, f: int, world: int) -> dict:
+    """What every rank should see, computed here from data drawn here (afresh for every grading):
+    the unsplit MLP and its gradients, each rank's partial output and partial input gradient
+    (float64), and what each rank is dealt ("dealt": its weight shards, t and u, x and dy)."""
+    import torch
+
+    g = fresh_generator()
+    x, w1, w2, dy = (torch.randn(*shape, generator=g, dtype=torch.float64)
+                     for shape in ((b, s, h), (h, f), (f, h), (b, s, h)))
+    tu = [tuple(torch.randn(b, s, h, generator=g, dtype=torch.float64) for _ in range(2)) for _ in range(world)]
+    ranks, dealt = [], []
+    for (t, u), c, r in zip(tu, torch.tensor_split(w1, world, dim=1), torch.tensor_split(w2, world, dim=0)):
+        dealt.append({"x": x.tolist(), "dy": dy.tolist(), "w1": c.tolist(), "w2": r.tolist(), "t": t.tolist(), "u": u.tolist()})
+        xs, c, r = x.clone().requires_grad_(), c.clone().requires_grad_(), r.clone().requires_grad_()
+        y = torch.nn.functional.gelu(xs @ c) @ r
+        y.backward(dy)
+        ranks.append({"partial": y.detach(), "partial_dx": xs.grad, "dw1": c.grad, "dw2": r.grad})
+    return {"x": x, "dy": dy, "t": [t for t, _ in tu], "u": [u for _, u in tu], "dealt": dealt,
+            "y": sum(r["partial"] for r in ranks), "dx": sum(r["partial_dx"] for r in ranks), "ranks": ranks}
+
+
+def _tp_calls(log: Any, phase: str) -> list:
+    return [c for c in log if isinstance(c, dict) and c.get("phase") == phase] if isinstance(log, list) else []
+
+
+def _tp_rank_problem(report: Any, rank: int, ref: dict, names: tuple[str, str]) -> str | None:
+    """What is wrong on one rank: f and g alone (results and communication), then the MLP."""
+    why = rank_problem(report)
+    if why:
+        return why
+    res, log = report.get("result") or {}, report.get("log")
+    f, g = names
+    shape = list(ref["x"].shape)
+    # f: identity forward, all-reduce backward
+    if res.get("f_error"):
+        return f"{f} raised {res['f_error']}"
+    if _tp_calls(log, "f forward"):
+        return (f"{f}.forward communicated; f is the identity in the forward (every rank already holds the whole "
+                "input) and all-reduces only in the backward")
+    if not tclose(as_tensor(res.get("f_forward"), ref["x"]), ref["x"]):
+        return f"{f}.forward changed its input; f is the identity in the forward"
+    calls = _tp_calls(log, "f backward")
+    if len(calls) != 1:
+        return (f"{f}.backward called dist.all_reduce {len(calls)} times; it must sum the input's gradient over the "
+                "ranks exactly once (each rank's gradient holds only its own columns' contribution)")
+    if not tclose(as_tensor(res.get("f_backward"), ref["x"]), sum(ref["u"])):
+        return f"{f}.backward must return the gradient summed over the ranks (dist.all_reduce, SUM)"
+    # g: all-reduce forward, identity backward
+    if res.get("g_error"):
+        return f"{g} raised {res['g_error']}"
+    calls = _tp_calls(log, "g forward")
+    if len(calls) != 1:
+        return (f"{g}.forward called dist.all_reduce {len(calls)} times; g sums the ranks' partial outputs with "
+                "exactly one all-reduce")
+    if not tclose(as_tensor(res.get("g_forward"), ref["x"]), sum(ref["t"])):
+        return f"{g}.forward must return the sum of every rank's input (dist.all_reduce of a copy, SUM)"
+    if _tp_calls(log, "g backward"):
+        return (f"{g}.backward communicated; the output's gradient is already the same on every rank, so g's "
+                "backward is the identity (an all-reduce would multiply it by the number of ranks)")
+    if not tclose(as_tensor(res.get("g_backward"), ref["x"]), ref["dy"]):
+        return f"{g}.backward must return the output's gradient unchanged"
+    # the MLP: one all-reduce of the partial output in the forward, one of the input's partial gradient in the backward
+    mine = ref["ranks"][rank]
+    for phase, want, what, fix in (
+            ("mlp forward", mine["partial"], "this rank's partial output gelu(x @ w1_shard) @ w2_shard",
+             "apply g to the row-parallel product"),
+            ("mlp backward", mine["partial_dx"], "this rank's partial gradient of the input",
+             "apply f to the input before the column-parallel matmul")):
+        calls = _tp_calls(log, phase)
+        if len(calls) != 1:
+            return (f"made {len(calls)} all-reduces in the MLP's {phase.split()[1]}; Megatron's MLP makes exactly one, "
+                    f"of {what} ({'x'.join(map(str, shape))} values): {fix}")
+        got = calls[0]
+        if got.get("shape") != shape or "SUM" not in str(got.get("op")).upper():
+            return (f"all-reduced a {got.get('shape')} tensor ({got.get('op')}) in the MLP's {phase.split()[1]}; "
+                    f"expected {what}, {shape}, summed")
+        if not tclose(as_tensor(got.get("values"), want), want):
+            return f"all-reduced something other than {what} in the MLP's {phase.split()[1]}"
+    for key, want, what in (("y", ref["y"], "the output"), ("dx", ref["dx"], "the input's gradient"),
+                            ("dw1", mine["dw1"], "the gradient of this rank's w1 columns"),
+                            ("dw2", mine["dw2"], "the gradient of this rank's w2 rows")):
+        if not tclose(as_tensor(res.get(key), want), want):
+            return f"{what} differs from the unsplit MLP's (computed here on one process)"
+    return None
+
+
+def check_tp_mlp(fn: Callable, f_op: Any, g_op: Any, *, cases=((2, 2, 3, 8, 16),), timeout: float = 120.0) -> None:
+    """Run the student's Megatron operators f (`f_op`: identity forward, all-reduce backward) and g
+    (`g_op`: all-reduce forward, identity backward), then `fn(x, w1_shard, w2_shard)` (the column- then
+    row-parallel MLP built with them) on linked ranks (`run.Switchboard`), and check on every rank: f
+    and g alone, the MLP's output, the input's gradient and the rank's weight-shard gradients against
+    one process (computed here), and the traffic: exactly one all-reduce in the forward, of the rank's
+    partial output, and one in the backward, of its partial input gradient. `cases` are (ranks,
+    batch, sequence, hidden, MLP width)."""
+    import tempfile
+
+    source = cell_source(fn, f_op, g_op)
+    names = (f_op.__name__, g_op.__name__)
+    with tempfile.TemporaryDirectory() as tmp:
+        for world, b, s, h, f in cases:
+            ref = _tp_reference(b, s, h, f, world)
+            reports = run_linked("tp", world, [b, s, h, f], source=source, names=[fn.__name__, *names], tmp=tmp,
+                                 timeout=timeout, what="the tensor-parallel MLP", dealt=ref["dealt"])
+            for rank, report in enumerate(reports):
+                why = _tp_rank_problem(report, rank, ref, names)
+                if why:
+                    raise AssertionError(f"tensor-parallel MLP on {world} ranks (x {b}x{s}x{h}, width {f}): "
+                                         f"rank {rank} {why}.")
+
+
+# Data parallelism with bucketed, overlapped all-reduce (PyTorch DDP, Li+20; CS336's assignment 2):
+# a small MLP (float64, the same on every rank: `programs/common.py`'s mlp_model, given these sizes,
+# seed and learning rate in the case), each rank its slice of the batch. The harness's own
+# post-accumulate-grad hooks, registered before the answer's, log when each gradient is ready; the
+# answer's all-reduces are logged with the phase (backward, or after it in finish()). The caller builds
+# the buckets itself from the parameter sizes and the cap, and computes each rank's local gradients and
+# one process's gradients on the whole batch.
+DDP_DIMS = (8, 16, 16, 4)  # Linear(8, 16), Tanh, Linear(16, 16), Tanh, Linear(16, 4)
+DDP_BATCH, DDP_LR, DDP_STEPS = 12, 0.1, 2
+DDP_SEED = 11  # the MLP's initial weights, the same on every rank and here
+
+
+def mlp_reference(world: int, steps: int, *, update: bool) -> dict:
+    """The harness's MLP computed here with plain tensors: per step, one process's gradients on the
+    whole batch (the mean loss) and each rank's own gradients on its slice; parameters updated with
+    SGD (lr DDP_LR) on one process's gradients if `update`. The batches are drawn here, afresh for
+    every grading; "dealt" holds each rank's slices (all a rank is given)."""
+    import torch
+
+    g = torch.Generator().manual_seed(DDP_SEED)
+    params, names = [], []
+    for k, (i, o) in enumerate(zip(DDP_DIMS[:-1], DDP_DIMS[1:])):
+        params += [torch.randn(o, i, generator=g, dtype=torch.float64) * 0.4,
+                   torch.randn(o, generator=g, dtype=torch.float64) * 0.1]
+        names += [f"{2 * k}.weight", f"{2 * k}.bias"]
+
+    def grads(ps, x, y):
+        ps = [p.clone().requires_grad_() for p in ps]
+        h = x
+        for k in range(0, len(ps), 2):
+            h = h @ ps[k].T + ps[k + 1]
+            if k < len(ps) - 2:
+                h = torch.tanh(h)
+        ((h - y) ** 2).mean().backward()
+        return [p.grad for p in ps]
+
+    out, dealt = [], [{"x": [], "y": []} for _ in range(world)]
+    gen = fresh_generator()
+    for step in range(steps):
+        x = torch.randn(DDP_BATCH, DDP_DIMS[0], generator=gen, dtype=torch.float64)
+        y = torch.randn(DDP_BATCH, DDP_DIMS[-1], generator=gen, dtype=torch.float64)
+        whole = grads(params, x, y)
+        local = [grads(params, xs, ys) for xs, ys in zip(x.tensor_split(world), y.tensor_split(world))]
+        for d, xs, ys in zip(dealt, x.tensor_split(world), y.tensor_split(world)):
+            d["x"].append(xs.tolist())
+            d["y"].append(ys.tolist())
+        out.append({"whole": whole, "local": local})
+        if update:
+            params = [p - DDP_LR * gr for p, gr in zip(params, whole)]
+    return {"names": names, "sizes": [p.numel() for p in params], "steps": out, "dealt": dealt}
+
+
+def grad_buckets(numels: list[int], cap_bytes: int, *, bytes_per_value: int = 8) -> list[list[int]]:
+    """Parameter indices by bucket: the parameters in reverse order, each added to the current bucket
+    unless that would take it past `cap_bytes` (then the bucket closes first); a parameter larger than
+    the cap is a bucket of its own."""
+    buckets: list[list[int]] = []
+    size = 0
+    for k in reversed(range(len(numels))):
+        nbytes = numels[k] * bytes_per_value
+        if buckets and buckets[-1] and size + nbytes > cap_bytes:
+            buckets.append([])
+            size = 0
+        if not buckets:
+            buckets.append([])
+        buckets[-1].append(k)
+        size += nbytes
+    return buckets
+
+
+def split_steps(log: list) -> list[list]:
+    """The log's events, step by step (each step opens with {"step": k}); what came before, first."""
+    out: list[list] = [[]]
+    for event in log if isinstance(log, list) else []:
+        if isinstance(event, dict) and "step" in event:
+            out.append([])
+        else:
+            out[-1].append(event)
+    return out
+
+
+def bucket_values(local: list, bucket: list[int], pad_to: int = 0):
+    import torch
+
+    flat = torch.cat([local[k].flatten() for k in bucket])
+    return torch.cat([flat, flat.new_zeros(pad_to - flat.numel())]) if pad_to > flat.numel() else flat
+
+
+def launch_problem(events: list, call_at: int, bucket: list[int], names: list[str]) -> str | None:
+    """A bucket's collective must come after all its gradients are ready and before any other gradient
+    becomes ready: launched from the hook of its last gradient."""
+    ready = {e["ready"]: i for i, e in enumerate(events) if isinstance(e, dict) and "ready" in e}
+    shown = [names[k] for k in bucket]
+    if any(k not in ready or ready[k] > call_at for k in bucket):
+        return f"launched the bucket {shown} before all its gradients were ready"
+    last = max(ready[k] for k in bucket)
+    later = [k for k, i in ready.items() if last < i < call_at]
+    if later:
+        return (f"launched the bucket {shown} only after the gradient of {names[later[0]]} had become ready too: "
+                "launch a bucket from the hook of its last gradient, so that it travels while the backward goes on")
+    return None
+
+
+def _ddp_step_problem(events: list, got: Any, step: dict, rank: int, buckets: list[list[int]], names: list[str],
+                      world: int, cap: int) -> str | None:
+    """What is wrong with one DDP step of one rank (see `check_mlp_ranks`), or None."""
+    import torch
+
+    local, whole = step["local"][rank], step["whole"]
+
+    calls = [(i, e) for i, e in enumerate(events) if isinstance(e, dict) and e.get("call") == "all_reduce"]
+    sizes = sorted(sum(local[k].numel() for k in b) for b in buckets)
+    got_sizes = sorted(len(e.get("values") or []) for _, e in calls)
+    if got_sizes != sizes:
+        return (f"made {len(calls)} all-reduces of {got_sizes} values; with a cap of {cap} bytes the parameters, in "
+                f"reverse order of model.parameters() (float64: 8 bytes a value), fill {len(buckets)} buckets of "
+                f"{sizes} values: add each parameter to the current bucket, and close the bucket first if it would "
+                "go past the cap (a parameter larger than the cap is a bucket of its own); one all-reduce a bucket")
+    for bucket in buckets:
+        want = bucket_values(local, bucket)
+        match = None
+        for i, e in calls:
+            vals = torch.tensor(e.get("values") or [], dtype=torch.float64)
+            if vals.numel() == want.numel() and any(torch.allclose(vals.sort().values, (want * s).sort().values,
+                                                                   rtol=1e-9, atol=1e-12) for s in (1, 1 / world)):
+                match = (i, e)
+                break
+        shown = [names[k] for k in bucket]
+        if match is None:
+            return (f"no all-reduce carried the bucket {shown}: this rank's gradients of those parameters, flattened "
+                    "into one tensor")
+        i, e = match
+        if "SUM" not in str(e.get("op")).upper():
+            return f"all-reduced with {e.get('op')}: sum (then divide by the number of ranks)"
+        if e.get("phase") != "backward" or not e.get("async"):
+            return (f"launched the all-reduce of the bucket {shown} " + ("after loss.backward() returned (in "
+                    f"{e.get('phase')})" if e.get("phase") != "backward" else "without async_op=True, so the backward "
+                    "waited for it") + ": DDP overlaps communication with the backward; launch each bucket with "
+                    "async_op=True from the hook of its last gradient, and let finish() only wait")
+        why = launch_problem(events, i, bucket, names)
+        if why:
+            return why
+    if not isinstance(got, list) or len(got) != len(whole):
+        return "left no gradients in p.grad after finish()"
+    for k, want in enumerate(whole):
+        if not tclose(as_tensor(got[k], want), want):
+            return (f"after finish() the gradient of {names[k]} differs from one process's on the whole batch: write "
+                    "the sum over the ranks divided by their number back into p.grad")
+    return None
+
+
+def check_mlp_ranks(harness: str, cls: Any, cases, *, timeout: float, what: str, update: bool, early: str,
+                    step_problem: Callable, step: str) -> None:
+    """Run the answer's class `cls(model, bucket_bytes)` on linked ranks with the MLP harness `harness`
+    (`programs/ddp.py`, `programs/zero2.py`) for DDP_STEPS steps of every cap of `cases` ((ranks, cap
+    in bytes)), the batches drawn here (`mlp_reference`, SGD between steps if `update`), and raise
+    AssertionError "<what> on N ranks: rank r <why>." for the first problem: what a rank raised, a
+    collective before the first backward (`early`), or what `step_problem(events, got, step, rank,
+    buckets, names, world, cap)` finds in a step (its log's events, the rank's report of the step, the
+    reference's step), with "(cap C bytes, <step> k)"."""
+    import tempfile
+
+    source = cell_source(cls)
+    by_world: dict[int, list[int]] = {}
+    for world, cap in cases:
+        by_world.setdefault(world, []).append(cap)
+    with tempfile.TemporaryDirectory() as tmp:
+        for world, caps in by_world.items():
+            ref = mlp_reference(world, DDP_STEPS, update=update)
+            case = {"caps": caps, "dims": list(DDP_DIMS), "seed": DDP_SEED, "lr": DDP_LR, "steps": DDP_STEPS}
+            reports = run_linked(harness, world, case, source=source, names=[cls.__name__], tmp=tmp, timeout=timeout,
+                                 what=what, dealt=ref["dealt"])
+            for rank, report in enumerate(reports):
+                why = rank_problem(report)
+                per_step = split_steps(report.get("log") if isinstance(report, dict) else None)
+                if not why and any(isinstance(e, dict) and "call" in e for e in per_step[0]):
+                    why = early
+                results = report.get("result") if isinstance(report, dict) else None
+                k = 1
+                for c, cap in enumerate(caps):
+                    if why:
+                        break
+                    buckets = grad_buckets(ref["sizes"], cap)
+                    got = results[c] if isinstance(results, list) and c < len(results) else []
+                    for n in range(DDP_STEPS):
+                        events = per_step[k] if k < len(per_step) else []
+                        k += 1
+                        why = step_problem(events, got[n] if isinstance(got, list) and n < len(got) else None,
+                                           ref["steps"][n], rank, buckets, ref["names"], world, cap)
+                        if why:
+                            why += f" (cap {cap} bytes, {step} {n + 1})"
+                            break
+                if why:
+                    raise AssertionError(f"{what} on {world} ranks: rank {rank} {why}.")
+
+
+def check_bucketed_ddp(cls: Any, *, cases=((2, 1000), (2, 10**6)), timeout: float = 120.0) -> None:
+    """Run the student's bucketed DDP, `cls(model, bucket_bytes)` whose `finish()` ends a step, on linked
+    ranks (`run.Switchboard`) for two SGD steps of a small float64 MLP, each rank on its slice of the
+    batch, and check on every rank: the gradients in p.grad after finish() equal one process's on the
+    whole batch; one all-reduce per bucket, the buckets as computed here from the parameter sizes and
+    the cap, each carrying the rank's own gradients; every all-reduce launched asynchronously during
+    the backward, from the hook of the bucket's last gradient. `cases` are (ranks, cap in bytes)."""
+    check_mlp_ranks("ddp", cls, cases, timeout=timeout, what="bucketed DDP", update=True, step_problem=_ddp_step_problem,
+                    early="called all_reduce before the first backward (the parameters start equal on every rank)",
+                    step="step")

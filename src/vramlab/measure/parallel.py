@@ -1,0 +1,1499 @@
+"""Lab 3's experiments: data, tensor and pipeline parallelism in real processes, measured per rank.
+
+    python -m vramlab.measure.parallel ddp --nproc 2                 # gloo, CPU processes on this machine
+    python -m vramlab.measure.parallel tp  --nproc 2
+    python -m vramlab.measure.parallel pp  --nproc 2 --micro-batches 1,2,4,8 --schedule gpipe,1f1b
+    python -m vramlab.measure.parallel ddp --backend nccl --nproc 8  # one process per GPU
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 -m vramlab.measure.parallel ddp --backend nccl
+
+    # other models and layouts (the estimator's validation: benchmarks/layout_validation.py)
+    python -m vramlab.measure.parallel ddp --model opt-val --gradient-as-bucket-view --optimizer-impl for-loop
+    python -m vramlab.measure.parallel tp  --model llama-gqa-val --sp --recompute selective --precision bf16
+    python -m vramlab.measure.parallel pp  --model neox-val --nproc 4 --schedule gpipe,1f1b,interleaved --chunks 2
+
+Under torchrun (RANK/WORLD_SIZE set) it runs in place; otherwise it spawns --nproc local processes
+(as `vramlab.measure.collectives`). Every experiment trains a small model built from a config (random init;
+`--model`, default lab 3's Llama, `MODELS` lists the others: OPT-like with tied embeddings,
+GPT-NeoX-like with a fused query_key_value, Llama-like with grouped-query attention) and reports,
+per rank, what `vramlab.parallel` predicts (lab 3's model, the lab's settings only) and what was
+measured:
+
+- ddp: `DistributedDataParallel`; the gradients after one step against a single process's on the
+  whole batch; DDP's gradient buckets (its own logging data) against `parallel.ddp_buckets`; the
+  rank's memory against `parallel.estimate_layout`.
+- tp: the model's blocks split with DTensor's `parallelize_module` (`tp_plan`: q/k/v or the fused qkv
+  and the MLP's first projections column-wise, the attention output and the MLP's last projection
+  row-wise, embedding and head by vocabulary with a vocabulary-parallel loss; `--sp` adds sequence
+  parallelism on the norms); each rank's parameter bytes and memory against the prediction, the loss
+  and logits against the unsplit model.
+- pp: the blocks split into `nproc` stages (`--chunks` v per rank for the interleaved schedule) run by
+  `torch.distributed.pipelining` (GPipe, 1F1B, interleaved 1F1B); each stage's peak, the micro-batches
+  in flight, the bytes sent across stage boundaries and the measured bubble against the formula.
+
+Memory, two ways:
+
+- `measured` (lab 3's accounting, kept as it was): MemTracker over one steady-state step for ddp and tp
+  (DDP's buckets, allocated by its C++ reducer, added to the gradients from its logging data), live
+  storages created during the step on top of the resident states for pp. MemTracker registers DDP's
+  buckets a second time, as temporaries, once c10d.allreduce_ hands them back: where its peak falls
+  after the first bucket's all-reduce, `measured` counts those buckets twice (`measured_note`).
+- `memory` (every run): `_Ledger`, a dispatch-level record of every storage from the start of the rank
+  (model build, DDP's construction, warm-up steps included), each with its bytes, dtype, shape, the
+  operation that created it and the phase it was created in; DTensor operations are followed into
+  their local tensors (so DTensor's internal buffers are seen). Over one steady-state step (optimizer
+  states exist, gradients kept allocated, `zero_grad(set_to_none=False)`, as Megatron-LM's contiguous
+  gradient buffers are) it reports the peak, the phase it falls in (forward, loss, backward,
+  optimizer, schedule), the peak of each phase, the bytes at each of those points by category
+  (parameters, gradients, optimizer states, inputs, buffers, persistent other = storages that existed
+  before the step and are none of these, activations = created by forward passes, backward / optimizer
+  transients, step other), the 10 largest non-state storages at the peak and the largest storages each
+  phase created. Not seen: memory allocated outside PyTorch's dispatcher (gloo's own buffers,
+  allocator slack) and operations run on threads other than the rank's main and autograd threads.
+  Imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import checks
+from .. import parallel as P
+from ..specs import ModelSpec, from_config
+
+# The lab's model: Llama's architecture (nn.Linear everywhere, so DTensor's plans apply), small
+# enough for two CPU processes, with activations dominating as in real training, and a small
+# vocabulary so that the pipeline's last stage computes about what the others do.
+LAB_CONFIG = dict(model_type="llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=8, vocab_size=512, max_position_embeddings=512,
+                  tie_word_embeddings=False)
+EXPERIMENTS = ("ddp", "tp", "pp")
+
+# Validation models: other families than lab 3's, each all nn.Linear (DTensor's plans apply; GPT-2's
+# Conv1D does not), 8 layers (p = 4 stages x v = 2 chunks), a vocabulary large enough for the
+# embedding and head to matter, a rank's step in about a second on one CPU core. No dropout.
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "lab": ("llama-lab3", LAB_CONFIG),
+    # OPT: learned positions, LayerNorm with bias, ReLU MLP (fc1/fc2 in the block), tied embeddings
+    "opt-val": ("opt-val", dict(model_type="opt", hidden_size=256, ffn_dim=1024, num_hidden_layers=8,
+                                num_attention_heads=8, vocab_size=8192, max_position_embeddings=512,
+                                word_embed_proj_dim=256, do_layer_norm_before=True, enable_bias=True,
+                                activation_function="relu", tie_word_embeddings=True, dropout=0.0,
+                                attention_dropout=0.0, layerdrop=0.0)),
+    # GPT-NeoX / Pythia: fused query_key_value (laid out head by head, so column-wise = by heads),
+    # parallel residual, partial rotary, untied head (lm_head in transformers 5; embed_out before)
+    "neox-val": ("neox-val", dict(model_type="gpt_neox", hidden_size=256, intermediate_size=1024,
+                                  num_hidden_layers=8, num_attention_heads=8, vocab_size=4096,
+                                  max_position_embeddings=512, rotary_pct=0.25, use_parallel_residual=True,
+                                  hidden_act="gelu", tie_word_embeddings=False, hidden_dropout=0.0,
+                                  attention_dropout=0.0)),
+    # Llama 3.2-like: grouped-query attention 8 query heads / 2 key-value heads, tied embeddings
+    "llama-gqa-val": ("llama-gqa-val", dict(model_type="llama", hidden_size=256, intermediate_size=768,
+                                            num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                                            vocab_size=6144, max_position_embeddings=512,
+                                            tie_word_embeddings=True)),
+}
+
+# Where each family keeps its parts (transformers 5.x module names) and how tensor parallelism splits
+# it: `col` column-wise (by heads / MLP width), `row` row-wise (one all-reduce each); `attn`/`mlp` the
+# modules whose input sequence parallelism gathers (`attn_kw`: the block passes it as hidden_states=).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": dict(embed="model.embed_tokens", layers="model.layers", norm="model.norm", head="lm_head",
+                  rotary="model.rotary_emb", col=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                   "mlp.gate_proj", "mlp.up_proj"),
+                  row=("self_attn.o_proj", "mlp.down_proj"), attn="self_attn", attn_kw=True, mlp="mlp",
+                  block_norms=("input_layernorm", "post_attention_layernorm"), sp=True),
+    "gpt_neox": dict(embed="gpt_neox.embed_in", layers="gpt_neox.layers", norm="gpt_neox.final_layer_norm",
+                     head="lm_head", rotary="gpt_neox.rotary_emb",
+                     col=("attention.query_key_value", "mlp.dense_h_to_4h"),
+                     row=("attention.dense", "mlp.dense_4h_to_h"), attn="attention", attn_kw=False, mlp="mlp",
+                     block_norms=("input_layernorm", "post_attention_layernorm"), sp=True),
+    # OPT: no sequence parallelism (its block flattens (b, s, h) to (b*s, h) before the MLP, which a
+    # sequence-sharded DTensor cannot take without a gather, and its learned positions are added as a
+    # plain tensor)
+    "opt": dict(embed="model.decoder.embed_tokens", layers="model.decoder.layers",
+                norm="model.decoder.final_layer_norm", head="lm_head", rotary=None, positions="model.decoder.embed_positions",
+                col=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1"),
+                row=("self_attn.out_proj", "fc2"), attn="self_attn", attn_kw=True, mlp=None,
+                block_norms=("self_attn_layer_norm", "final_layer_norm"), sp=False),
+}
+
+
+def model_spec(name: str = "lab") -> ModelSpec:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    label, cfg = MODELS[name]
+    return from_config(cfg, name=label)
+
+
+def lab_model() -> ModelSpec:
+    return model_spec("lab")
+
+
+class ParlabError(RuntimeError):
+    """A rank could not finish: the message says which and why, in one line."""
+
+
+# ----------------------------------------------------------------------------- helpers (torch)
+
+def _device(backend: str, rank: int):
+    import torch
+
+    if backend == "nccl":
+        dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}")
+        torch.cuda.set_device(dev)
+        return dev
+    torch.set_num_threads(1)  # one compute thread per rank, each on its own core when there are enough
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) >= int(os.environ.get("WORLD_SIZE", "1")):
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    return torch.device("cpu")
+
+
+def _build(spec: ModelSpec, dev):
+    import torch
+
+    from .models import build_model
+
+    torch.manual_seed(0)  # the same weights on every rank
+    return build_model(spec, attention="sdpa", device=dev)
+
+
+def _batch(spec: ModelSpec, rows: int, seq: int, dev, seed: int = 1):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, spec.vocab_size, (rows, seq), generator=g).to(dev)
+
+
+def _mode(dev) -> str:
+    return "cuda" if dev.type == "cuda" else "cpu"
+
+
+def _get(module, path: str):
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _family(spec: ModelSpec) -> dict[str, Any]:
+    if spec.family not in FAMILIES:
+        raise ParlabError(f"{spec.name}: family {spec.family} has no parallel plan here (known: {', '.join(FAMILIES)})")
+    return FAMILIES[spec.family]
+
+
+def _autocast(precision: str, dev):
+    """bf16 autocast around forward passes and the loss (`precision="bf16"`), nothing for fp32."""
+    import torch
+
+    if precision == "bf16":
+        return torch.autocast(dev.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _apply_recompute(model, spec: ModelSpec, how: str) -> None:
+    """Activation recomputation, non-reentrant `torch.utils.checkpoint`: `full` checkpoints every block
+    (only its input is kept; the block runs again in the backward), `selective` only the attention core
+    (transformers' sdpa attention function: GQA's key/value expansion where transformers does it, the SDPA
+    kernel and what it saves, its output and log-sum-exp), as Megatron-LM's selective recomputation does.
+
+    early_stop=False: with early stopping (torch's default) the recomputation stops at the last tensor the
+    backward needs, and under DTensor tensor parallelism a block that ends in two row-parallel all-reduces
+    (GPT-NeoX's parallel residual) leaves one issued, never-waited functional all-reduce per block behind,
+    whose output is never freed: b s h bytes per block and step, growing without bound (measured with
+    the ledger; absent without early stopping)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    if how == "full":
+        for layer in _get(model, _family(spec)["layers"]):
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False, early_stop=False)
+    elif how == "selective":
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+        core = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        if getattr(core, "_vramlab_selective", False):
+            return
+
+        def selective(module, query, key, value, attention_mask, *args, **kwargs):
+            return checkpoint(core, module, query, key, value, attention_mask, *args, use_reentrant=False,
+                              early_stop=False, **kwargs)
+
+        selective._vramlab_selective = True
+        AttentionInterface.register("sdpa", selective)  # this process only (one process per rank)
+
+
+class _Tracked:
+    """MemTracker around a step, with the current bytes by category readable at chosen points."""
+
+    def __init__(self, model, optimizer, inputs):
+        from .memory import _ignore_frozen, _tracker, _tensors
+
+        self.tracker = _tracker()
+        self.tracker.track_external(model, optimizer, *_tensors(inputs))
+        _ignore_frozen(self.tracker, model)
+        self.points: dict[str, dict[str, int]] = {}
+
+    def mark(self, name: str) -> None:
+        self.points[name] = self._snap("current")
+
+    def set_phase(self, name: str) -> None:
+        pass
+
+    def _snap(self, which: str) -> dict[str, int]:
+        snaps = self.tracker.get_tracker_snapshot(which)
+        snap = next(iter(snaps.values())) if snaps else {}
+        return {str(k.value if hasattr(k, "value") else k): int(v) for k, v in snap.items()}
+
+    def peak(self) -> dict[str, int]:
+        return self._snap("peak")
+
+
+def _categories(snap: dict[str, int], *, opt, extra_grad: int = 0) -> dict[str, int]:
+    """MemTracker's categories -> the estimate's (`measure._to_breakdown`), as a dict with the total;
+    `extra_grad`: gradient bytes the tracker cannot see."""
+    from .memory import _state_bytes, _to_breakdown
+
+    bd = _to_breakdown(snap, opt_state_bytes=_state_bytes(opt), label="measured")
+    return _with_total({"parameters": bd.parameters, "gradients": bd.gradients + extra_grad,
+                        "optimizer_states": bd.optimizer_states, "activations": bd.activations,
+                        "temporaries": bd.temporaries, "inputs": bd.inputs, "other": bd.other})
+
+
+def _measure_step(step, model, opt, inputs, *, extra_grad: int = 0) -> tuple[dict[str, int], dict[str, int]]:
+    """One step under MemTracker: (the peak, the end of the forward pass) by category. `step(tr)` calls
+    `tr.mark("forward end")` once its loss exists."""
+    tr = _Tracked(model, opt, inputs)
+    with tr.tracker:
+        step(tr)
+    return (_categories(tr.peak(), opt=opt, extra_grad=extra_grad),
+            _categories(tr.points["forward end"], opt=opt, extra_grad=extra_grad))
+
+
+def _predicted(b) -> dict[str, int]:
+    return {"parameters": b.parameters, "gradients": b.gradients, "optimizer_states": b.optimizer_states,
+            "activations": b.activations, "temporaries": b.temporaries, "total": b.total, "phase": b.phase}
+
+
+def _with_total(d: dict[str, int]) -> dict[str, int]:
+    return {**d, "total": sum(d.values())}
+
+
+def _optimizer(params, foreach: bool = True):
+    """AdamW (lr 1e-4), foreach by default (lab 3's setting) or one parameter at a time; with foreach, split
+    parameters (DTensors) in a group of their own: a foreach kernel cannot mix them with plain tensors
+    (the replicated norms)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return torch.optim.AdamW([{"params": g} for g in groups if g], lr=1e-4, foreach=foreach)
+
+
+def _steady(opt, params) -> None:
+    """Create the optimizer's states (one step on zero gradients) and keep the gradients allocated."""
+    import torch
+
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    _zero(opt)
+
+
+def _zero(opt) -> None:
+    """zero_grad(set_to_none=False) one tensor at a time (its foreach kernel cannot mix DTensors and tensors):
+    the gradients stay allocated."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad.zero_()
+
+
+def _lm_loss(logits, labels):
+    """The next-token loss as transformers computes it (`ForCausalLMLoss`): the labels shifted left and
+    padded with -100 (ignored), the logits flattened as a view. Slicing the logits instead
+    (`logits[:, :-1]`) would copy them, one b x s x V tensor that no real training loop holds."""
+    import torch.nn.functional as F
+
+    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100)
+
+
+def _train_step(model, batch, opt, loss_context=None, precision: str = "fp32"):
+    """One steady-state training step, `step(tr=None)`: forward and loss (inside `loss_context()`, e.g.
+    tensor parallelism's `loss_parallel`, with the backward; in bf16 autocast for precision="bf16"), the
+    forward's end marked and the phases named on a tracker when one is given, optimizer step, gradients
+    zeroed but kept."""
+
+    def step(tr=None):
+        phase = tr.set_phase if tr else (lambda name: None)
+        with (loss_context or contextlib.nullcontext)():
+            phase("forward")
+            with _autocast(precision, batch.device):
+                logits = model(batch).logits
+                phase("loss")
+                loss = _lm_loss(logits, batch)
+                del logits
+            if tr:
+                tr.mark("forward end")
+            phase("backward")
+            loss.backward()
+        phase("optimizer")
+        opt.step()
+        _zero(opt)
+        phase("after step")
+    return step
+
+
+# ----------------------------------------------------------------------------- the ledger
+
+_FORWARD_PHASES = ("forward", "loss")
+_STATE_CATEGORIES = ("parameters", "gradients", "optimizer_states")
+
+
+def _storage_key(t) -> int | None:
+    """The data pointer of a tensor's storage (a DTensor's local tensor), None when it has none."""
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        return None
+    if hasattr(t, "_local_tensor"):
+        t = t._local_tensor
+    if t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class _ModeContext:
+    """A tracker that is entered as its dispatch mode (`self.mode`), and can pause it."""
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Nothing recorded inside (timed steps: no dispatch overhead). Frees of known storages are still
+        seen (they are weakref callbacks); what is created inside and outlives it is unknown to the ledger."""
+        self.mode.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self.mode.__enter__()
+
+
+class _Ledger(_ModeContext):
+    """Every storage created through PyTorch's dispatcher in this process (on the threads that run with the
+    mode: the rank's main thread and, on the CPU, the autograd engine's), from creation to free, with its
+    bytes, dtype, shape, creating operation and the phase it was created in.
+
+    Used as a context manager around the whole experiment, so that what exists before a measured step
+    (parameters, DDP's buckets, the pipeline's receive buffers, leftovers) is known. DTensor operations
+    are passed on to DTensor (the mode returns NotImplemented), whose operations on local tensors then come
+    back through the mode: DTensor's own temporaries are seen. Fake and meta tensors (DTensor's sharding
+    propagation) are skipped. `begin(groups)` ... `end()` measure one step: every allocation and free in
+    between is logged, so that the storages alive at the peak, at each phase's peak and at marked points
+    can be replayed and sorted into categories."""
+
+    def __init__(self):
+        import torch
+        from torch.distributed.tensor import DTensor
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.live: dict[int, tuple] = {}  # key -> (bytes, dtype, shape, op, phase, in_step)
+        self.now, self.phase, self.recording = 0, "setup", False
+        self.context = None  # () -> dict, read at each new peak of a measured step
+        self.comm: dict[str, list[int]] = {}
+        self._ops: dict = {}  # operation -> (name, is a collective)
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if any(issubclass(t, DTensor) for t in types):
+                    return NotImplemented
+                out = func(*args, **(kwargs or {}))
+                outer._track(func, out, args)
+                return out
+
+        import weakref
+
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.utils._pytree import tree_flatten
+
+        self._torch, self._fake, self._flatten, self._weakref = torch, FakeTensor, tree_flatten, weakref
+        self.mode = Mode()
+
+    # -- bookkeeping
+    def _track(self, func, out, args) -> None:
+        torch, FakeTensor, tree_flatten, weakref = self._torch, self._fake, self._flatten, self._weakref
+        known = self._ops.get(func)
+        if known is None:
+            name = str(func)
+            known = self._ops[func] = (name, (name.startswith("_c10d_functional.") or name.startswith("c10d."))
+                                       and not name.startswith("_c10d_functional.wait") and "wrap_tensor" not in name)
+        name, is_comm = known
+        if self.recording and is_comm:
+            sent = sum(a.numel() * a.element_size() for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor))
+            c = self.comm.setdefault(name, [0, 0])
+            c[0] += 1
+            c[1] += sent
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor) or t.device.type == "meta":
+                continue
+            if hasattr(t, "_local_tensor"):
+                t = t._local_tensor
+            try:
+                st = t.untyped_storage()
+                key, n = st.data_ptr(), st.nbytes()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if n == 0:
+                continue
+            if self.recording and key not in self.lab_counted and key not in self.lab_excluded:
+                # lab 3's pipeline accounting (`_LiveBytes`): a storage counts from the first operation that
+                # returns it during the step (created then, or existing but not a resident state) until freed
+                self.lab_counted[key] = n
+                self.lab_now += n
+                self.lab_peak = max(self.lab_peak, self.lab_now)
+            if key in self.live:
+                continue
+            info = (n, str(t.dtype).replace("torch.", ""), list(t.shape), name, self.phase, self.recording)
+            self.live[key] = info
+            self.now += n
+            weakref.finalize(st, self._free, key)
+            if self.recording:
+                self.events.append((key, info))
+                self.step_now += n
+                self.step_peak = max(self.step_peak, self.step_now)
+                big = self.biggest.setdefault(self.phase, [])
+                if len(big) < 5 or n > big[-1][0]:
+                    big.append(info)
+                    big.sort(key=lambda i: -i[0])
+                    del big[5:]
+                self._peaks()
+
+    def _peaks(self) -> None:
+        if self.now > self.phase_peaks.get(self.phase, (-1, 0))[0]:
+            self.phase_peaks[self.phase] = (self.now, len(self.events))
+        if self.now > self.peak:
+            self.peak, self.peak_at, self.peak_phase = self.now, len(self.events), self.phase
+            self.peak_context = self.context() if self.context else None
+
+    def _free(self, key: int) -> None:
+        info = self.live.pop(key, None)
+        if info is None:
+            return
+        self.now -= info[0]
+        if self.recording:
+            self.events.append((key, None))
+            if info[5]:
+                self.step_now -= info[0]
+            self.lab_now -= self.lab_counted.pop(key, 0)
+
+    def set_phase(self, name: str) -> None:
+        self.phase = name
+        if self.recording:
+            self._peaks()
+
+    def mark(self, name: str) -> None:
+        if self.recording:
+            self.marks[name] = (self.now, len(self.events))
+
+
+    # -- one measured step
+    def begin(self, groups: dict[str, list]) -> None:
+        """Start measuring a step; `groups`: the resident tensors by category (parameters, gradients,
+        optimizer_states, inputs, buffers)."""
+        import gc
+
+        gc.collect()
+        self.groups = groups
+        self.start_live = dict(self.live)
+        self.start_now = self.now
+        self.events: list = []
+        self.marks: dict[str, tuple[int, int]] = {}
+        self.biggest: dict[str, list] = {}
+        self.phase_peaks: dict[str, tuple[int, int]] = {}
+        self.comm = {}
+        self.peak, self.peak_at, self.peak_phase, self.peak_context = self.now, 0, self.phase, \
+            (self.context() if self.context else None)
+        self.step_now = self.step_peak = 0
+        self.lab_excluded = {k for cat in _STATE_CATEGORIES + ("inputs",) for k in map(_storage_key, groups.get(cat, []))
+                             if k is not None}
+        self.lab_counted: dict[int, int] = {}
+        self.lab_now = self.lab_peak = 0
+        self.recording = True
+
+    def end(self, groups: dict[str, list] | None = None) -> dict[str, Any]:
+        self.recording = False
+        keys: dict[str, set] = {}
+        for g in (self.groups, groups or {}):
+            for cat, tensors in g.items():
+                keys.setdefault(cat, set()).update(k for k in map(_storage_key, tensors) if k is not None)
+        # resident storages the ledger never saw (allocated outside it): counted at every point from their tensors
+        unseen = {}
+        for cat, ks in keys.items():
+            for t in (self.groups.get(cat, []) + (groups or {}).get(cat, [])):
+                k = _storage_key(t)
+                if k is not None and k not in self.start_live and k not in unseen:
+                    tt = t._local_tensor if hasattr(t, "_local_tensor") else t
+                    unseen[k] = (cat, tt.untyped_storage().nbytes())
+        unseen_bytes: dict[str, int] = {}
+        for cat, n in unseen.values():
+            unseen_bytes[cat] = unseen_bytes.get(cat, 0) + n
+        states = [(i, self._replay(i)) for i in sorted({self.peak_at, *(i for _, i in self.phase_peaks.values()),
+                                                        *(i for _, i in self.marks.values())})]
+        at = dict(states)
+
+        def point(index: int, top: int = 0) -> dict[str, Any]:
+            cats, items = self._categorize(at[index], keys, unseen_bytes)
+            out: dict[str, Any] = {"total": sum(cats.values()), "categories": cats, "coarse": _coarse(cats)}
+            if top:
+                out["largest"] = [_item(info, cat) for info, cat in items[:top]]
+            return out
+
+        result = {
+            "peak": self.peak + sum(unseen_bytes.values()), "peak_phase": self.peak_phase,
+            "at_peak": point(self.peak_at, top=10),
+            "peak_context": self.peak_context,
+            "phases": {ph: point(i, top=3) | {"peak": n + sum(unseen_bytes.values())}
+                       for ph, (n, i) in self.phase_peaks.items()},
+            "marks": {name: point(i) for name, (n, i) in self.marks.items()},
+            "created_in_step_peak": self.step_peak, "lab_accounting_peak": self.lab_peak,
+            "largest_created": {ph: [_item(info) for info in big] for ph, big in self.biggest.items()},
+            "collectives_seen": {k: {"calls": c, "input_bytes": b} for k, (c, b) in sorted(self.comm.items())},
+            "resident_unseen_by_ledger": unseen_bytes,
+            "before_step": self.start_now + sum(unseen_bytes.values()),
+        }
+        del self.events, self.start_live
+        return result
+
+    def _replay(self, index: int) -> dict[int, tuple]:
+        live = dict(self.start_live)
+        for key, info in self.events[:index]:
+            if info is None:
+                live.pop(key, None)
+            else:
+                live[key] = info
+        return live
+
+    def _categorize(self, live: dict[int, tuple], keys: dict[str, set], unseen: dict[str, int]):
+        cats = {c: 0 for c in ("parameters", "gradients", "optimizer_states", "inputs", "buffers", "persistent_other",
+                               "activations", "backward_transients", "optimizer_transients", "step_other")}
+        for cat, n in unseen.items():
+            cats[cat] = cats.get(cat, 0) + n
+        items = []
+        for key, info in live.items():
+            cat = next((c for c, ks in keys.items() if key in ks), None)
+            if cat is None:
+                if key in self.start_live:
+                    cat = "persistent_other"
+                elif info[4] in _FORWARD_PHASES:
+                    cat = "activations"
+                elif info[4] == "backward":
+                    cat = "backward_transients"
+                elif info[4] == "optimizer":
+                    cat = "optimizer_transients"
+                else:
+                    cat = "step_other"
+                items.append((info, cat))
+            cats[cat] = cats.get(cat, 0) + info[0]
+        items.sort(key=lambda x: -x[0][0])
+        return cats, items
+
+
+def _coarse(cats: dict[str, int]) -> dict[str, int]:
+    """The ledger's categories folded into the five of the estimate's breakdown."""
+    return {"parameters": cats["parameters"], "gradients": cats["gradients"],
+            "optimizer_states": cats["optimizer_states"],
+            "activations_transients": cats["activations"] + cats["backward_transients"] + cats["optimizer_transients"]
+            + cats["step_other"],
+            "other": cats["inputs"] + cats["buffers"] + cats["persistent_other"]}
+
+
+def _item(info: tuple, category: str | None = None) -> dict[str, Any]:
+    out = {"bytes": info[0], "dtype": info[1], "shape": info[2], "op": info[3], "phase": info[4]}
+    if category:
+        out["category"] = category
+    return out
+
+
+_LEDGER: _Ledger | None = None
+
+
+def _groups(modules, opt, inputs) -> dict[str, list]:
+    params = [p for m in modules for p in m.parameters()]
+    return {"parameters": params, "gradients": [p.grad for p in params if p.grad is not None],
+            "optimizer_states": [v for s in opt.state.values() for v in s.values() if hasattr(v, "untyped_storage")],
+            "inputs": list(inputs), "buffers": [b for m in modules for b in m.buffers()]}
+
+
+def _ledger_step(step, modules, opt, inputs) -> dict[str, Any]:
+    """One step measured by the process's ledger."""
+    led = _LEDGER
+    groups = _groups(modules, opt, inputs)
+    led.begin(groups)
+    try:
+        step(led)
+    finally:
+        led.set_phase("after step")
+    return led.end(_groups(modules, opt, inputs))
+
+
+def _shard_bytes(params) -> int:
+    """Bytes of this rank's parameters (a DTensor's local shard)."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in params)
+
+
+def _run_info(spec: ModelSpec, args, layout: dict[str, int]) -> dict[str, Any]:
+    """What a run measured, exactly: the model and the step's settings. `param_count` is the whole model's
+    (spec.params, equal to the built model's parameter count, tied weights once)."""
+    return {"model_name": args.model, "model_config": MODELS[args.model][1], "hf_config": spec.to_hf_config(),
+            "param_count": spec.params, "layout": layout,
+            "precision": "bf16 autocast (CPU), fp32 parameters, gradients and states" if args.precision == "bf16"
+            else "fp32", "optimizer": {"name": "AdamW", "lr": 1e-4, "foreach": args.foreach},
+            "attention": "sdpa", "gradients_kept_between_steps": True, "zero_grad": "set_to_none=False",
+            "recompute": args.recompute, "sequence_parallel": bool(args.sp),
+            **({"checkpoint": "torch.utils.checkpoint, use_reentrant=False, early_stop=False"}
+               if args.recompute != "none" else {})}
+
+
+# ----------------------------------------------------------------------------- DDP
+
+def _run_ddp(rank: int, world: int, args, dev) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    spec, b, s = model_spec(args.model), args.micro_batch, args.seq
+    view = bool(args.gradient_as_bucket_view)
+    batch = _batch(spec, b * world, s, dev)
+    mine = batch[rank * b:(rank + 1) * b]
+    # 1. gradients: DDP on this rank's rows against one process on the whole batch
+    model = _build(spec, dev)
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, bucket_cap_mb=args.bucket_cap_mb,
+              gradient_as_bucket_view=view)
+    _lm_loss(ddp(mine).logits, mine).backward()
+    _lm_loss(ref(batch).logits, batch).backward()
+    # relative to each tensor's largest gradient, or to 1e-6 of the model's largest where a tensor's gradient is
+    # nothing but rounding (a key projection's bias: zero in exact arithmetic, the softmax ignores it)
+    floor = 1e-6 * max(q.grad.abs().max().item() for q in ref.parameters())
+    worst = max(((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(max(floor, 1e-30))).item()
+                for p, q in zip(model.parameters(), ref.parameters()))
+    del ddp, model, ref
+    gc.collect()
+    # 2. memory of a steady-state step, and the buckets DDP settled on
+    model = _build(spec, dev)
+    _apply_recompute(model, spec, args.recompute)
+    _LEDGER.set_phase("ddp construction")
+    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, bucket_cap_mb=args.bucket_cap_mb,
+              gradient_as_bucket_view=view)
+    _LEDGER.set_phase("setup")
+    params = list(model.parameters())
+    opt = _optimizer(params, args.foreach)
+    _steady(opt, params)
+
+    step = _train_step(ddp, mine, opt, precision=args.precision)
+    step()  # DDP records the order in which gradients became ready,
+    step()  # and rebuilds its buckets in that order at the start of the second forward
+    # the reducer's buckets as they are now (zero tensors shaped like them: their bytes, in reduction order)
+    order = [int(i) for i in str(ddp._get_ddp_logging_data().get("prev_iteration_grad_ready_order_indices", "")).split(",")
+             if i.strip()]
+    buckets = [g.buffer().numel() * g.buffer().element_size() for g in ddp.reducer._get_zeros_like_grad_buckets()]
+    # MemTracker cannot see the buckets (allocated by DDP's C++ reducer): with gradient_as_bucket_view the
+    # gradients are views of them and already counted, otherwise they are a second copy of the gradients
+    peak, forward_end = _memtracker(step, model, opt, mine, extra_grad=0 if view else sum(buckets))
+    memory = _ledger_step(step, [model], opt, [batch])
+    if peak is None:
+        peak, forward_end = _measured_from_ledger(memory), None
+    pred = P.estimate_layout(spec, P.Layout(dp=world), micro_batch_size=b, seq_len=s, precision="fp32",
+                             device=dev.type)[0] if _predicts(args) else None
+    return {"rank": rank, "grad_max_rel_diff": worst, "buckets": buckets,
+            "buckets_predicted": P.ddp_buckets([p.numel() * p.element_size() for p in params],
+                                               bucket_cap_mb=args.bucket_cap_mb),
+            # the same rule fed the order DDP recorded (ddp_buckets takes parameter order and reverses it)
+            "buckets_predicted_ready_order": P.ddp_buckets([params[i].numel() * params[i].element_size()
+                                                            for i in reversed(order)], bucket_cap_mb=args.bucket_cap_mb)
+            if sorted(order) == list(range(len(params))) else None,
+            "measured": peak, "measured_forward_end": forward_end,
+            "predicted": _predicted(pred) if pred is not None else None,
+            "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "gradient_as_bucket_view": view, "memory": memory,
+            "measured_note": None if view else (
+                "MemTracker registers DDP's existing buckets as new temporaries when c10d.allreduce_ returns them, "
+                "on top of extra_grad: 'measured' double-counts the buckets already all-reduced at its peak; "
+                "'memory' (the ledger) knows them from DDP's construction and counts them once"),
+            "run": _run_info(spec, args, {"dp": world, "tp": 1, "pp": 1}) | {"micro_batches": 1}}
+
+
+def _memtracker(step, model, opt, inputs, **kw):
+    """MemTracker's (peak, forward end), or (None, None) where it cannot follow the step."""
+    try:
+        return _measure_step(step, model, opt, inputs, **kw)
+    except Exception as e:  # noqa: BLE001 - the ledger still measures
+        print(f"parlab: MemTracker could not follow this step ({type(e).__name__}: {str(e)[:120]}); "
+              f"'measured' is the ledger's", file=sys.stderr)
+        return None, None
+
+
+def _measured_from_ledger(memory: dict) -> dict[str, int]:
+    """lab 3's `measured` categories from the ledger's peak (where MemTracker cannot run)."""
+    c = memory["at_peak"]["categories"]
+    return _with_total({"parameters": c["parameters"], "gradients": c["gradients"],
+                        "optimizer_states": c["optimizer_states"],
+                        "activations": c["activations"] + c["backward_transients"] + c["step_other"],
+                        "temporaries": c["optimizer_transients"], "inputs": c["inputs"],
+                        "other": c["buffers"] + c["persistent_other"]})
+
+
+def _predicts(args) -> bool:
+    """`vramlab.parallel`'s prediction is reported for lab 3's own settings only."""
+    return (args.model == "lab" and args.precision == "fp32" and args.recompute == "none" and not args.sp
+            and args.foreach and not args.gradient_as_bucket_view)
+
+
+# ----------------------------------------------------------------------------- TP
+
+def tp_plan(spec: ModelSpec, sp: bool = False) -> dict[str, Any]:
+    """Megatron's split as a DTensor plan for the model's family (`FAMILIES`): q/k/v (or the fused
+    query_key_value, laid out head by head) and the MLP's first projections (gate/up, fc1, dense_h_to_4h)
+    column-wise, by heads and by MLP width; the attention output (o_proj, out_proj, dense) and the MLP's
+    last projection (down_proj, fc2, dense_4h_to_h) row-wise, one all-reduce each; the embedding and the
+    head by vocabulary (the head's logits stay split for a vocabulary-parallel loss).
+
+    `sp`: sequence parallelism (Korthikanti et al.): the norms run on a sequence shard (`SequenceParallel`),
+    the residual stream stays split by sequence between blocks, each attention and MLP block gathers its
+    input once (`PrepareModuleInput`: all-gather) and its row-wise output is reduce-scattered back to
+    sequence shards (`output_layouts=Shard(1)`)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    fam = _family(spec)
+    if sp and not fam["sp"]:
+        raise ParlabError(f"{spec.name}: sequence parallelism is not supported for the {spec.family} family here")
+    if not sp:
+        plan: dict[str, Any] = {fam["embed"]: RowwiseParallel(input_layouts=Replicate()),
+                                fam["head"]: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    else:
+        plan = {fam["embed"]: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+                fam["norm"]: SequenceParallel(),
+                fam["head"]: ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(spec.num_layers):
+        pre = f"{fam['layers']}.{i}"
+        for name in fam["col"]:
+            plan[f"{pre}.{name}"] = ColwiseParallel()
+        for name in fam["row"]:
+            plan[f"{pre}.{name}"] = (RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sp
+                                     else RowwiseParallel())
+        if sp:
+            for name in fam["block_norms"]:
+                plan[f"{pre}.{name}"] = SequenceParallel()
+            plan[f"{pre}.{fam['attn']}"] = (
+                PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                   desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True)
+                if fam["attn_kw"] else
+                PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True))
+            plan[f"{pre}.{fam['mlp']}"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                             use_local_output=True)
+    return plan
+
+
+def _after_tp(model, spec: ModelSpec, world: int) -> None:
+    """What `parallelize_module` leaves to the model: OPT's attention reshapes by its own head count (set it
+    to the rank's), and a tied head gets its own copy of the split embedding (tie them again)."""
+    fam = _family(spec)
+    if spec.family == "opt":
+        for layer in _get(model, fam["layers"]):
+            layer.self_attn.num_heads = spec.num_heads // world
+    if spec.tie_word_embeddings:
+        _get(model, fam["head"]).weight = _get(model, fam["embed"]).weight
+
+
+def tp_problem(spec: ModelSpec, t: int, *, sp: bool = False, seq: int = 0) -> str | None:
+    """Why `spec` cannot be split t ways here (None when it can)."""
+    sizes = {"num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+             "vocab_size": spec.vocab_size, "intermediate_size": spec.intermediate_size}
+    if sp:
+        sizes["seq_len"] = seq
+    bad = [f"{k} {v}" for k, v in sizes.items() if v % t]
+    if bad:
+        return f"{spec.name} cannot be split {t} ways: {', '.join(bad)} not divisible by {t}"
+    if sp and not _family(spec)["sp"]:
+        return f"--sp is not supported for the {spec.family} family (supported: " \
+               f"{', '.join(f for f, d in FAMILIES.items() if d['sp'])})"
+    return None
+
+
+def _run_tp(rank: int, world: int, args, dev) -> dict[str, Any]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    spec, b, s = model_spec(args.model), args.micro_batch, args.seq
+    why = tp_problem(spec, world, sp=args.sp, seq=s)
+    if why:
+        raise ParlabError(why)
+    batch = _batch(spec, b, s, dev)  # the same rows on every rank: TP splits the model, not the data
+    mesh = init_device_mesh(dev.type, (world,))
+    ref = _build(spec, dev)
+    model = parallelize_module(_build(spec, dev), mesh, tp_plan(spec, sp=args.sp))
+    _after_tp(model, spec, world)
+
+    def loss_of(m):
+        logits = m(batch).logits
+        with loss_parallel():
+            return _lm_loss(logits, batch), logits
+
+    # 1. the split model computes what the unsplit one does
+    with torch.no_grad():
+        want = ref(batch).logits
+        loss_ref = _lm_loss(want, batch)
+        loss_tp, logits = loss_of(model)
+        got = logits.full_tensor()
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    loss_diff = abs(loss_tp.item() - loss_ref.item())
+    del ref, want, got, logits
+    # 2. the gradients DTensor hands back where there is none yet (a first step, or zero_grad(set_to_none=True)):
+    # their layout and local size where it differs from the parameter's
+    logits = model(batch).logits
+    with loss_parallel():
+        _lm_loss(logits, batch).backward()
+    fresh = _grad_layouts(model)
+    for p in model.parameters():
+        p.grad = None
+    del logits
+    gc.collect()
+    _apply_recompute(model, spec, args.recompute)
+    params = list(model.parameters())
+    local = _shard_bytes(params)
+    full = sum(p.numel() * p.element_size() for p in params)  # a DTensor's numel is the global one
+    opt = _optimizer(params, args.foreach)
+    _steady(opt, params)
+
+    step = _train_step(model, batch, opt, loss_parallel, precision=args.precision)
+    step()
+    peak, forward_end = _memtracker(step, model, opt, batch)
+    memory = _ledger_step(step, [model], opt, [batch])
+    if peak is None:
+        peak, forward_end = _measured_from_ledger(memory), None
+    layouts = _grad_layouts(model)  # in the steady state: the gradients exist and are accumulated into
+    pred = P.estimate_layout(spec, P.Layout(tp=world), micro_batch_size=b, seq_len=s, precision="fp32",
+                             device=dev.type)[0] if _predicts(args) else None
+    return {"rank": rank, "logits_max_rel_diff": rel, "loss_abs_diff": loss_diff, "param_bytes_local": local,
+            "param_bytes_full": full,
+            "param_bytes_predicted": P.rank_params(spec, P.Layout(tp=world), 0) * 4 if _predicts(args) else None,
+            "measured": peak, "measured_forward_end": forward_end,
+            "predicted": _predicted(pred) if pred is not None else None,
+            "grad_layouts_differing": layouts, "grad_layouts_differing_fresh": fresh, "memory": memory,
+            "run": _run_info(spec, args, {"dp": 1, "tp": world, "pp": 1}) | {"micro_batches": 1}}
+
+
+def _grad_layouts(model) -> dict[str, dict[str, Any]]:
+    """Gradients whose DTensor layout differs from their parameter's (DTensor's vocabulary-parallel
+    embedding hands back a replicated, full-vocabulary gradient), with the local shapes."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: {"param": [str(x) for x in p.placements], "grad": [str(x) for x in p.grad.placements],
+                "param_local_shape": list(p.to_local().shape), "grad_local_shape": list(p.grad.to_local().shape)}
+            for n, p in model.named_parameters()
+            if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements}
+
+
+# ----------------------------------------------------------------------------- PP
+
+def _stage_module(model, layers: range, first: bool, last: bool, spec: ModelSpec | None = None,
+                  precision: str = "fp32"):
+    """Blocks `layers` of a transformers causal LM (Llama, GPT-NeoX or OPT), with the embedding (and OPT's
+    learned positions) on the first stage and the final norm and head on the last; forward in bf16
+    autocast for precision="bf16". The stage keeps no reference to `model`: the blocks it does not hold
+    are freed with the model."""
+    import torch
+
+    fam = FAMILIES[spec.family if spec is not None else "llama"]
+    parts = {"embed_tokens": _get(model, fam["embed"]) if first else None,
+             "embed_positions": _get(model, fam["positions"]) if first and fam.get("positions") else None,
+             "layers": torch.nn.ModuleList(_get(model, fam["layers"])[i] for i in layers),
+             "rotary_emb": _get(model, fam["rotary"]) if fam.get("rotary") else None,
+             "norm": _get(model, fam["norm"]) if last else None,
+             "lm_head": _get(model, fam["head"]) if last else None}
+    return _stage_class()(parts, precision)
+
+
+def _stage_class():
+    import torch
+
+    class Stage(torch.nn.Module):
+        def __init__(self, parts: dict, precision: str):
+            super().__init__()
+            for name, module in parts.items():
+                setattr(self, name, module)
+            self.precision = precision
+
+        def forward(self, x):
+            with _autocast(self.precision, x.device):
+                h = self.embed_tokens(x) if self.embed_tokens is not None else x
+                pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+                if self.embed_positions is not None:  # as OPTDecoder: one position row per sequence
+                    h = h + self.embed_positions(None, 0, position_ids=pos.expand(h.shape[0], -1))
+                kw = {"position_embeddings": self.rotary_emb(h, pos)} if self.rotary_emb is not None else {}
+                for layer in self.layers:
+                    out = layer(h, attention_mask=None, position_ids=pos, **kw)
+                    h = out[0] if isinstance(out, tuple) else out
+                return self.lm_head(self.norm(h)) if self.lm_head is not None else h
+
+    return Stage
+
+
+def pp_problem(spec: ModelSpec, p: int, schedules: list[str], chunks: int, micro_batches: list[int]) -> str | None:
+    """Why these pipeline settings cannot run (None when they can)."""
+    need = p * (chunks if "interleaved" in schedules else 1)
+    if spec.num_layers < need:
+        return (f"{spec.name} has {spec.num_layers} layers: {p} stages"
+                f"{f' x {chunks} chunks' if need > p else ''} need at least {need}")
+    if "interleaved" in schedules:
+        bad = [m for m in micro_batches if m % max(1, m // p)]
+        if bad:
+            return f"interleaved 1F1B needs micro-batches a multiple of max(1, m // {p}); not {bad}"
+    return None
+
+
+def _run_pp(rank: int, world: int, args, dev) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    spec, b, s = model_spec(args.model), args.micro_batch, args.seq
+    why = pp_problem(spec, world, args.schedules, args.chunks, args.micro_batches)
+    if why:
+        raise ParlabError(why)
+    led = _LEDGER
+    rows = []
+    for schedule in args.schedules:
+        v = args.chunks if schedule == "interleaved" else 1
+        n_stages = world * v
+        split = P.stage_layers(spec.num_layers, n_stages)
+        mine = [rank + k * world for k in range(v)]  # virtual stages r, r + p, ... (Megatron's interleaving)
+        for m in args.micro_batches:
+            if schedule == "1f1b" and m < world:  # torch's 1F1B needs a micro-batch per stage to start
+                continue
+            led.set_phase("setup")
+            model = _build(spec, dev)
+            _apply_recompute(model, spec, args.recompute)
+            mods = [_stage_module(model, split[k], k == 0, k == n_stages - 1, spec, args.precision) for k in mine]
+            del model
+            params = [p for mod in mods for p in mod.parameters()]
+            opt = _optimizer(params, args.foreach)
+            _steady(opt, params)
+            stages = [PipelineStage(mod, k, n_stages, dev) for mod, k in zip(mods, mine)]
+
+            def loss_fn(out, target):
+                led.set_phase("loss")
+                with _autocast(args.precision, dev):
+                    loss = _lm_loss(out, target)
+                led.set_phase("schedule")
+                return loss
+
+            if schedule == "interleaved":
+                sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn)
+            else:
+                sched = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](stages[0], n_microbatches=m,
+                                                                                 loss_fn=loss_fn)
+            batch = _batch(spec, b * m, s, dev)
+            first, last = 0 in mine, n_stages - 1 in mine
+            state = _instrument_pp(stages, dev, led)
+
+            def step(tr=None):
+                # return_outputs=False: the last stage would otherwise keep every micro-batch's logits
+                # to hand them back merged
+                led.set_phase("schedule")
+                if first:
+                    sched.step(batch, return_outputs=False)
+                elif last:
+                    sched.step(target=batch, return_outputs=False)
+                else:
+                    sched.step(return_outputs=False)
+                led.set_phase("optimizer")
+                opt.step()
+                _zero(opt)
+                led.set_phase("after step")
+
+            step()  # warm-up: the stage's buffers and the p2p connections
+            dist.barrier()
+            holder = torch.nn.ModuleList(mods)
+            resident = _resident(holder, opt, batch)
+            state.reset()
+            led.context = state.snapshot
+            memory = _ledger_step(step, mods, opt, [batch])
+            led.context = None
+            memory["in_flight"] = {"max": state.max_in_flight, "max_per_virtual_stage": state.max_per_stage,
+                                   "at_peak": memory.pop("peak_context")}
+            p2p = state.p2p_counts()
+            # lab 3's accounting (as `_LiveBytes` counted it): the resident states plus the most bytes of storages
+            # returned by operations during the step that are not resident states (the ledger's `peak` also holds
+            # what exists before the step untouched: the stage's receive buffers, leftovers)
+            measured = {**{k: v for k, v in resident.items() if k != "storages"},
+                        "activations": memory["lab_accounting_peak"]}
+            # time: every forward and backward of this stage, on the machine's monotonic clock (one clock
+            # for all processes of a machine), in each of `repeats` steps
+            steps = []
+            with led.paused():  # the ledger's dispatch overhead would lengthen every operation
+                for _ in range(args.repeats):
+                    dist.barrier()
+                    state.ops.clear()
+                    t0 = time.perf_counter()
+                    step()
+                    ops = state.ops if schedule == "interleaved" else [o[:3] for o in state.ops]
+                    steps.append({"start": t0, "end": time.perf_counter(), "ops": list(ops)})
+            pred = None
+            if _predicts(args) and schedule in ("gpipe", "1f1b"):
+                pred = P.estimate_layout(spec, P.Layout(pp=world, micro_batches=m, schedule=schedule),
+                                         micro_batch_size=b, seq_len=s, precision="fp32", device=dev.type)[rank]
+            layers = [[split[k].start, split[k].stop] for k in mine]
+            rows.append({"schedule": schedule, "micro_batches": m, "rank": rank,
+                         "layers": layers[0] if v == 1 else layers, "virtual_stages": mine,
+                         "param_bytes": _shard_bytes(params),
+                         "measured": _with_total(measured), "predicted": _predicted(pred) if pred is not None else None,
+                         "memory": memory, "p2p": p2p, "steps": steps,
+                         "run": _run_info(spec, args, {"dp": 1, "tp": 1, "pp": world, "virtual_per_rank": v})
+                         | {"micro_batches": m, "schedule": schedule}})
+            del sched, stages, mods, holder, opt, params, state
+            gc.collect()
+    return {"rank": rank, "rows": rows}
+
+
+class _PipeState:
+    """What `_instrument_pp` records: each forward and backward (kind, start, end, virtual stage), the
+    micro-batches in flight per virtual stage (forwards begun minus backwards finished), and the bytes
+    of the p2p operations the stages post (activations forward, gradients backward)."""
+
+    def __init__(self, stage_ids):
+        self.ops: list = []
+        self.ids = list(stage_ids)
+        self.reset()
+
+    def reset(self) -> None:
+        self.in_flight = {k: 0 for k in self.ids}
+        self.max_per_stage = {k: 0 for k in self.ids}
+        self.max_in_flight = 0
+        self.p2p = {k: 0 for k in ("sent_forward_bytes", "sent_backward_bytes", "received_forward_bytes",
+                                   "received_backward_bytes", "sent_messages", "received_messages")}
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"total": sum(self.in_flight.values()), "per_virtual_stage": dict(self.in_flight)}
+
+    def p2p_counts(self) -> dict[str, int]:
+        return {**self.p2p, "sent_bytes": self.p2p["sent_forward_bytes"] + self.p2p["sent_backward_bytes"]}
+
+
+def _instrument_pp(stages, dev, led) -> _PipeState:
+    import torch
+
+    state = _PipeState([st.stage_index for st in stages])
+    for stage in stages:
+        idx = stage.stage_index
+        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+            fn = getattr(stage, name)
+
+            def timed(*a, _fn=fn, _kind=kind, _idx=idx, **kw):
+                if _kind == "F":
+                    state.in_flight[_idx] += 1
+                    state.max_per_stage[_idx] = max(state.max_per_stage[_idx], state.in_flight[_idx])
+                    state.max_in_flight = max(state.max_in_flight, sum(state.in_flight.values()))
+                led.set_phase("forward" if _kind == "F" else "backward")
+                t0 = time.perf_counter()
+                try:
+                    out = _fn(*a, **kw)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                finally:
+                    led.set_phase("schedule")
+                state.ops.append((_kind, t0, time.perf_counter(), _idx))
+                if _kind == "B":
+                    state.in_flight[_idx] -= 1
+                return out
+
+            setattr(stage, name, timed)
+        for name, key in (("get_fwd_send_ops", "sent_forward"), ("get_bwd_send_ops", "sent_backward"),
+                          ("get_fwd_recv_ops", "received_forward"), ("get_bwd_recv_ops", "received_backward")):
+            fn = getattr(stage, name)
+
+            def counted(*a, _fn=fn, _key=key, **kw):
+                ops = _fn(*a, **kw)
+                state.p2p[_key + "_bytes"] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+                state.p2p[_key.split("_")[0] + "_messages"] += len(ops)
+                return ops
+
+            setattr(stage, name, counted)
+    return state
+
+
+def _storage_bytes(tensors, seen) -> int:
+    total = 0
+    for t in tensors:
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def _resident(mod, opt, batch) -> dict:
+    """The bytes that exist before a step, by category, and their storages."""
+    seen: set[int] = set()
+    params = list(mod.parameters())
+    out = {"parameters": _storage_bytes(params, seen),
+           "gradients": _storage_bytes([p.grad for p in params if p.grad is not None], seen),
+           "optimizer_states": _storage_bytes([v for s in opt.state.values() for v in s.values()
+                                               if hasattr(v, "untyped_storage")], seen),
+           "inputs": _storage_bytes([batch], seen)}
+    return {**out, "storages": seen}
+
+
+class _LiveBytes(_ModeContext):
+    """Live-tensor tracking without module hooks (MemTracker's refuse a pipeline's interleaved forward
+    and backward passes): every storage an operation creates is counted from its creation until it
+    is freed; `peak` is the most alive at once. Storages that existed before (`resident`) are not."""
+
+    def __init__(self, resident: dict):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.seen, self.now, self.peak = set(resident["storages"]), 0, 0
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                outer._track(out)
+                return out
+
+        self.mode = Mode()
+
+    def _track(self, out) -> None:
+        import weakref
+
+        import torch
+        from torch.utils._pytree import tree_flatten
+
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            try:
+                st = t.untyped_storage()
+                key = st.data_ptr()
+            except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor): its local tensor is counted
+                continue
+            if key in self.seen or st.nbytes() == 0:
+                continue
+            self.seen.add(key)
+            self.now += st.nbytes()
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(st, self._free, key, st.nbytes())
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.seen.discard(key)
+        self.now -= nbytes
+
+
+def measured_bubble(ranks: list[dict], schedule: str, micro_batches: int) -> dict[str, Any]:
+    """The bubble of a pipeline run from the stages' recorded operations. In each timed step the span
+    T runs from the first operation's start to the last one's end over all stages; the bubble is
+    1 - W / T, W the busiest stage's own forward and backward time in that step (the formula's equal
+    stages, each taking what the slowest one takes). Reported: the median over steps, the median of
+    `replayed_bubble` (the same step with free communication), and each stage's mean forward and
+    backward time."""
+    rows = [next((r for r in rank["rows"] if r["schedule"] == schedule and r["micro_batches"] == micro_batches), None)
+            for rank in ranks]
+    if any(r is None for r in rows):
+        raise ValueError(f"no {schedule} run with {micro_batches} micro-batches in these results")
+    fractions, replayed = [], []
+    for k in range(len(rows[0]["steps"])):
+        ops = [row["steps"][k]["ops"] for row in rows]
+        span = max(o[2] for stage in ops for o in stage) - min(o[1] for stage in ops for o in stage)
+        fractions.append(1 - max(sum(o[2] - o[1] for o in stage) for stage in ops) / span)
+        replayed.append(replayed_bubble(ops))
+    per_stage = [{kind: statistics.fmean(o[2] - o[1] for step in row["steps"] for o in step["ops"] if o[0] == kind)
+                  for kind in "FB"} for row in rows]
+    return {"bubble": statistics.median(fractions), "per_step": fractions,
+            "replayed": statistics.median(replayed), "forward_s": [x["F"] for x in per_stage],
+            "backward_s": [x["B"] for x in per_stage]}
+
+
+def replayed_bubble(stage_ops: list[list]) -> float:
+    """The bubble of one measured step replayed with nothing but its computation: each stage runs its
+    recorded operations in their recorded order, each taking exactly its measured time, each as soon
+    as its input exists (the dependencies of `parallel.simulate`: a forward needs the previous stage's
+    forward of that micro-batch, a backward the next stage's backward or, on the last stage, its own
+    forward); sends and the time between operations cost nothing. Measured minus replayed is what
+    communication and scheduling overhead add; replayed minus the formula is what unequal and varying
+    operation times add."""
+    orders, took = [], []
+    for ops in stage_ops:
+        count = {"F": 0, "B": 0}
+        order = []
+        for kind, _, _ in ops:
+            order.append((kind, count[kind], 0))
+            count[kind] += 1
+        orders.append(order)
+        took.append([end - start for _, start, end in ops])
+    ticks = P.replay_orders(orders, took)
+    return 1 - max(sum(t) for t in took) / max(end for *_, end in ticks)
+
+
+def error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured."""
+    return (predicted - measured) / measured
+
+
+def layout_estimate(result: dict, row: dict):
+    """`parallel.estimate_layout` for the stage one measured row ran, configured as the run was (its
+    model, layout, schedule, chunks, micro-batches, precision, recompute, sequence parallelism, DDP's
+    bucket view, AdamW one tensor at a time or foreach, DTensor's tensor parallelism, the device)."""
+    info = result["settings"]
+    lay = info["layout"]
+    schedule = row.get("schedule") or "1f1b"
+    v = result.get("chunks", 2) if schedule == "interleaved" else 1
+    layout = P.Layout(dp=lay["dp"], tp=lay["tp"], pp=lay["pp"], sp=bool(info["sequence_parallel"]),
+                      micro_batches=row.get("micro_batches", 1), schedule=schedule, chunks=v)
+    stages = P.estimate_layout(
+        model_spec(info["model_name"]), layout, micro_batch_size=result["micro_batch_size"], seq_len=result["seq_len"],
+        precision="fp32" if info["precision"] == "fp32" else "bf16-mixed",
+        optimizer_impl="foreach" if info["optimizer"].get("foreach") else "for-loop",
+        device="cuda" if result.get("backend") == "nccl" else "cpu", recompute=info["recompute"],
+        gradient_as_bucket_view=bool(result.get("gradient_as_bucket_view")),
+        implementation="dtensor" if lay["tp"] > 1 else "megatron")
+    return stages[row["rank"] % lay["pp"]]
+
+
+def memory_rows(result: dict) -> list[dict[str, Any]]:
+    """One row per rank (ddp, tp) or per schedule, micro-batch count and stage (pp): the measured step
+    peak (the ledger's: every live storage through one steady-state step; on a GPU the allocator's
+    where the run recorded it), `layout_estimate`'s prediction, the relative error and both phases."""
+    out = []
+    items = ([row for rank in result["per_rank"] for row in rank["rows"]] if result["experiment"] == "pp"
+             else result["per_rank"])
+    for row in items:
+        mem = row["memory"]
+        pred = layout_estimate(result, row)
+        out.append({"schedule": row.get("schedule", ""), "micro_batches": row.get("micro_batches", 1),
+                    "rank": row["rank"], "measured": mem["peak"], "measured_phase": mem["peak_phase"],
+                    "predicted": pred.total, "predicted_phase": pred.phase, "error": error(pred.total, mem["peak"]),
+                    "states_measured": sum(mem["at_peak"]["categories"].get(k, 0) for k in _STATE_CATEGORIES),
+                    "states_predicted": pred.parameters + pred.gradients + pred.optimizer_states})
+    return sorted(out, key=lambda r: (r["schedule"], r["micro_batches"], r["rank"]))
+
+
+def bubble_rows(result: dict) -> list[dict[str, Any]]:
+    """Measured bubble against the formula (share of the step's time, equal stages) per schedule and m
+    (GPipe and 1F1B: one stage per rank)."""
+    seen = sorted({(row["schedule"], row["micro_batches"]) for rank in result["per_rank"] for row in rank["rows"]
+                   if row["schedule"] in ("gpipe", "1f1b")})
+    p = result["ranks"]
+    out = []
+    for schedule, m in seen:
+        got = measured_bubble(result["per_rank"], schedule, m)
+        formula = float(P.bubble_fraction(p, m, schedule, of="total"))
+        out.append({"schedule": schedule, "micro_batches": m, "formula": formula, "measured": got["bubble"],
+                    "replayed": got["replayed"], "error": error(formula, got["bubble"]), "forward_s": got["forward_s"],
+                    "backward_s": got["backward_s"]})
+    return out
+
+
+# ----------------------------------------------------------------------------- processes
+
+def _worker(rank: int, world: int, args, port: int) -> None:
+    import torch.distributed as dist
+
+    from .collectives import _first_line
+
+    global _LEDGER
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        dist.init_process_group(args.backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=args.timeout))
+    except Exception as e:  # noqa: BLE001
+        raise ParlabError(f"rank {rank} of {world}: the process group did not form within {args.timeout:g} s: "
+                          f"{_first_line(e)}") from None
+    try:
+        dev = _device(args.backend, rank)
+        _LEDGER = _Ledger()
+        with _LEDGER:
+            result = {"ddp": _run_ddp, "tp": _run_tp, "pp": _run_pp}[args.experiment](rank, world, args, dev)
+        _LEDGER = None
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            _report(gathered, args, world)
+    except ParlabError as e:
+        raise ParlabError(f"rank {rank} of {world}: {e}") from None
+    except Exception as e:  # noqa: BLE001
+        raise ParlabError(f"rank {rank} of {world}: {type(e).__name__}: {_first_line(e)}") from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _report(ranks: list[dict], args, world: int) -> None:
+    from .record import provenance
+
+    rows = [r for rank in ranks for r in rank["rows"]] if args.experiment == "pp" else ranks
+    run = {k: v for k, v in rows[0]["run"].items() if k not in ("micro_batches", "schedule")} if rows else {}
+    for r in rows:
+        r.pop("run", None)
+    run.pop("model_config", None)
+    out = {"experiment": args.experiment, "backend": args.backend, "ranks": world,
+           "model": MODELS[args.model][1], "model_name": args.model, "micro_batch_size": args.micro_batch,
+           "seq_len": args.seq, "micro_batches": args.micro_batches if args.experiment == "pp" else [1],
+           **({"schedules": args.schedules, "chunks": args.chunks} if args.experiment == "pp" else {}),
+           "gradient_as_bucket_view": bool(args.gradient_as_bucket_view), "settings": run,
+           "command": " ".join(["python -m vramlab.measure.parallel", *sys.argv[1:]]),
+           "provenance": provenance("cuda" if args.backend == "nccl" else "cpu"), "per_rank": ranks}
+    from ..units import fmt_bytes
+
+    spec = model_spec(args.model)
+    extra = [f"--sp" if args.sp else "", f"recompute {args.recompute}" if args.recompute != "none" else "",
+             "bf16 autocast" if args.precision == "bf16" else "",
+             "gradient_as_bucket_view" if args.gradient_as_bucket_view else ""]
+    print(f"# vramlab.measure.parallel {args.experiment}: backend {args.backend}, {world} ranks, {spec.name}, "
+          f"micro-batch {args.micro_batch} x {args.seq}{''.join(', ' + e for e in extra if e)}")
+    print(f"#{'schedule':>11}{'m':>4}{'rank':>6}{'predicted':>12}{'measured':>12}{'error':>8}"
+          f"{'peak':>12}  {'phase':<10}{'in flight':>10}{'p2p sent':>12}")
+    peaks = {(r.get("schedule", ""), r.get("micro_batches", 1), r["rank"]): r for r in rows}
+    for r in memory_rows(out):
+        row = peaks[(r["schedule"], r["micro_batches"], r["rank"])]
+        mem = row.get("memory") or {}
+        fl = (mem.get("in_flight") or {}).get("at_peak") or {}
+        p2p = row.get("p2p")
+        err = f"{100 * r['error']:+.1f}%" if r["error"] is not None else "-"
+        print(f" {r['schedule'] or '-':>11}{r['micro_batches']:>4}{r['rank']:>6}"
+              f"{fmt_bytes(r['predicted']) if r['predicted'] is not None else '-':>12}"
+              f"{fmt_bytes(r['measured']):>12}{err:>8}"
+              f"{fmt_bytes(mem['peak']) if mem else '-':>12}  {mem.get('peak_phase', '-'):<10}"
+              f"{fl.get('total', '-') if fl else '-':>10}{fmt_bytes(p2p['sent_bytes']) if p2p else '-':>12}")
+    if args.experiment == "pp" and any(s in ("gpipe", "1f1b") for s in args.schedules):
+        print(f"#{'schedule':>9}{'m':>4}{'bubble: formula':>17}{'replayed':>10}{'measured':>10}")
+        for b in bubble_rows(out):
+            print(f" {b['schedule']:>9}{b['micro_batches']:>4}{b['formula']:>17.3f}{b['replayed']:>10.3f}{b['measured']:>10.3f}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"# wrote {args.out}")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        xs = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+    if not xs or any(not 1 <= x <= 64 for x in xs):
+        raise argparse.ArgumentTypeError(f"each value must be from 1 to 64, got {text!r}")
+    if len(set(xs)) != len(xs):
+        raise argparse.ArgumentTypeError(f"each value once, got {text!r}")
+    return xs
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def _schedules(text: str) -> list[str]:
+    xs = text.split(",")
+    bad = [x for x in xs if x not in SCHEDULES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"schedules are {', '.join(SCHEDULES)}, got {bad}")
+    if len(set(xs)) != len(xs):
+        raise argparse.ArgumentTypeError(f"each schedule once, got {text!r}")
+    return xs
+
+
+PROG = "python -m vramlab.measure.parallel"
+# options that only one experiment reads (given to another, they would be ignored): their defaults
+ONLY_FOR = {"bucket_cap_mb": ("ddp", 1.0), "micro_batches": ("pp", [1, 2, 4, 8]),
+            "schedules": ("pp", ["gpipe", "1f1b"]), "chunks": ("pp", 2), "repeats": ("pp", 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    A, whole = checks.argtype, checks.whole
+    p = checks.Parser(prog=PROG, description="Lab 3's parallelism experiments, measured per rank.")
+    p.add_argument("experiment", choices=EXPERIMENTS)
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    p.add_argument("--nproc", type=A(whole, int, lo=1, hi=64), default=2,
+                   help="local processes to spawn, 1 to 64 (ignored under torchrun)")
+    p.add_argument("--model", default="lab", choices=list(MODELS),
+                   help="the model (default: lab 3's Llama; the others validate vramlab.parallel)")
+    p.add_argument("--micro-batch", type=A(whole, int, lo=1, hi=4096), default=4,
+                   help="sequences per micro-batch and rank (default 4)")
+    p.add_argument("--seq", type=A(whole, int, lo=2), default=128,
+                   help="tokens per sequence, at most the model's positions (default 128)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                   help="fp32, or bf16 autocast around forward and loss (fp32 parameters, gradients, states)")
+    p.add_argument("--optimizer-impl", default="foreach", choices=("foreach", "for-loop"),
+                   help="AdamW's implementation (default foreach, lab 3's)")
+    p.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                   help="activation recomputation: none, selective (the attention core), full (every block)")
+    p.add_argument("--bucket-cap-mb", type=A(checks.positive, float, hi=1 << 20), default=None,
+                   help="ddp: DDP's bucket_cap_mb, a positive number (default 1)")
+    p.add_argument("--gradient-as-bucket-view", action="store_true", help="ddp: gradients as views of DDP's buckets")
+    p.add_argument("--sp", action="store_true", help="tp: sequence parallelism on the norms")
+    p.add_argument("--micro-batches", type=_ints, default=None, help="pp: micro-batches per step (default 1,2,4,8)")
+    p.add_argument("--schedule", dest="schedules", type=_schedules, default=None,
+                   help="pp: schedules, from gpipe, 1f1b, interleaved (default gpipe,1f1b)")
+    p.add_argument("--chunks", type=A(whole, int, lo=2, hi=8), default=None,
+                   help="pp, interleaved: model chunks (virtual stages) per rank, 2 to 8 (default 2)")
+    p.add_argument("--repeats", type=A(whole, int, lo=1, hi=100), default=None,
+                   help="pp: timed steps per setting (median), 1 to 100 (default 3)")
+    p.add_argument("--out", default=None, help="write the results as JSON here (checked before any rank starts)")
+    p.add_argument("--port", type=A(whole, int, lo=0, hi=65535), default=0,
+                   help="rendezvous port, 1 to 65535 (default 0: a free one)")
+    p.add_argument("--timeout", type=A(checks.positive, float, hi=86400), default=120.0,
+                   help="seconds a rendezvous or collective may take (default 120)")
+    args = p.parse_args(argv)
+    for name, (experiment, default) in ONLY_FOR.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif args.experiment != experiment:
+            option = "--schedule" if name == "schedules" else "--" + name.replace("_", "-")
+            p.error(f"{option} applies to {experiment} only")
+    if args.sp and args.experiment != "tp":
+        p.error("--sp applies to tp only")
+    if args.gradient_as_bucket_view and args.experiment != "ddp":
+        p.error("--gradient-as-bucket-view applies to ddp only")
+    args.foreach = args.optimizer_impl == "foreach"
+    spec = model_spec(args.model)
+    try:
+        checks.positions(spec, args.seq, name="--seq")
+    except ValueError as e:
+        p.error(str(e))
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
+    why = (tp_problem(spec, world, sp=args.sp, seq=args.seq) if args.experiment == "tp" else
+           pp_problem(spec, world, args.schedules, args.chunks, args.micro_batches) if args.experiment == "pp" else None)
+    if why:
+        p.error(why)
+    from .collectives import launch
+
+    checks.output_path(PROG, args.out, make_folder=True)
+    return launch(_worker, args, prog=PROG, error=ParlabError, torchrun_port=29512)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

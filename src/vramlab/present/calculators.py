@@ -1,0 +1,621 @@
+"""Each chapter's calculator, declared once: its inputs (with their choices or ranges and defaults)
+and the pure function that turns them into the result — text, key numbers and an SVG chart. Pure
+Python, no torch, no matplotlib: it runs the same in CPython and in the reader's browser (Pyodide).
+
+Two front ends read these declarations: `vramlab.present.widgets` (ipywidgets, in Jupyter and Colab) and
+`page_html` (the HTML of the online book, made live by book/_static/live.mjs, which runs this
+module in a Web Worker). `vramlab.present.widgets.show(name, ...)` gives both at once: Jupyter draws the
+widget, the book the HTML.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from html import escape
+from typing import Any, Callable, Literal
+
+from .. import checkpointing as CK
+from .. import collectives as C
+from .. import compression as COMP
+from .. import activations, fitting, memory, specs
+from .. import offload as OFF
+from .. import parallel as PAR
+from .. import precision as P
+from .. import zero as Z
+from .svg import gantt, loglog_lines, stacked_bars, streams
+from ..units import GiB, fmt_bytes
+
+Kind = Literal["choice", "int", "float"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Input:
+    """One control. choice: one of `choices`; int: min..max; float: min..max, on a log scale if `log`."""
+
+    name: str
+    label: str
+    kind: Kind
+    default: Any
+    choices: tuple = ()
+    min: float | None = None
+    max: float | None = None
+    log: bool = False
+    unit: str = ""
+
+    def check(self, value: Any) -> Any:
+        """The value converted to the input's type, or ValueError with one line that says why."""
+        if self.kind == "choice":
+            for c in self.choices:  # choices may be numbers; the browser sends strings (True is not 1 here)
+                if not isinstance(value, bool) and (value == c or str(value) == str(c)):
+                    return c
+            raise ValueError(f"{self.label}: {value!r} is not one of {', '.join(map(str, self.choices))}")
+        if isinstance(value, bool):
+            raise ValueError(f"{self.label}: expected a number, got {value!r}")
+        try:
+            v = int(value) if self.kind == "int" and float(value) == int(float(value)) else float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.label}: expected a number, got {value!r}") from None
+        except OverflowError:  # inf, "inf", JSON's Infinity, 1e400 as a whole number
+            raise ValueError(f"{self.label}: expected a finite number, got {value!r}") from None
+        if v != v:
+            raise ValueError(f"{self.label}: expected a number, got {value!r}")
+        if self.kind == "int" and not isinstance(v, int):
+            raise ValueError(f"{self.label}: expected a whole number, got {value!r}")
+        if not (self.min <= v <= self.max):
+            raise ValueError(f"{self.label}: {v:g} is outside {self.min:g}..{self.max:g}")
+        return v
+
+
+@dataclass(frozen=True, kw_only=True)
+class Result:
+    """What a calculator shows: monospace `text`, `numbers` (name -> (value, shown as)), an `svg`."""
+
+    text: str
+    numbers: dict[str, tuple[float, str]] = field(default_factory=dict)
+    svg: str = ""
+    error: str = ""
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "numbers": {k: [v, s] for k, (v, s) in self.numbers.items()}, "svg": self.svg,
+                "error": self.error}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calculator:
+    name: str
+    title: str
+    inputs: tuple[Input, ...]
+    compute: Callable[..., Result]
+    number_labels: dict[str, str] = field(default_factory=dict)
+
+    def run(self, **values: Any) -> Result:
+        """Validate `values` (missing ones take their defaults) and compute. Bad input gives a Result
+        whose `error` says what is wrong in one line, never an exception."""
+        unknown = set(values) - {i.name for i in self.inputs}
+        if unknown:
+            return Result(text="", error=f"unknown input {', '.join(sorted(unknown))}")
+        try:
+            checked = {i.name: i.check(values.get(i.name, i.default)) for i in self.inputs}
+            return self.compute(**checked)
+        except (ValueError, KeyError) as e:
+            return Result(text="", error=str(e.args[0]) if e.args else str(e))
+
+
+# ----------------------------------------------------------------------------- chapter 1
+
+GPU_CHOICES = tuple(specs.GPUS)
+SEQ_CHOICES = (128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _training(*, model: str, batch_size: int, seq_len: int, precision: str, optimizer: str, attention: str,
+              recompute: str, gpu: str) -> Result:
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    opts = dict(seq_len=seq_len, precision=precision, optimizer=optimizer, attention=attention, recompute=recompute)
+    train = memory.estimate_training(spec, batch_size=batch_size, gpu=g, **opts)
+    infer_dtype = "fp32" if precision == "fp32" else "bf16"
+    infer = memory.estimate_inference(spec, batch_size=batch_size, seq_len=seq_len, dtype=infer_dtype, gpu=g)
+    verdict = fitting.fit(spec, g, batch_size=batch_size, **opts)
+    bars = [(label, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
+            for label, b in (("training step", train), (f"inference ({infer_dtype})", infer))]
+    svg = stacked_bars(bars, title=f"{spec.name}: {spec.params / 1e6:,.0f} M params, b={batch_size}, s={seq_len}",
+                       line=(g.usable_bytes / GiB, f"{g.name} usable"))
+    text = "\n".join([train.table(title="training step"), "", str(verdict), verdict.explain(), "",
+                      f"inference prefill: {fmt_bytes(infer.total)} (KV cache {fmt_bytes(infer.kv_cache)})"])
+    return Result(text=text, svg=svg, numbers={
+        "train_total": (train.total, fmt_bytes(train.total)), "infer_total": (infer.total, fmt_bytes(infer.total)),
+        "max_batch": (verdict.max_batch_size, str(verdict.max_batch_size))})
+
+
+COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer_states": "#55A868", "activations": "#C44E52",
+          "temporaries": "#8172B3", "kv_cache": "#937860", "inputs": "#DA8BC3", "other": "#8C8C8C"}
+
+TRAINING = Calculator(
+    name="training", title="Training and inference memory", compute=_training,
+    number_labels={"train_total": "training peak", "infer_total": "inference prefill", "max_batch": "largest batch that fits"},
+    inputs=(Input(name="model", label="model", kind="choice", default="gpt2", choices=specs.preset_names()),
+            Input(name="batch_size", label="batch size", kind="int", default=8, min=1, max=128),
+            Input(name="seq_len", label="sequence length", kind="choice", default=1024, choices=SEQ_CHOICES),
+            Input(name="precision", label="precision", kind="choice", default="bf16-mixed", choices=P.PRECISIONS),
+            Input(name="optimizer", label="optimizer", kind="choice", default="adamw", choices=memory.OPTIMIZERS),
+            Input(name="attention", label="attention", kind="choice", default="sdpa", choices=activations.ATTENTIONS),
+            Input(name="recompute", label="recompute", kind="choice", default="none", choices=activations.RECOMPUTES),
+            Input(name="gpu", label="GPU", kind="choice", default="t4", choices=GPU_CHOICES)))
+
+
+# ----------------------------------------------------------------------------- chapter 2
+
+def _collectives(*, op: str, ranks: int, size_mib: float, link: str) -> Result:
+    S = int(size_mib * 2**20)
+    t = float(C.collective_time(op, ranks, S, link))
+    alg, bus = float(C.algbw(S, t)), float(C.busbw(op, ranks, S, t))
+    text = (f"{op} of {fmt_bytes(S)} on {ranks} ranks over {link}: {t * 1e3:.3f} ms\n"
+            f"algbw {alg / 1e9:.1f} GB/s, busbw {bus / 1e9:.1f} GB/s (factor {float(C.busbw_factor(op, ranks)):g})")
+    sizes = [2**k for k in range(10, 35)]
+    palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
+    series = [(name, [(s, float(C.collective_time(op, ranks, s, name))) for s in sizes], palette[i % len(palette)], name == link)
+              for i, name in enumerate(C.LINKS)]
+    svg = loglog_lines(series, title=f"{op} on {ranks} ranks: time vs message size", xlabel="message size (bytes)",
+                       ylabel="seconds", vline=S)
+    return Result(text=text, svg=svg, numbers={"time_ms": (t * 1e3, f"{t * 1e3:.3f} ms"),
+                                               "busbw_GBps": (bus / 1e9, f"{bus / 1e9:.1f} GB/s")})
+
+
+COLLECTIVES = Calculator(
+    name="collectives", title="Collectives: the alpha-beta cost", compute=_collectives,
+    number_labels={"time_ms": "time", "busbw_GBps": "bus bandwidth"},
+    inputs=(Input(name="op", label="collective", kind="choice", default="all_reduce", choices=tuple(C.OPS)),
+            Input(name="ranks", label="ranks", kind="int", default=8, min=2, max=256),
+            Input(name="size_mib", label="size", kind="float", default=256.0, min=2.0**-10, max=2.0**14, log=True,
+                  unit="MiB"),
+            Input(name="link", label="link", kind="choice", default="nvlink4", choices=tuple(C.LINKS))))
+
+
+# ----------------------------------------------------------------------------- chapter 5
+
+def _precision(*, value: float, model: str, batch_size: int) -> Result:
+    lines = [f"{'format':10s}{'rounded':>14}{'rel. error':>12}"]
+    rounded = {}
+    for f in P.FORMATS.values():
+        if f.is_float:
+            r = P.round_to(value, f)
+            rounded[f.name] = r
+            lines.append(f"{f.name:10s}{r:>14.6g}{abs(r - value) / value:>12.2e}")
+    ests = [memory.estimate_training(model, batch_size=batch_size, seq_len=1024, precision=p) for p in P.PRECISIONS]
+    bars = [(p, [(c.replace("_", " "), getattr(e, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
+            for p, e in zip(P.PRECISIONS, ests)]
+    svg = stacked_bars(bars, title=f"{model}, b={batch_size}, s=1024: training peak by recipe", width=720)
+    lines += ["", f"{'recipe':20s}{'training peak':>14}"] + [f"{p:20s}{fmt_bytes(e.total):>14}"
+                                                             for p, e in zip(P.PRECISIONS, ests)]
+    return Result(text="\n".join(lines), svg=svg, numbers={
+        "fp16": (rounded["fp16"], f"{rounded['fp16']:.6g}"), "bf16": (rounded["bf16"], f"{rounded['bf16']:.6g}"),
+        "amp_peak": (ests[1].total, fmt_bytes(ests[1].total))})
+
+
+PRECISION = Calculator(
+    name="precision", title="Number formats and precision recipes", compute=_precision,
+    number_labels={"fp16": "in fp16", "bf16": "in bf16", "amp_peak": "bf16 AMP peak"},
+    inputs=(Input(name="value", label="value", kind="float", default=1e-4, min=1e-10, max=1e5, log=True),
+            Input(name="model", label="model", kind="choice", default="gpt2", choices=specs.preset_names()),
+            Input(name="batch_size", label="batch size", kind="int", default=8, min=1, max=64)))
+
+# ----------------------------------------------------------------------------- chapter 3
+
+DECODER_PRESETS = tuple(n for n in specs.preset_names() if specs.preset(n).family in PAR.DECODER_FAMILIES)
+
+
+def _parallel(*, model: str, dp: int, tp: int, pp: int, sp: str, zero: str, recompute: str, schedule: str,
+              micro_batches: int, micro_batch_size: int, seq_len: int, precision: str, gpu: str, link: str) -> Result:
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    chunks = 2 if schedule == "interleaved" else 1
+    layout = PAR.Layout(dp=dp, tp=tp, pp=pp, sp=sp == "yes", micro_batches=micro_batches, schedule=schedule,
+                        chunks=chunks, zero=int(zero == "ZeRO-1"))
+    kw = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision, recompute=recompute)
+    stages = PAR.estimate_layout(spec, layout, gpu=g, **kw)
+    verdict = PAR.fits(spec, layout, g, **kw)
+    ok = verdict.fits
+    comm = PAR.communication(spec, layout, dp_link=link, pp_link=link, tp_link="nvlink4",
+                             **{k: v for k, v in kw.items() if k != "recompute"})
+    bubble = PAR.bubble_fraction(pp, micro_batches, schedule, chunks=chunks) if pp > 1 else 0
+    shown = list(enumerate(stages))
+    shown = shown if len(shown) <= 8 else shown[:4] + shown[-4:]  # the first and last stages differ most
+    bars = [(f"stage {i}", [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
+            for i, b in shown]
+    title = f"{spec.name} on {layout.devices} GPUs (dp {dp} x tp {tp} x pp {pp}): memory per device"
+    svgs = [stacked_bars(bars, title=title, line=(g.usable_bytes / GiB, f"{g.name} usable"))]
+    if pp > 1 and pp * micro_batches * chunks <= 512:
+        run = PAR.simulate(pp, micro_batches, schedule, chunks=chunks)
+        svgs.append(gantt(run.ops, devices=pp, makespan=run.makespan, chunks=chunks,
+                          title=f"{schedule}, {pp} stages, {micro_batches} micro-batches: bubble {float(bubble):.1%} of the step"))
+    worst = max(stages, key=lambda b: b.total)
+    lines = [worst.table(title=f"fullest device: {worst.label}"), "",
+             str(verdict), verdict.explain(),
+             f"pipeline bubble: {float(bubble):.1%} of the step's time"
+             + (f" ({float(PAR.bubble_fraction(pp, micro_batches, schedule, chunks=chunks, of='ideal')):.1%} of the ideal time)"
+                if pp > 1 else " (no pipeline)"), "",
+             "communication per step (alpha-beta model):"]
+    if dp > 1:
+        lines.insert(1, "(gradients include DDP's bucket copy: gradient_as_bucket_view=False, its default)")
+    for k, what in (("dp", f"data parallel: all-reduce of {fmt_bytes(comm['dp']['bytes'])} of gradients over {link}"),
+                    ("tp", f"tensor parallel: {comm['tp']['calls']} all-reduces of {fmt_bytes(comm['tp']['bytes'])} over nvlink4"),
+                    ("pp", f"pipeline: {comm['pp']['calls']} sends of {fmt_bytes(comm['pp']['bytes'])} over {link}")):
+        lines.append(f"  {what}: {comm[k]['seconds'] * 1e3:.2f} ms")
+    return Result(text="\n".join(lines), svg="".join(svgs), numbers={
+        "per_device": (worst.total, fmt_bytes(worst.total)), "fits": (int(ok), "yes" if ok else "no"),
+        "bubble": (float(bubble), f"{float(bubble):.1%}")})
+
+
+PARALLEL = Calculator(
+    name="parallel", title="Data, tensor and pipeline parallelism: memory per device", compute=_parallel,
+    number_labels={"per_device": "fullest device", "fits": "fits", "bubble": "bubble"},
+    inputs=(Input(name="model", label="model", kind="choice", default="llama-3.1-8b", choices=DECODER_PRESETS),
+            Input(name="dp", label="data parallel", kind="choice", default=2, choices=(1, 2, 4, 8, 16, 32, 64)),
+            Input(name="tp", label="tensor parallel", kind="choice", default=2, choices=(1, 2, 4, 8)),
+            Input(name="pp", label="pipeline stages", kind="choice", default=4, choices=(1, 2, 4, 8, 16)),
+            Input(name="sp", label="sequence parallel", kind="choice", default="no", choices=("no", "yes")),
+            Input(name="zero", label="optimizer states", kind="choice", default="replicated",
+                  choices=("replicated", "ZeRO-1")),
+            Input(name="recompute", label="recompute", kind="choice", default="none", choices=PAR.RECOMPUTE),
+            Input(name="schedule", label="schedule", kind="choice", default="1f1b", choices=PAR.SCHEDULES),
+            Input(name="micro_batches", label="micro-batches", kind="choice", default=8, choices=(1, 2, 4, 8, 16, 32, 64)),
+            Input(name="micro_batch_size", label="micro-batch size", kind="int", default=1, min=1, max=64),
+            Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),
+            Input(name="precision", label="precision", kind="choice", default="bf16-mixed", choices=P.PRECISIONS),
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
+            Input(name="link", label="link between nodes", kind="choice", default="ib-ndr", choices=tuple(C.LINKS))))
+
+
+def _layouts(*, model: str, gpus: int, gpu: str, seq_len: int, global_batch: int, micro_batch_size: int) -> Result:
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    plans = PAR.plan_layouts(spec, gpus, g, seq_len=seq_len, global_batch=global_batch,
+                             micro_batch_size=micro_batch_size)
+    ok = [x for x in plans if x.fit.fits]
+    shown = ok[:6] + [x for x in plans if not x.fit.fits][:max(2, 8 - len(ok[:6]))]
+    bars = [(f"{x.layout.dp}x{x.layout.tp}x{x.layout.pp}" + ("+sp" if x.layout.sp else "") + ("+z1" if x.layout.zero else "")
+             + ("" if x.recompute == "none" else f"+{x.recompute[:3]}"),
+             [(c.replace("_", " "), getattr(x.peak, c) / GiB, COLORS[c]) for c in memory.CATEGORIES]) for x in shown]
+    svg = stacked_bars(bars, title=f"{spec.name} on {gpus} x {g.name}: the fullest GPU of each layout (dp x tp x pp)",
+                       line=(g.usable_bytes / GiB, f"{g.name} usable"), width=720)
+    head = f"{'layout':50}{'fullest GPU':>12}{'needs':>11}{'tokens/s':>11}{'bubble':>8}{'recompute':>10}"
+    rows = [f"{x.name:50}{fmt_bytes(x.peak.total):>12}{fmt_bytes(x.fit.needed):>11}{x.tokens_per_s:>11,.0f}"
+            f"{float(x.bubble):>8.1%}{x.recompute_fraction:>+10.0%}" for x in shown]
+    lines = [f"{len(ok)} of {len(plans)} layouts fit ({global_batch} sequences of {seq_len} tokens per step, "
+             f"micro-batch {micro_batch_size}, bf16 AMP, AdamW fused, 1F1B):", head, *rows[:len(ok[:6])]]
+    if len(shown) > len(ok[:6]):
+        lines += ["", "the closest that do NOT fit:", head, *rows[len(ok[:6]):]]
+    if ok:
+        lines += ["", ok[0].peak.table(title=f"fastest that fits: {ok[0].name}, {ok[0].peak.label}"), str(ok[0].fit)]
+    lines += ["", "time: a roofline at 40 % of the GPU's bf16 peak, the bubble (p-1)/m, tensor-parallel all-reduces on "
+                  "NVLink and the pipeline's sends exposed; data-parallel all-reduce hidden behind the backward"]
+    best = ok[0] if ok else None
+    return Result(text="\n".join(lines), svg=svg, numbers={
+        "fitting": (len(ok), f"{len(ok)} of {len(plans)}"),
+        "best": (best.tokens_per_s if best else 0, best.name if best else "none fits"),
+        "tokens": (best.tokens_per_s if best else 0, f"{best.tokens_per_s:,.0f} tokens/s" if best else "-")})
+
+
+LAYOUTS = Calculator(
+    name="layouts", title="Plan a cluster: every layout of N GPUs, the ones that fit, fastest first", compute=_layouts,
+    number_labels={"fitting": "layouts that fit", "best": "fastest", "tokens": "throughput"},
+    inputs=(Input(name="model", label="model", kind="choice", default="llama-3.1-70b", choices=DECODER_PRESETS),
+            Input(name="gpus", label="GPUs", kind="choice", default=64, choices=(8, 16, 32, 64, 128, 256, 512, 1024)),
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
+            Input(name="seq_len", label="sequence length", kind="choice", default=4096, choices=SEQ_CHOICES),
+            Input(name="global_batch", label="sequences per step", kind="choice", default=512,
+                  choices=(64, 128, 256, 512, 1024, 2048)),
+            Input(name="micro_batch_size", label="micro-batch size", kind="choice", default=1, choices=(1, 2, 4))))
+
+# ----------------------------------------------------------------------------- chapter 4
+
+def _zero(*, model: str, setup: str, ranks: int, recipe: str, micro_batch_size: int, seq_len: int, gpu: str,
+          link: str) -> Result:
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    impl, stage = ("fsdp2", 3) if setup == "fsdp2" else ("deepspeed", int(setup))
+    kw = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, recipe=recipe, gpu=g)
+    rows = [(f"ZeRO-{s}", Z.estimate_rank(spec, ranks, s, **kw)) for s in Z.STAGES]
+    rows.append(("FSDP2", Z.estimate_rank(spec, ranks, 3, implementation="fsdp2", **kw)))
+    mine = Z.estimate_rank(spec, ranks, stage, implementation=impl, **kw)
+    verdict = Z.fits(spec, ranks, stage, g, implementation=impl, **{k: v for k, v in kw.items() if k != "gpu"})
+    ok = verdict.fits
+    pb, gb, k = Z.RECIPES[recipe]
+    comm = Z.communication(spec.params, ranks, stage, bytes_per_value=gb, link=link,
+                           implementation="deepspeed" if impl == "deepspeed" else "paper")
+    bars = [(label, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
+            for label, b in rows]
+    svg = stacked_bars(bars, title=f"{spec.name} on {ranks} ranks, {recipe}: one rank's peak",
+                       line=(g.usable_bytes / GiB, f"{g.name} usable"))
+    paper = Z.paper_per_rank(spec.params, ranks, stage, k=k, param_bytes=pb, grad_bytes=gb)
+    lines = [mine.table(title=mine.label), "",
+             str(verdict), verdict.explain(),
+             f"the paper's model states alone: {fmt_bytes(paper.total)} per rank",
+             f"communication per step: {fmt_bytes(comm['bytes_sent_per_rank'])} sent per rank "
+             f"({comm['volume_in_psi']:.0f} Psi), {comm['seconds'] * 1e3:.1f} ms over {link}",
+             f"peak phase: {mine.phase} (model states between steps + the step's worst phase, "
+             "checked against lab 4's measured steps)"]
+    return Result(text="\n".join(lines), svg=svg, numbers={
+        "per_rank": (mine.total, fmt_bytes(mine.total)), "fits": (int(ok), "yes" if ok else "no"),
+        "comm_ms": (comm["seconds"] * 1e3, f"{comm['seconds'] * 1e3:.1f} ms")})
+
+
+ZERO = Calculator(
+    name="zero", title="ZeRO and FSDP: one rank's memory", compute=_zero,
+    number_labels={"per_rank": "one rank's peak", "fits": "fits", "comm_ms": "communication per step"},
+    inputs=(Input(name="model", label="model", kind="choice", default="llama-3.1-8b", choices=specs.preset_names()),
+            Input(name="setup", label="ZeRO stage", kind="choice", default="3", choices=("0", "1", "2", "3", "fsdp2")),
+            Input(name="ranks", label="data-parallel ranks", kind="choice", default=8,
+                  choices=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),
+            Input(name="recipe", label="recipe", kind="choice", default="mixed-adam", choices=tuple(Z.RECIPES)),
+            Input(name="micro_batch_size", label="micro-batch size", kind="int", default=1, min=1, max=64),
+            Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
+            Input(name="link", label="link", kind="choice", default="nvlink4", choices=tuple(C.LINKS))))
+
+# ----------------------------------------------------------------------------- chapter 7
+
+def _checkpointing(*, model: str, plan: str, batch_size: int, seq_len: int, precision: str, gpu: str) -> Result:
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    kw = dict(batch_size=batch_size, seq_len=seq_len, precision=precision, gpu=gpu)
+    plans = list(CK.PLANS)
+    if plan not in plans:
+        plans.append(plan)
+    results = {p: CK.evaluate(spec, p, **kw) for p in plans}
+    mine = results[plan]
+    bars = [(f"{p} (+{100 * r.recompute_fraction:.0f} %)",
+             [(c.replace("_", " "), getattr(r.peak, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
+            for p, r in results.items()]
+    svg = stacked_bars(bars, title=f"{spec.name}, b={batch_size}, s={seq_len}, {precision}: peak by plan "
+                                   "(extra FLOPs in brackets)", line=(g.usable_bytes / GiB, f"{g.name} usable"))
+    best = CK.cheapest_plan(spec, None, **kw)
+    fits = mine.fit.fits
+    lines = [mine.peak.table(title=f"plan {plan}: peak at {mine.peak.phase}"), "",
+             f"recompute: {100 * mine.recompute_fraction:.1f} % of the step's FLOPs; step ≈ {1e3 * mine.step_seconds:,.0f} ms "
+             f"on {g.name} at {100 * CK.MFU:.0f} % of its peak FLOP/s",
+             str(mine.fit), mine.fit.explain(),
+             ("least recompute that fits: " + best.plan.name + f" ({fmt_bytes(best.peak.total)}, "
+              f"+{100 * best.recompute_fraction:.1f} % FLOPs)") if best else "no plan fits: fewer tokens per step"]
+    return Result(text="\n".join(lines), svg=svg, numbers={
+        "peak": (mine.peak.total, fmt_bytes(mine.peak.total)),
+        "recompute": (mine.recompute_fraction, f"+{100 * mine.recompute_fraction:.1f} %"),
+        "cheapest": (0 if best is None else best.peak.total, best.plan.name if best else "none fits")})
+
+
+CHECKPOINTING = Calculator(
+    name="checkpointing", title="Activation checkpointing: memory against recompute", compute=_checkpointing,
+    number_labels={"peak": "peak of the step", "recompute": "extra compute", "cheapest": "least recompute that fits"},
+    inputs=(Input(name="model", label="model", kind="choice", default="llama-3.2-1b", choices=specs.preset_names()),
+            Input(name="plan", label="recompute plan", kind="choice", default="full",
+                  choices=CK.PLANS + ("every-2", "first-4", "segments-4")),
+            Input(name="batch_size", label="batch size", kind="int", default=4, min=1, max=128),
+            Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),
+            Input(name="precision", label="precision", kind="choice", default="bf16-mixed", choices=P.PRECISIONS),
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES)))
+
+# ----------------------------------------------------------------------------- chapter 6
+
+def _offload(*, model: str, scheme: str, batch_size: int, seq_len: int, gpu: str) -> Result:
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    kw = dict(batch_size=batch_size, seq_len=seq_len)
+    gpu_s = CK.evaluate(spec, "none", precision="bf16-mixed", gpu=g, **kw).step_seconds  # at CK.MFU
+    act = OFF.activation_offload(spec, precision="bf16-mixed", gpu=g, baseline_seconds=gpu_s, **kw)
+    zo = OFF.model_offload(spec, scheme="zero-offload", gpu=g, gpu_seconds=gpu_s, **kw)
+    fs = OFF.model_offload(spec, scheme="fsdp2-cpu", gpu=g, gpu_seconds=gpu_s, **kw)
+    rows = [("none", act.baseline_peak, 0, 0, gpu_s), ("save_on_cpu", act.gpu_peak, act.host_bytes, 2 * act.moved_bytes,
+                                                       act.step_seconds),
+            ("zero-offload", zo.gpu_peak, zo.host_bytes, zo.moved_bytes, zo.step_seconds),
+            ("fsdp2-cpu", fs.gpu_peak, fs.host_bytes, fs.moved_bytes, fs.step_seconds)]
+    largest = fitting.fragmentation_bytes(spec, precision="bf16-mixed", **kw)
+    verdicts = {name: fitting.device_fit(b, g, largest_tensor=largest) for name, b, *_ in rows}
+    bars = [(name, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
+            for name, b, *_ in rows]
+    svg = stacked_bars(bars, title=f"{spec.name}, {batch_size} x {seq_len}, bf16: the GPU's peak with each offload",
+                       line=(g.usable_bytes / GiB, f"{g.name} usable"))
+    link = OFF.host_link_GBps(g)
+    lines = [f"{'scheme':>13}{'GPU peak':>12}{'host':>12}{'over PCIe':>12}{'step':>10}   fits",
+             *(f"{name:>13}{fmt_bytes(b.total):>12}{fmt_bytes(h):>12}{fmt_bytes(m):>12}{1e3 * t:>8.0f}ms   "
+               f"{'yes' if verdicts[name].fits else 'NO'}" for name, b, h, m, t in rows), "",
+             f"host link: PCIe {OFF.pcie_generation(g)}.0 x16, {link:.1f} GB/s each way (nominal); copies counted at "
+             f"{OFF.SAVE_ON_CPU_EFFICIENCY:.2f} of it; ZeRO-Offload's gradients (fp32, as DeepSpeed copies them) hide "
+             "behind the backward, nothing else overlaps",
+             f"GPU step without offload: {1e3 * gpu_s:.0f} ms at {100 * CK.MFU:.0f} % of the GPU's peak; the CPU's Adam "
+             f"step: {OFF.CPU_ADAM_SECONDS_PER_PARAM * 1e9:.2f} ns a parameter for FSDP2 (torch AdamW, an H100 host's "
+             f"16 cores), {OFF.DS_CPU_ADAM_SECONDS_PER_PARAM * 1e9:.2f} ns for ZeRO-Offload (DeepSpeed's host step, "
+             "measured on the same host)", ""]
+    mine = dict((r[0], r) for r in rows)[scheme]
+    lines += [mine[1].table(title=f"{scheme}: {mine[1].label}"), "", str(verdicts[scheme]), verdicts[scheme].explain()]
+    return Result(text="\n".join(lines), svg=svg, numbers={
+        "gpu_peak": (mine[1].total, fmt_bytes(mine[1].total)), "host": (mine[2], fmt_bytes(mine[2])),
+        "step_ms": (mine[4] * 1e3, f"{mine[4] * 1e3:.0f} ms"), "fits": (int(verdicts[scheme].fits),
+                                                                       "yes" if verdicts[scheme].fits else "no")})
+
+
+OFFLOAD = Calculator(
+    name="offload", title="Offload in training: the GPU's peak, host memory and the step", compute=_offload,
+    number_labels={"gpu_peak": "GPU peak", "host": "host memory", "step_ms": "step", "fits": "fits"},
+    inputs=(Input(name="model", label="model", kind="choice", default="llama-3.2-1b", choices=DECODER_PRESETS),
+            Input(name="scheme", label="offload", kind="choice", default="save_on_cpu",
+                  choices=("none", "save_on_cpu", "zero-offload", "fsdp2-cpu")),
+            Input(name="batch_size", label="batch size", kind="int", default=4, min=1, max=128),
+            Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES)))
+
+TEN_B = "gpt-10b (48 x 4096)"
+
+
+def _streaming(*, model: str, gpu: str, tokens: int, weights: str, buffers: int) -> Result:
+    spec = OFF.ten_b_model() if model == TEN_B else specs.preset(model)
+    g = specs.gpu(gpu)
+    wb = {"int8": 1, "16-bit": 2, "fp32": 4}[weights]
+    r = OFF.stream_model(spec, g, tokens=tokens, weight_bytes=wb, buffers=buffers)
+    n = spec.num_layers + spec.num_decoder_layers
+    hide = n - len(r.hiding.streamed)
+    lines = [f"{spec.name} on {g.name}: {n} blocks of {fmt_bytes(r.layer_bytes)} ({weights}), "
+             f"{fmt_bytes(r.other_bytes)} of embeddings and head kept on the GPU",
+             f"one block: compute {1e3 * r.layer_seconds:.2f} ms for {tokens} token(s); copy "
+             f"{1e3 * r.layer_bytes / (r.link_GBps * 1e9):.2f} ms over {r.link_GBps:.1f} GB/s "
+             f"({100 * OFF.STREAM_EFFICIENCY:.0f} % of PCIe {OFF.pcie_generation(g)}.0 x16)",
+             f"usable GPU memory: {fmt_bytes(r.usable_bytes)}"]
+    if r.fitted is None:
+        lines.append("does NOT fit: even with every block streamed, the embeddings, head and buffers exceed the GPU")
+        svg = ""
+        numbers = {"resident": (0, "none fit"), "pass_ms": (0.0, "-"), "hide": (hide, f"{hide} of {n}")}
+    else:
+        f = r.fitted
+        lines += [f"fits with {r.most_resident} of {n} blocks resident, {n - r.most_resident} streamed through "
+                  f"{min(buffers, n - r.most_resident)} buffer(s): {fmt_bytes(f.gpu_bytes + r.other_bytes)} on the GPU, "
+                  f"{fmt_bytes(f.host_bytes)} in host memory",
+                  f"one pass: {1e3 * f.seconds:.1f} ms ({f.seconds / f.compute_seconds:.1f}x the compute alone, "
+                  f"{1e3 * f.compute_seconds:.1f} ms){'' if f.hidden else ': the copies do not hide'}",
+                  f"the copies hide with {hide} of {n} resident (needs "
+                  f"{fmt_bytes(r.hiding.gpu_bytes + r.other_bytes)} on the GPU"
+                  f"{'' if r.hiding.gpu_bytes + r.other_bytes <= r.usable_bytes else ': more than it has'})"]
+        svg = streams(f.events, makespan=f.seconds,
+                      title=f"one pass, {r.most_resident} of {n} blocks resident: {1e3 * f.seconds:.1f} ms")
+        numbers = {"resident": (r.most_resident, f"{r.most_resident} of {n}"),
+                   "pass_ms": (1e3 * f.seconds, f"{1e3 * f.seconds:.1f} ms"), "hide": (hide, f"{hide} of {n}")}
+    return Result(text="\n".join(lines), svg=svg, numbers=numbers)
+
+
+STREAMING = Calculator(
+    name="streaming", title="A model bigger than the GPU, streamed layer by layer (BMInf)", compute=_streaming,
+    number_labels={"resident": "blocks resident", "pass_ms": "one pass", "hide": "resident blocks that hide the copies"},
+    inputs=(Input(name="model", label="model", kind="choice", default=TEN_B, choices=(TEN_B,) + specs.preset_names()),
+            Input(name="gpu", label="GPU", kind="choice", default="gtx-1060-6gb", choices=GPU_CHOICES),
+            Input(name="tokens", label="tokens per pass", kind="choice", default=1,
+                  choices=(1, 8, 64, 256, 512, 1024, 2048, 4096)),
+            Input(name="weights", label="weights", kind="choice", default="int8", choices=("int8", "16-bit", "fp32")),
+            Input(name="buffers", label="buffers", kind="choice", default=2, choices=(1, 2, 3, 4))))
+
+# ----------------------------------------------------------------------------- chapter 8
+
+_INFER_FMT = {32: "fp32", 16: "bf16", 8: "int8", 4: "nf4-dq"}
+_TUNE = {("full", 32): ("full", "fp32", "adamw"), ("full", 16): ("full", "bf16-mixed", "adamw"),
+         ("full", 8): ("full", "bf16-mixed", "adamw-8bit"), ("lora", 32): ("lora", "fp32", "adamw"),
+         ("lora", 16): ("lora", "bf16", "adamw"), ("lora", 8): ("lora-int8", "bf16", "adamw"),
+         ("lora", 4): ("qlora", "bf16", "adamw")}
+
+
+def _compression(*, model: str, method: str, rank: int, bits: int, targets: str, batch_size: int, seq_len: int,
+                 gpu: str, recompute: str = "none") -> Result:
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    kw = dict(batch_size=batch_size, seq_len=seq_len, gpu=g)
+
+    def one(m: str, b: int) -> memory.MemoryBreakdown:
+        if m == "inference":
+            return COMP.quantized_inference(spec, fmt=_INFER_FMT[b], batch_size=batch_size, seq_len=seq_len)
+        if (m, b) not in _TUNE:
+            raise ValueError("full fine-tuning cannot train 4-bit weights: choose LoRA at 4 bits (QLoRA)")
+        how, precision, opt = _TUNE[m, b]
+        return COMP.peft_training(spec, method=how, rank=rank, targets=targets, precision=precision, optimizer=opt,
+                                  recompute=recompute, **kw)
+
+    mine = one(method, bits)
+    rows = [(f"{'infer' if m == 'inference' else m} {b}-bit", mine if (m, b) == (method, bits) else one(m, b))
+            for m in ("full", "lora", "inference") for b in (32, 16, 8, 4) if m == "inference" or (m, b) in _TUNE]
+    bars = [(name, [(c.replace("_", " "), getattr(r, c) / GiB, COLORS[c]) for c in memory.CATEGORIES]) for name, r in rows]
+    infer = method == "inference"
+    verdict = fitting.device_fit(mine, g, largest_tensor=fitting.fragmentation_bytes(
+        spec, batch_size=batch_size, seq_len=seq_len, mode="infer" if infer else "train",
+        precision="bf16-mixed", dtype="int8" if bits == 8 else "bf16"))
+    svg = stacked_bars(bars, title=f"{spec.name}, {batch_size} x {seq_len}: the peak of each method",
+                       line=(g.usable_bytes / GiB, f"{g.name} usable"))
+    n = COMP.lora_params(spec, rank=rank, targets=targets) if method == "lora" else spec.params
+    lines = [mine.table(title=f"{method}, {bits}-bit {'base' if method == 'lora' else 'weights'}: {mine.label}"), "",
+             (f"trainable: {n:,} of {spec.params:,} parameters ({100 * n / spec.params:.3f} %; LoRA r={rank} on "
+              f"{len(COMP.lora_targets(spec, targets))} matrices, as peft counts)") if method == "lora" else
+             ("trainable: none (inference)" if method == "inference" else f"trainable: all {spec.params:,} parameters"),
+             str(verdict), verdict.explain()]
+    return Result(text="\n".join(lines), svg=svg, numbers={
+        "peak": (mine.total, fmt_bytes(mine.total)), "trainable": (n if method != "inference" else 0,
+                                                                   f"{n:,}" if method != "inference" else "0"),
+        "fits": (int(verdict.fits), "yes" if verdict.fits else "no")})
+
+
+COMPRESSION = Calculator(
+    name="compression", title="Quantization and LoRA: memory by category", compute=_compression,
+    number_labels={"peak": "peak", "trainable": "trainable parameters", "fits": "fits"},
+    inputs=(Input(name="model", label="model", kind="choice", default="llama-3.1-8b", choices=specs.preset_names()),
+            Input(name="method", label="method", kind="choice", default="lora", choices=("full", "lora", "inference")),
+            Input(name="rank", label="LoRA rank", kind="choice", default=16, choices=(1, 2, 4, 8, 16, 32, 64, 128, 256)),
+            Input(name="bits", label="bits of the base weights", kind="choice", default=4, choices=(32, 16, 8, 4)),
+            Input(name="targets", label="LoRA targets", kind="choice", default="default", choices=("default", "all-linear")),
+            Input(name="batch_size", label="batch size", kind="int", default=1, min=1, max=128),
+            Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
+            Input(name="recompute", label="gradient checkpointing (training)", kind="choice", default="none",
+                  choices=("none", "full"))))
+
+CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION, PARALLEL, LAYOUTS, ZERO,
+                                                           OFFLOAD, STREAMING, CHECKPOINTING, COMPRESSION)}
+
+
+def get(name: str) -> Calculator:
+    if name not in CALCULATORS:
+        raise ValueError(f"unknown calculator {name!r}; known: {', '.join(CALCULATORS)}")
+    return CALCULATORS[name]
+
+
+def run_json(name: str, values_json: str) -> str:
+    """The browser's entry point: JSON in, JSON out (a Result's dict)."""
+    try:
+        values = json.loads(values_json)
+        return json.dumps(get(name).run(**values).to_dict())
+    except (ValueError, TypeError) as e:
+        return json.dumps(Result(text="", error=str(e)).to_dict())
+
+
+def run_html(name: str, values_json: str) -> str:
+    """The live page's entry point (book/_static/live-worker.mjs): JSON values in, JSON out with
+    the result area's HTML (the same markup the build pre-rendered) and the numbers."""
+    try:
+        calc = get(name)
+        r = calc.run(**json.loads(values_json))
+    except (ValueError, TypeError) as e:
+        calc, r = None, Result(text="", error=str(e))
+    html = _result_html(calc, r) if calc else f'<p class="vl-error">{escape(r.error)}</p>'
+    return json.dumps({"html": html, "error": r.error, "numbers": {k: v for k, (v, _) in r.numbers.items()}})
+
+
+# ----------------------------------------------------------------------------- the book's front end
+
+def _control(i: Input, value: Any, cid: str) -> str:
+    """Disabled until the page's script enables it: without JavaScript no control can disagree
+    with the pre-rendered numbers."""
+    common = f'id="{cid}-{i.name}" data-input="{i.name}" disabled'
+    label = f'<label for="{cid}-{i.name}">{escape(i.label)}{" (" + i.unit + ")" if i.unit else ""}</label>'
+    if i.kind == "choice":
+        opts = "".join(f'<option value="{escape(str(c))}"{" selected" if str(c) == str(value) else ""}>'
+                       f'{escape(str(c))}</option>' for c in i.choices)
+        return f'<div class="vl-field">{label}<select {common}>{opts}</select></div>'
+    if i.log:  # a log-scale slider: positions 0..1000 map to min..max geometrically (live.mjs: the same map)
+        pos = round(1000 * math.log(value / i.min) / math.log(i.max / i.min))
+        return (f'<div class="vl-field">{label}<input type="range" {common} min="0" max="1000" step="1" value="{pos}" '
+                f'data-log-min="{i.min!r}" data-log-max="{i.max!r}"><output>{value:.4g}</output></div>')
+    return (f'<div class="vl-field">{label}<input type="number" {common} min="{i.min:g}" max="{i.max:g}" step="1" '
+            f'value="{value}"></div>')
+
+
+def _result_html(calc: Calculator, r: Result) -> str:
+    if r.error:
+        return f'<p class="vl-error">{escape(r.error)}</p>'
+    nums = " · ".join(f'{escape(calc.number_labels.get(k, k))} <strong data-key="{k}" data-value="{v!r}">{escape(s)}'
+                      f'</strong>' for k, (v, s) in r.numbers.items())
+    return f'<p class="vl-numbers">{nums}</p><div class="vl-chart">{r.svg}</div><pre class="vl-text">{escape(r.text)}</pre>'
+
+
+def page_html(name: str, **values: Any) -> str:
+    """The calculator as the online book shows it: its controls (disabled until the page's script
+    takes over), the result pre-rendered by CPython at build time, and a status line: 'snapshot',
+    then 'loading', then 'live' (Python running in this page, in a Web Worker)."""
+    calc = get(name)
+    r = calc.run(**values)
+    if r.error:
+        raise ValueError(f"calculator {name}: {r.error}")
+    checked = {i.name: i.check(values.get(i.name, i.default)) for i in calc.inputs}
+    cid = f"vl-{name}"
+    controls = "".join(_control(i, checked[i.name], cid) for i in calc.inputs)
+    return (f'<div class="vramlab-calc" id="{cid}" data-calc="{name}" data-state="snapshot">'
+            f'<div class="vl-head"><strong>{escape(calc.title)}</strong> '
+            f'<span class="vl-status" role="status">snapshot: computed when this page was built</span></div>'
+            f'<div class="vl-controls">{controls}</div>'
+            f'<div class="vl-result" aria-live="polite">{_result_html(calc, r)}</div></div>')

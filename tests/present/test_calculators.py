@@ -1,0 +1,212 @@
+"""The calculators' one declaration and its two front ends (the book's HTML, ipywidgets): both show
+what vramlab computes for the same inputs, bad input gives one line (never a traceback), and the
+module stays pure Python (it must run in the browser, under Pyodide)."""
+
+import json
+import re
+
+import pytest
+
+from vramlab.present import calculators as C
+from vramlab import collectives, estimate_inference, estimate_training, fit, precision
+
+ALL = list(C.CALCULATORS)
+
+
+def test_calculators_are_pure_python(assert_pure_python):
+    assert_pure_python("import vramlab.present.calculators as c; c.get('training').run()")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_defaults_compute(name):
+    r = C.get(name).run()
+    assert not r.error and r.numbers and r.svg.startswith("<svg") and r.svg.endswith("</svg>") and r.text
+
+
+def test_training_numbers_are_the_librarys():
+    r = C.get("training").run(model="llama-3.2-1b", batch_size=4, seq_len=2048, precision="bf16-mixed", gpu="h100-80gb")
+    kw = dict(seq_len=2048, precision="bf16-mixed")
+    assert r.numbers["train_total"][0] == estimate_training("llama-3.2-1b", batch_size=4, gpu="h100", **kw).total
+    assert r.numbers["infer_total"][0] == estimate_inference("llama-3.2-1b", batch_size=4, seq_len=2048, gpu="h100").total
+    assert r.numbers["max_batch"][0] == fit("llama-3.2-1b", "h100", batch_size=4, **kw).max_batch_size
+
+
+def test_collectives_and_precision_numbers_are_the_librarys():
+    r = C.get("collectives").run(op="reduce_scatter", ranks=16, size_mib=64, link="ib-ndr")
+    assert r.numbers["time_ms"][0] == pytest.approx(1e3 * float(collectives.collective_time("reduce_scatter", 16, 64 << 20, "ib-ndr")))
+    p = C.get("precision").run(value=3e-8)
+    assert p.numbers["fp16"][0] == precision.round_to(3e-8, precision.FORMATS["fp16"])
+
+
+def test_zero_numbers_are_the_librarys():
+    from vramlab import zero
+
+    r = C.get("zero").run(model="llama-3.1-8b", setup="2", ranks=16, recipe="mixed-adam", micro_batch_size=2,
+                          seq_len=4096, gpu="h100-80gb", link="ib-ndr")
+    est = zero.estimate_rank("llama-3.1-8b", 16, 2, micro_batch_size=2, seq_len=4096)
+    assert r.numbers["per_rank"][0] == est.total
+    assert r.numbers["comm_ms"][0] == pytest.approx(1e3 * zero.communication(est_params := 8_030_261_248, 16, 2,
+                                                                                 link="ib-ndr", implementation="deepspeed")["seconds"])
+    assert vramlab_preset_params("llama-3.1-8b") == est_params  # the preset's own count, as published
+
+
+def test_checkpointing_numbers_are_the_librarys():
+    from vramlab import checkpointing as CK
+
+    r = C.get("checkpointing").run(model="llama-3.2-1b", plan="sqrt", batch_size=4, seq_len=2048,
+                                   precision="bf16-mixed", gpu="h100-80gb")
+    mine = CK.evaluate("llama-3.2-1b", "sqrt", batch_size=4, seq_len=2048, precision="bf16-mixed", gpu="h100-80gb")
+    assert r.numbers["peak"][0] == mine.peak.total and r.numbers["recompute"][0] == mine.recompute_fraction
+    assert r.numbers["cheapest"][1] == "none"  # 44 GiB without recompute fits in an H100's 79 GiB
+    t4 = C.get("checkpointing").run(model="llama-3.2-1b", plan="none", batch_size=4, seq_len=2048,
+                                    precision="bf16-mixed", gpu="t4")
+    assert t4.numbers["cheapest"][1] == "none fits" and "no plan fits" in t4.text  # the model states alone exceed 15 GiB
+
+
+def test_offload_numbers_are_the_librarys():
+    from vramlab import checkpointing as CK
+    from vramlab import offload as OFF
+
+    r = C.get("offload").run(model="llama-3.2-1b", scheme="fsdp2-cpu", batch_size=4, seq_len=2048, gpu="h100-80gb")
+    gpu_s = CK.evaluate("llama-3.2-1b", "none", batch_size=4, seq_len=2048, precision="bf16-mixed", gpu="h100").step_seconds
+    fs = OFF.model_offload("llama-3.2-1b", scheme="fsdp2-cpu", batch_size=4, seq_len=2048, gpu="h100", gpu_seconds=gpu_s)
+    assert r.numbers["gpu_peak"][0] == fs.gpu_peak.total and r.numbers["host"][0] == fs.host_bytes
+    assert r.numbers["step_ms"][0] == pytest.approx(1e3 * fs.step_seconds)
+    t4 = C.get("offload").run(model="llama-3.2-1b", scheme="none", batch_size=4, seq_len=2048, gpu="t4")
+    assert t4.numbers["fits"][1] == "no" and "NO" in t4.text
+
+
+def test_streaming_the_10b_model_on_a_gtx_1060():
+    """The chapter's worked example, against independent arithmetic: GPT-2's layout counted by hand,
+    PCIe 3.0 x16 at 80 %, and for equal layers with prefetch the copies hide exactly when the streamed
+    layers' copies fit in a pass of compute: s x copy <= n x compute."""
+    import math
+
+    from vramlab import offload as OFF
+
+    h, L, V, P = 4096, 48, 50257, 2048
+    spec = OFF.ten_b_model()
+    assert spec.params == V * h + P * h + L * (12 * h * h + 13 * h) + 2 * h
+    r = C.get("streaming").run(tokens=1, weights="int8", buffers=2)
+    m = OFF.stream_model(spec, "gtx-1060", tokens=1, weight_bytes=1)
+    copy = (12 * h * h + 13 * h) / (8e9 * 16 * 128 / 130 / 8 * 0.8)  # PCIe 3.0 x16 at 80 %
+    assert m.layer_bytes == 12 * h * h + 13 * h and m.layer_bytes / (m.link_GBps * 1e9) == pytest.approx(copy, rel=3e-3)
+    assert m.layer_seconds == pytest.approx(m.layer_bytes / 192e9)  # one token: reading the weights
+    assert r.numbers["hide"][0] == L - math.floor(L * m.layer_seconds / copy)
+    assert r.numbers["resident"][0] == m.most_resident and m.fitted.gpu_bytes + m.other_bytes <= m.usable_bytes
+    more = m.other_bytes + (m.most_resident + 1 + min(2, L - m.most_resident - 1)) * m.layer_bytes
+    assert more > m.usable_bytes  # one more resident block would not fit
+    assert not m.fitted.hidden and OFF.stream_model(spec, "gtx-1060", tokens=512, weight_bytes=1).fitted.hidden
+    big = C.get("streaming").run(model="llama-3.1-70b", weights="fp32")
+    assert big.numbers["resident"][1] == "none fit" and "does NOT fit" in big.text and not big.error
+
+
+def vramlab_preset_params(name):
+    from vramlab import preset
+
+    return preset(name).params
+
+
+@pytest.mark.parametrize("name, values, needle", [
+    ("zero", {"setup": "4"}, "'4' is not one of"),
+    ("checkpointing", {"plan": "most"}, "'most' is not one of"),
+    ("offload", {"scheme": "nvme"}, "'nvme' is not one of"),
+    ("streaming", {"tokens": 3}, "tokens per pass: 3 is not one of"),
+    ("compression", {"rank": 3}, "LoRA rank: 3 is not one of"),
+    ("compression", {"recompute": "most"}, "'most' is not one of"),
+    ("compression", {"method": "full", "bits": 4}, "full fine-tuning cannot train 4-bit weights"),
+    ("compression", {"model": "gpt2", "seq_len": 4096}, "gpt2 reads at most 1,024 positions"),
+    ("offload", {"batch_size": 0}, "batch size: 0 is outside"),
+    ("checkpointing", {"model": "gpt2", "seq_len": 2048}, "gpt2 reads at most 1,024 positions"),
+    ("zero", {"model": "gpt2", "seq_len": 4096}, "gpt2 reads at most 1,024 positions"),
+    ("training", {"batch_size": 0}, "batch size: 0 is outside 1..128"),
+    ("training", {"batch_size": 2.5}, "whole number"),
+    ("training", {"model": "gpt5"}, "'gpt5' is not one of"),
+    ("training", {"seq_len": 8192}, "gpt2 reads at most 1,024 positions"),
+    ("collectives", {"size_mib": "lots"}, "expected a number"),
+    ("collectives", {"ranks": 1}, "outside 2..256"),
+    ("precision", {"value": float("nan")}, "expected a number, got nan"),
+    ("training", {"colour": "red"}, "unknown input colour"),
+])
+def test_bad_input_is_one_line_not_a_traceback(name, values, needle):
+    r = C.get(name).run(**values)
+    assert needle in r.error and "\n" not in r.error and not r.numbers
+    out = json.loads(C.run_json(name, json.dumps(values)))
+    assert needle in out["error"]
+    assert "unknown calculator" in json.loads(C.run_json("nope", "{}"))["error"]
+    assert "Expecting" in json.loads(C.run_json("training", "{oops"))["error"]
+
+
+def test_browser_strings_are_accepted():
+    """The page sends every value as a string: '16' and '2048' mean the numbers."""
+    a = C.get("training").run(batch_size="16", seq_len="1024", model="gpt2")
+    b = C.get("training").run(batch_size=16, seq_len=1024, model="gpt2")
+    assert a.to_dict() == b.to_dict()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_page_html_is_a_disabled_snapshot_with_the_numbers(name):
+    html = C.page_html(name)
+    assert 'data-state="snapshot"' in html and "snapshot" in html
+    controls = re.findall(r"<(select|input)\b[^>]*>", html)
+    tags = re.findall(r"<(?:select|input)\b[^>]*>", html)
+    assert controls and all(" disabled" in t for t in tags)  # no control can disagree with the numbers
+    for key, (value, shown) in C.get(name).run().numbers.items():
+        assert f'data-key="{key}" data-value="{value!r}"' in html and shown in html
+    assert "<script" not in html
+
+
+def test_compression_calculator_is_the_library():
+    """The page's numbers are vramlab.compression's; LoRA's trainable count is peft's (884,736 for
+    the seeds' mT5-base r=8 on q and v, peft's defaults for T5)."""
+    from vramlab import compression as COMP
+
+    r = C.get("compression").run(model="mt5-base", method="lora", rank=8, bits=32, batch_size=32, seq_len=128)
+    assert r.error == "" and r.numbers["trainable"][0] == 884_736
+    est = COMP.peft_training("mt5-base", rank=8, targets="default", batch_size=32, seq_len=128, gpu="h100-80gb")
+    assert r.numbers["peak"][0] == est.total
+    q = C.get("compression").run(model="llama-3.1-8b", method="lora", rank=16, bits=4, seq_len=2048)
+    assert q.numbers["peak"][0] == COMP.peft_training("llama-3.1-8b", method="qlora", rank=16, batch_size=1, seq_len=2048,
+                                                      precision="bf16", gpu="h100-80gb").total
+    # QLoRA with every block checkpointed (as QLoRA trained): peft_training(recompute="full")
+    qr = C.get("compression").run(model="llama-3.1-8b", method="lora", rank=64, bits=4, targets="all-linear",
+                                  batch_size=4, seq_len=4096, recompute="full")
+    assert qr.numbers["peak"][0] == COMP.peft_training("llama-3.1-8b", method="qlora", rank=64, targets="all-linear",
+                                                       batch_size=4, seq_len=4096, precision="bf16", gpu="h100-80gb",
+                                                       recompute="full").total
+    assert qr.numbers["peak"][0] < 0.5 * C.get("compression").run(model="llama-3.1-8b", method="lora", rank=64, bits=4,
+                                                                 targets="all-linear", batch_size=4,
+                                                                 seq_len=4096).numbers["peak"][0]
+    inf = C.get("compression").run(model="llama-3.1-8b", method="inference", bits=8, seq_len=512)
+    assert inf.numbers["peak"][0] == COMP.quantized_inference("llama-3.1-8b", fmt="int8", seq_len=512).total
+
+
+# issue 29: every calculator answers an infinite, huge or boolean input with one line naming it
+_NUMBERS = [(c.name, i) for c in C.CALCULATORS.values() for i in c.inputs if i.kind in ("int", "float")]
+_CHOICES = [(c.name, i) for c in C.CALCULATORS.values() for i in c.inputs if i.kind == "choice"]
+
+
+@pytest.mark.parametrize("name, inp", _NUMBERS, ids=[f"{n}-{i.name}" for n, i in _NUMBERS])
+@pytest.mark.parametrize("bad", [float("inf"), "inf", "-inf", "1e400", float("nan"), "nan", True, None, [1]])
+def test_number_inputs_refuse_infinities_and_booleans_in_one_line(name, inp, bad):
+    calc = C.get(name)
+    r = calc.run(**{inp.name: bad})
+    assert r.error.startswith(inp.label + ":") and "\n" not in r.error and not r.text, (bad, r.error)
+    out = json.loads(C.run_json(name, json.dumps({inp.name: bad})))  # Python's json writes Infinity and NaN
+    assert out["error"].startswith(inp.label + ":"), out
+    assert json.loads(C.run_html(name, json.dumps({inp.name: bad})))["error"].startswith(inp.label + ":")
+    with pytest.raises(ValueError, match=f"^calculator {name}: "):
+        C.page_html(name, **{inp.name: bad})
+
+
+@pytest.mark.parametrize("name, inp", _CHOICES, ids=[f"{n}-{i.name}" for n, i in _CHOICES])
+def test_choice_inputs_refuse_booleans(name, inp):
+    r = C.get(name).run(**{inp.name: True})
+    assert r.error.startswith(inp.label + ":") and "is not one of" in r.error, r.error
+
+
+def test_number_inputs_take_numpy_scalars():
+    np = pytest.importorskip("numpy")
+    for name, inp in _NUMBERS:
+        value = np.int64(inp.default) if inp.kind == "int" else np.float64(inp.default)
+        assert not C.get(name).run(**{inp.name: value}).error, (name, inp.name)

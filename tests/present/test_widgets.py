@@ -1,0 +1,27 @@
+"""vramlab.present.widgets: the calculators as ipywidgets (Jupyter, Colab), and `show`, which gives a
+book cell both front ends at once."""
+
+import pytest
+
+from vramlab.present import calculators as C
+from vramlab.present import widgets as W
+
+
+def test_show_gives_both_front_ends():
+    bundle = W.show("collectives", ranks=4)._repr_mimebundle_()
+    assert 'data-calc="collectives"' in bundle["text/html"]
+    assert "application/vnd.jupyter.widget-view+json" in bundle  # Jupyter and Colab draw the widget
+    with pytest.raises(ValueError, match="ranks: 1 is outside"):
+        W.show("collectives", ranks=1)
+
+
+def test_widget_recomputes_what_the_page_shows():
+    from vramlab.present.widgets import calculator_widget
+
+    w = calculator_widget("training", model="gpt2", batch_size=8)
+    controls = {c.description: c for box in w.children[1].children for c in box.children}
+    out = w.children[2]
+    controls["batch size"].value = 16
+    controls["GPU"].value = "a100-80gb"
+    expected = C.get("training").run(model="gpt2", batch_size=16, gpu="a100-80gb")
+    assert expected.numbers["train_total"][1] in out.value and expected.svg in out.value

@@ -1,0 +1,158 @@
+"""The package's layout is its architecture: the folder tells the layer, and the import graph reads as
+layers. Read from the source (every import statement, those inside functions too), not from a list
+kept by hand: a module added anywhere is checked the day it is added.
+
+- `vramlab/*.py`: the calculators, pure Python. They import the standard library and each other,
+  nothing else (no torch, numpy, matplotlib, ipywidgets, transformers, ever), and nothing above them.
+- `vramlab/measure/`, `vramlab/present/`, `vramlab/grading/`: each imports the pure folder and its
+  own folder, never another of the three.
+- No import cycle anywhere, and what the browser runs is pure.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "vramlab"
+LAYERS = ("measure", "present", "grading")
+# the package's entry point for `python -m vramlab`: a program, imported by no module, that starts the
+# command line (vramlab.present.cli)
+ENTRY = "vramlab.__main__"
+
+
+def _name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_name(p): p for p in sorted(SRC.rglob("*.py")) if "__pycache__" not in p.parts}
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _imports(name: str) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in module `name`: a vramlab module where it is one
+    (`from . import x` names module x when x is a module), else the top-level package."""
+    tree = ast.parse(MODULES[name].read_text())
+    package = name if _is_package(name) else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in MODULES]
+            out += [(s, node.lineno) for s in subs] or [(mod, node.lineno)]
+    return out
+
+
+def _vramlab_module(imported: str) -> str | None:
+    """The vramlab module an import names (`vramlab.memory.x` -> `vramlab.memory`), or None."""
+    while imported and imported not in MODULES:
+        imported = imported.rpartition(".")[0]
+    return imported or None
+
+
+def _layer(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "pure"
+
+
+GRAPH = {name: sorted({m for i, _ in _imports(name) if i.split(".")[0] == "vramlab" and (m := _vramlab_module(i))} - {name})
+         for name in MODULES}
+
+
+def test_the_tree_has_the_layers():
+    assert {_layer(n) for n in MODULES} == {"pure", *LAYERS}
+    pure = {n.split(".")[1] for n in MODULES if _layer(n) == "pure" and n.count(".") == 1}
+    assert {"units", "specs", "precision", "memory", "activations", "fitting", "collectives", "parallel", "zero",
+            "offload", "checkpointing", "compression"} <= pure
+    # predicted and measured by one name: every chapter's calculator has its measurement
+    for chapter in ("memory", "collectives", "parallel", "zero", "precision", "offload", "checkpointing", "compression"):
+        assert f"vramlab.{chapter}" in MODULES and f"vramlab.measure.{chapter}" in MODULES, chapter
+
+
+def test_pure_folder_imports_only_the_standard_library_and_itself():
+    bad = []
+    for name in MODULES:
+        if _layer(name) != "pure" or name == ENTRY:
+            continue
+        for imported, line in _imports(name):
+            top = imported.split(".")[0]
+            if top == "vramlab":
+                target = _vramlab_module(imported)
+                if target is None or _layer(target) != "pure":
+                    bad.append(f"{MODULES[name].relative_to(ROOT)}:{line} imports {imported}")
+            elif top and top not in sys.stdlib_module_names and top != "__future__":
+                bad.append(f"{MODULES[name].relative_to(ROOT)}:{line} imports {imported}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_upward_or_sideways_import():
+    bad = [f"{a} ({_layer(a)}) imports {b} ({_layer(b)})" for a, targets in GRAPH.items() if a != ENTRY
+           for b in targets if _layer(b) not in ("pure", _layer(a))]
+    assert not bad, "\n".join(bad)
+    assert GRAPH[ENTRY] == ["vramlab.present.cli"] and not any(ENTRY in t for t in GRAPH.values())
+
+
+def test_no_import_cycle():
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(n: str, path: list[str]) -> None:
+        state[n] = 1
+        for m in GRAPH[n]:
+            if state.get(m) == 1:
+                cycles.append(" -> ".join(path[path.index(m):] + [m]) if m in path else f"{n} -> {m}")
+            elif m not in state:
+                visit(m, path + [m])
+        state[n] = 2
+
+    for n in MODULES:
+        if n not in state:
+            visit(n, [n])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_what_the_browser_runs_is_pure(assert_pure_python):
+    spec = importlib.util.spec_from_file_location("vramlab_live", ROOT / "book" / "_ext" / "vramlab_live.py")
+    live = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(live)
+    shipped = {_name(p) for p in live.browser_files() if p.suffix == ".py"}
+    assert {"vramlab.memory", "vramlab.present.calculators", "vramlab.present.svg"} <= shipped
+    assert not any(_layer(n) in ("measure", "grading") for n in shipped)
+    assert "vramlab.present.widgets" not in shipped and "vramlab.present.cli" not in shipped
+    for n in shipped:  # everything a shipped module imports is shipped too
+        assert set(GRAPH[n]) <= shipped, (n, set(GRAPH[n]) - shipped)
+    assert_pure_python("import " + ", ".join(sorted(shipped)))
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if not _is_package(n) and n != ENTRY))
+def test_every_module_has_its_test_file(name):
+    """One test file per module, where the tree puts it: tests/test_<name>.py for `vramlab.<name>`,
+    tests/<layer>/test_<name>.py for `vramlab.<layer>.<name>`; the programs the grader's processes run
+    (`vramlab.grading.programs.*`, only ever run as programs) share tests/grading/test_programs.py."""
+    parts = name.split(".")[1:]
+    if parts[:2] == ["grading", "programs"]:
+        parts = ["grading", "programs"]
+    assert (ROOT / "tests" / Path(*parts[:-1]) / f"test_{parts[-1]}.py").exists()
+
+
+def test_the_grading_programs_import_nothing_of_vramlab():
+    """They run where the answers run, in a sandbox that hides the course: the standard library,
+    torch, and each other only."""
+    bad = [f"{n} imports {i}" for n in MODULES if n.startswith("vramlab.grading.programs")
+           for i, _ in _imports(n) if i.split(".")[0] == "vramlab" and not i.startswith("vramlab.grading.programs")]
+    assert not bad, bad
