@@ -125,6 +125,23 @@ def mlp_batch(secret: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.tensor(secret["x"][step], dtype=torch.float64), torch.tensor(secret["y"][step], dtype=torch.float64))
 
 
+def mlp_steps(case: dict, cap, secret: dict, model, params: list, mark, phase: list):
+    """The steps of labs 3-4's MLP checks on one rank: each clears the gradients, marks where it begins
+    (`mark`, the link's), runs this rank's batch forward and backward with `phase` set as it goes, and
+    yields (x, y, loss) in phase "finish", where the harness calls the answer's finish()."""
+    for step in range(case["steps"]):
+        for p in params:
+            p.grad = None
+        mark({"step": step, "cap": cap})
+        x, y = mlp_batch(secret, step)
+        phase[0] = "forward"
+        loss = ((model(x) - y) ** 2).mean()
+        phase[0] = "backward"
+        loss.backward()
+        phase[0] = "finish"
+        yield x, y, loss
+
+
 def grads_held(params, but=None) -> list[int]:
     """Which parameters hold a gradient (all but `but`)."""
     return [j for j, q in enumerate(params) if j != but and q.grad is not None]

@@ -23,16 +23,7 @@ def _one(case, cap, secret, cls):
     ranks.PHASE[0] = "init"
     ddp = cls(model, cap)
     steps = []
-    for step in range(case["steps"]):
-        for p in params:
-            p.grad = None
-        ranks.mark({"step": step, "cap": cap})
-        x, y = common.mlp_batch(secret, step)
-        ranks.PHASE[0] = "forward"
-        loss = ((model(x) - y) ** 2).mean()
-        ranks.PHASE[0] = "backward"
-        loss.backward()
-        ranks.PHASE[0] = "finish"
+    for _ in common.mlp_steps(case, cap, secret, model, params, ranks.mark, ranks.PHASE):
         ddp.finish()
         ranks.PHASE[0] = "optimizer"
         steps.append([common.tolist(p.grad) for p in params])

@@ -25,16 +25,7 @@ def _one(case, cap, secret, cls):
     ranks.PHASE[0] = "init"
     zero = cls(model, cap)
     steps = []
-    for step in range(case["steps"]):
-        for p in params:
-            p.grad = None
-        ranks.mark({"step": step, "cap": cap})
-        x, y = common.mlp_batch(secret, step)
-        ranks.PHASE[0] = "forward"
-        loss = ((model(x) - y) ** 2).mean()
-        ranks.PHASE[0] = "backward"
-        loss.backward()
-        ranks.PHASE[0] = "finish"
+    for x, y, loss in common.mlp_steps(case, cap, secret, model, params, ranks.mark, ranks.PHASE):
         after_backward = common.grads_held(params)
         shards = zero.finish()
         ranks.PHASE[0] = "after"
