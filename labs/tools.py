@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -48,26 +49,46 @@ def project() -> dict:
     return {"name": meta["name"], "version": version, "urls": meta["urls"]}
 
 
+def site() -> str:
+    """The book's address (pyproject.toml's [project.urls] Documentation): the built book serves the
+    wheel the labs install first, at WHEEL_PATH under it (book/_ext/vramlab_live.py writes it there)."""
+    urls = project()["urls"]
+    if "Documentation" not in urls:
+        raise SystemExit("tools: pyproject.toml's [project.urls] has no Documentation (the book's address)")
+    return urls["Documentation"].rstrip("/")
+
+
+WHEEL_PATH = "_static/wheels/{name}-{version}-py3-none-any.whl"  # vramlab_live.WHEELS and wheel_name()
+
+
 def install_block() -> str:
-    """The labs' install cell: the released version from the package index, else the same tag from
-    the repository, else one clear message (never a pip traceback)."""
+    """The labs' install cell: the wheel the book's own site serves (the version this notebook was
+    released with; the extras from the package index), else the package index, else the same tag
+    from the repository, else one clear message (never a pip traceback). VRAMLAB_SITE, if set, is
+    the site to use instead of the book's (a mirror, a local build, the tests)."""
     p = project()
     name, version, repo = p["name"], p["version"], p["urls"]["Repository"]
+    path = WHEEL_PATH.format(name=name, version=version)
     return "\n".join([
         f"{BEGIN}; do not edit ---",
         "import importlib.util",
+        "import os",
         "import subprocess",
         "import sys",
         "",
         f'if importlib.util.find_spec("{name}") is None:  # Colab, or any fresh environment',
         "    def _pip(spec: str) -> bool:",
-        '        print(f"installing {spec} ...")',
+        '        print(f"installing {spec} ...", flush=True)',
         '        return subprocess.run([sys.executable, "-m", "pip", "install", "-q", spec]).returncode == 0',
         "",
-        f'    if not (_pip("{name}[labs]=={version}") or _pip("{name}[labs] @ git+{repo}@v{version}")):',
-        f'        raise SystemExit("Could not install {name} {version}, from the package index or from {repo}. "',
+        f'    _site = os.environ.get("VRAMLAB_SITE", "{site()}").rstrip("/")  # the book serves the wheel',
+        f'    if not (_pip(f"{name}[labs] @ {{_site}}/{path}")',
+        f'            or _pip("{name}[labs]=={version}")',
+        f'            or _pip("{name}[labs] @ git+{repo}@v{version}")):',
+        f'        raise SystemExit(f"Could not install {name} {version} from {{_site}}, the package index or {repo}. "',
         '                         "Check that this notebook can reach the internet, or install it yourself: "',
-        f'                         "pip install \'{name}[labs]=={version}\'")',
+        f'                         f"pip install \'{name}[labs]=={version}\', or the book\'s wheel: '
+        f'pip install \'{name}[labs] @ {{_site}}/{path}\'")',
         END,
     ])
 
@@ -100,13 +121,19 @@ def labs() -> list[str]:
     return sorted(p.name for p in SOURCE.iterdir() if (p / f"{p.name}.md").exists())
 
 
+def metadata(lab: str) -> dict:
+    """A lab notebook's metadata: its kernel, and which lab it is (detect_lab reads it back from a
+    submission, whatever its file is called)."""
+    return {"kernelspec": KERNEL, "language_info": {"name": "python"}, "vramlab": {"lab": lab}}
+
+
 def source_notebook(lab: str) -> nbformat.NotebookNode:
     """The instructor notebook, from its MyST source, with stable cell ids (jupytext would make
     random ones, so every regeneration would differ)."""
     import jupytext
 
     nb = jupytext.read(SOURCE / lab / f"{lab}.md")
-    nb.metadata = {"kernelspec": KERNEL, "language_info": {"name": "python"}}
+    nb.metadata = metadata(lab)
     for i, cell in enumerate(nb.cells):
         gid = cell.metadata.get("nbgrader", {}).get("grade_id")
         cell.id = gid or f"cell-{i:03d}-{hashlib.sha1(cell.source.encode()).hexdigest()[:8]}"
@@ -133,7 +160,7 @@ def student_notebook(lab: str) -> nbformat.NotebookNode:
     chain = [LockCells(), ClearSolutions(), ClearOutput(), CheckCellMetadata(), ComputeChecksums(),
              ClearHiddenTests(), ClearMarkScheme(), ComputeChecksums(), CheckCellMetadata()]
     nb = _run(chain, nb)
-    nb.metadata = {"kernelspec": KERNEL, "language_info": {"name": "python"}}
+    nb.metadata = metadata(lab)
     return nb
 
 
@@ -287,8 +314,11 @@ def execute(nb: nbformat.NotebookNode, *, timeout: float = 600, env: dict | None
 
     nb = copy.deepcopy(nb)
 
-    with tempfile.TemporaryDirectory(prefix="vramlab-run-") as scratch:
-        km = KernelManager(kernel_name="python3")
+    with tempfile.TemporaryDirectory(prefix="vramlab-run-") as scratch, \
+            tempfile.TemporaryDirectory(prefix="vl-kernel-") as sockets:
+        # IPC transport: the kernel's sockets are files in a folder only this user can open (over TCP,
+        # ipykernel warns that anyone on the machine could listen); a short path, as a Unix socket's must be
+        km = KernelManager(kernel_name="python3", transport="ipc", connection_file=os.path.join(sockets, "kernel.json"))
         km.start_kernel(cwd=scratch, env={**os.environ, **(env or {})})
         proc = km.provisioner.process if getattr(km, "provisioner", None) else None
         pid = proc.pid if proc is not None else None
@@ -387,22 +417,52 @@ def read_submission(path: Path) -> tuple[Any, str | None]:
     return raw, None
 
 
+def _cell_keys(cells: Any) -> set[str]:
+    """What identifies a notebook's cells, whoever edited it: each cell's id and grade_id, and a hash
+    of each cell's source (whitespace-normalised; very short sources say nothing about the lab)."""
+    keys = set()
+    for cell in cells if isinstance(cells, list) else []:
+        if not isinstance(cell, dict):
+            continue
+        if isinstance(cell.get("id"), str):
+            keys.add("id:" + cell["id"])
+        meta = cell.get("metadata")
+        gid = meta.get("nbgrader", {}).get("grade_id") if isinstance(meta, dict) and isinstance(meta.get("nbgrader"), dict) else None
+        if isinstance(gid, str):
+            keys.add("grade_id:" + gid)
+        source = cell.get("source")
+        source = "".join(map(str, source)) if isinstance(source, list) else source
+        if isinstance(source, str) and len(text := " ".join(source.split())) >= 40:
+            keys.add("source:" + hashlib.sha1(text.encode()).hexdigest())
+    return keys
+
+
+@functools.lru_cache(maxsize=1)
+def _distinctive_keys() -> dict[str, frozenset]:
+    """For each lab, the keys of its cells (instructor and student versions) that no other lab has."""
+    keys = {lab: _cell_keys(source_notebook(lab).cells) | _cell_keys(student_notebook(lab).cells) for lab in labs()}
+    seen: dict[str, int] = {}
+    for ks in keys.values():
+        for k in ks:
+            seen[k] = seen.get(k, 0) + 1
+    return {lab: frozenset(k for k in ks if seen[k] == 1) for lab, ks in keys.items()}
+
+
 def detect_lab(nb: Any, path: Path) -> str | None:
-    """The lab a submission answers: its file name (alice.ipynb and 'lab01 (1).ipynb' included) if it
-    names one, else the lab whose solution grade_ids it carries."""
-    for lab in labs():
-        if path.stem.startswith(lab) or path.stem.split(" ")[0] == lab:
+    """The lab a submission answers: the lab `release` wrote into its metadata; else its file name, if
+    it names one ('lab07_checkpointing (1).ipynb', 'Copy of lab07_checkpointing.ipynb'); else its
+    cells: the lab with the most cells (ids, grade_ids, sources) found in that lab alone. None if
+    nothing tells (e.g. alice.ipynb with every cell rewritten)."""
+    known = labs()
+    meta = nb.get("metadata") if isinstance(nb, dict) else None
+    tag = meta.get("vramlab") if isinstance(meta, dict) else None
+    if isinstance(tag, dict) and tag.get("lab") in known:
+        return tag["lab"]
+    for lab in known:
+        if re.search(rf"(?:^|[^A-Za-z0-9]){re.escape(lab)}", path.stem):
             return lab
-    ids = set()
-    for cell in nb.get("cells", []) if isinstance(nb, dict) else []:
-        try:
-            ids.add(cell["metadata"]["nbgrader"]["grade_id"])
-        except (KeyError, TypeError):
-            pass
-    # every lab has ex1-solution ...: compare all its cell ids (setup, configs, bench, ...) and take the
-    # lab the submission shares the most with, if that is one lab
-    overlap = {lab: len(ids & {c.metadata.get("nbgrader", {}).get("grade_id") for c in source_notebook(lab).cells})
-               for lab in labs()}
+    ids = _cell_keys(nb.get("cells") if isinstance(nb, dict) else None)
+    overlap = {lab: len(ids & keys) for lab, keys in _distinctive_keys().items()}
     best = max(overlap.values(), default=0)
     winners = [lab for lab, n in overlap.items() if n == best]
     return winners[0] if best and len(winners) == 1 else None

@@ -234,7 +234,7 @@ def test_validation_benchmark_refuses_an_unwritable_out_before_tracing(tmp_path)
     import sys
 
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "checkpointing_validation.py"), "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=60)
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "cannot write --out" in r.stderr
 

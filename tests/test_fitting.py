@@ -42,3 +42,18 @@ def test_largest_batch_search_never_reports_its_cap_as_the_answer():
     f = vramlab.fit("gpt2", "h200", seq_len=8, max_search=500)
     assert f.capped and "more than 500" in str(f)
     assert not vramlab.fit("gpt2", "t4", seq_len=1024).capped
+
+
+def test_explain_says_which_batch_its_terms_are_for():
+    """fit() searches the largest batch but its terms are the asked batch's: explain() says both."""
+    from vramlab.fitting import device_fit, fit
+
+    f = fit("gpt2", "t4", batch_size=1, seq_len=1024, precision="bf16-mixed")
+    head, *terms = f.explain().splitlines()
+    assert f.batch_size == 1 and f.max_batch_size > 1
+    assert head.strip() == f"needed at batch size 1 (the largest that fits is {f.max_batch_size}):"
+    assert len(terms) == 5 and terms[-1].split()[:1] == ["="]
+    at_max = fit("gpt2", "t4", batch_size=f.max_batch_size, seq_len=1024, precision="bf16-mixed")
+    assert f"at batch size {f.max_batch_size} " in at_max.explain() and at_max.needed > f.needed
+    plain = device_fit(10**9, "t4", largest_tensor=0)  # no batch known, none searched
+    assert plain.explain().splitlines()[0].strip() == "needed at the batch size asked:"

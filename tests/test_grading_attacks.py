@@ -21,6 +21,7 @@ _spec = importlib.util.spec_from_file_location("tools", ROOT / "labs" / "tools.p
 tools = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tools)
 LAB = "lab01_where_memory_goes"
+HANG = 600  # seconds: grading that has not returned by then hangs (the limits under test are 5-120 s)
 RELEASED = ROOT / "labs" / "release" / LAB / f"{LAB}.ipynb"
 INSTRUCTOR_SOURCE = ROOT / "labs" / "source" / LAB / f"{LAB}.md"
 
@@ -100,7 +101,7 @@ def test_an_endless_solution_ends_with_a_reason():
     cell(nb, "ex1-solution").source = "while True:\n    try:\n        pass\n    except BaseException:\n        pass"
     t0 = time.perf_counter()
     scores = tools.grade(nb, LAB, timeout=5)
-    assert time.perf_counter() - t0 < 90
+    assert time.perf_counter() - t0 < HANG  # a hang guard, not a budget
     assert tools.total(scores) == (0, 9) and "ran past the 5 s limit" in scores["ex1-test"][2], scores
 
 
@@ -122,8 +123,8 @@ def test_background_processes_huge_output_memory_and_an_exit(tmp_path, sandbox):
                                        "import os\nos._exit(3)")
     report: dict = {}
     t0 = time.perf_counter()
-    scores = tools.grade(nb, LAB, timeout=60, sandbox=sandbox, report=report)
-    assert time.perf_counter() - t0 < 120
+    scores = tools.grade(nb, LAB, timeout=120, sandbox=sandbox, report=report)
+    assert time.perf_counter() - t0 < HANG  # a hang guard, not a budget
     assert scores["ex1-test"][0] == 3 and scores["ex2-test"][0] == 3 and tools.total(scores) == (6, 9), scores
     assert "ended" in scores["ex3-test"][2] and "exit code 3" in scores["ex3-test"][2]
     time.sleep(0.5)
@@ -142,7 +143,7 @@ def test_background_processes_huge_output_memory_and_an_exit(tmp_path, sandbox):
 def test_invalid_notebooks_get_a_report_not_a_traceback(tmp_path, content, name):
     path = tmp_path / name
     path.write_text(content)
-    r = run_cli("grade", str(path), timeout=60)
+    r = run_cli("grade", str(path), timeout=300)
     assert r.returncode == 0 and "Traceback" not in r.stderr
     assert "total 0/9" in r.stdout and ("not" in r.stdout)
 
@@ -155,11 +156,11 @@ def test_names_folders_and_missing_files(tmp_path):
         assert r.returncode == 0 and "total 0/9" in r.stdout and f"({LAB})" in r.stdout, r.stdout + r.stderr
     (tmp_path / "folder").mkdir()
     for target in (tmp_path / "folder", tmp_path / "missing.ipynb"):
-        r = run_cli("grade", str(target), timeout=60)
+        r = run_cli("grade", str(target), timeout=300)
         assert r.returncode == 2 and "pass --lab" in r.stderr and "Traceback" not in r.stderr
-        r = run_cli("grade", str(target), "--lab", LAB, timeout=60)
+        r = run_cli("grade", str(target), "--lab", LAB, timeout=300)
         assert r.returncode == 0 and "total 0/9" in r.stdout and "not a file" in r.stdout
-    r = run_cli("grade", str(tmp_path / "alice.ipynb"), "--lab", "lab99", timeout=60)
+    r = run_cli("grade", str(tmp_path / "alice.ipynb"), "--lab", "lab99", timeout=300)
     assert r.returncode == 2 and "unknown lab 'lab99'" in r.stderr
 
 
@@ -170,7 +171,7 @@ def test_unwritable_json_report_is_a_reason(tmp_path):
 
 
 def test_instructor_commands_fail_cleanly():
-    r = run_cli("record", "UNKNOWN", timeout=60)
+    r = run_cli("record", "UNKNOWN", timeout=300)
     assert r.returncode == 2 and "unknown lab 'UNKNOWN'" in r.stderr and "Traceback" not in r.stderr
     stray = ROOT / "labs" / "release" / "lab99_stray"
     stray.mkdir()

@@ -897,3 +897,66 @@ def _activation_outliers_and_controls(run):
         assert r["loss_scratch_same_steps"] > r["loss_after_recovery"] + 0.2
     lo = run["lora"]  # LoRA r=8 on every linear layer ends near full fine-tuning on the related task
     assert lo["lora"]["loss"] < lo["before"] - 0.5 and lo["lora"]["loss"] - lo["full"]["loss"] < 0.25
+
+
+# --- issue 31: which lab a renamed submission answers; kernels without the TCP warning -----------------
+
+@pytest.mark.parametrize("lab", LABS)
+def test_a_renamed_notebook_of_any_lab_is_detected_from_its_cells(tmp_path, lab):
+    """alice.ipynb: by the lab id `release` writes into the metadata; without it (an editor that
+    drops metadata), by the cells found in that lab alone; with the cells' ids and nbgrader metadata
+    gone too, by their sources. Lab 7's grade_ids all occur in other labs: its cells still tell."""
+    nb = json.loads(released(lab).read_text())
+    assert nb["metadata"]["vramlab"] == {"lab": lab}
+    assert tools.detect_lab(nb, tmp_path / "alice.ipynb") == lab
+    del nb["metadata"]["vramlab"]
+    assert tools.detect_lab(nb, tmp_path / "alice.ipynb") == lab
+    for cell in nb["cells"]:
+        cell.pop("id", None)
+        cell["metadata"].pop("nbgrader", None)
+    assert tools.detect_lab(nb, tmp_path / "alice.ipynb") == lab
+    # the instructor's version too, and a name that says it ("Copy of ..." as Colab saves it)
+    src = json.loads(nbformat.writes(tools.source_notebook(lab)))
+    del src["metadata"]["vramlab"]
+    assert tools.detect_lab(src, tmp_path / "alice.ipynb") == lab
+    assert tools.detect_lab({"cells": []}, tmp_path / f"Copy of {lab}.ipynb") == lab
+
+
+def test_a_notebook_of_no_lab_is_not_guessed(tmp_path):
+    other = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# My own notes on GPU memory, not a lab"),
+                                            nbformat.v4.new_code_cell("import torch\nprint(torch.cuda.is_available())")])
+    assert tools.detect_lab(json.loads(nbformat.writes(other)), tmp_path / "alice.ipynb") is None
+    forged = {"metadata": {"vramlab": {"lab": "lab99"}}, "cells": []}  # an unknown id is not a lab
+    assert tools.detect_lab(forged, tmp_path / "alice.ipynb") is None
+
+
+TCP_WARNING = "Kernel is running over TCP"
+
+
+def test_lab_runs_start_their_kernel_without_the_tcp_warning(capfd):
+    """`record` runs the instructor notebook in a Jupyter kernel (tools.execute): over IPC sockets in a
+    private folder, so ipykernel has nothing to warn about (its warning goes to the inherited stderr)."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+    nb.metadata["kernelspec"] = tools.KERNEL
+    executed, problem = tools.execute(nb, timeout=120)
+    out, err = capfd.readouterr()
+    assert problem is None and executed.cells[0].outputs[0]["text"] == "42\n"
+    assert TCP_WARNING not in out + err
+
+
+def test_book_notebooks_start_their_kernel_without_the_tcp_warning(capfd, monkeypatch, tmp_path):
+    """The book's notebooks: myst-nb executes them through jupyter-cache's executenb, which the
+    book's extension (book/_ext/vramlab_live.py) points at IPC kernels."""
+    import jupyter_cache.executors.utils as executors
+
+    spec = importlib.util.spec_from_file_location("vramlab_live_kernels", ROOT / "book" / "_ext" / "vramlab_live.py")
+    live = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(live)
+    monkeypatch.setattr(executors, "executenb", executors.executenb)  # restored after the test
+    assert live.ipc_kernels()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+    nb.metadata["kernelspec"] = tools.KERNEL
+    result = executors.single_nb_execution(nb, cwd=str(tmp_path), timeout=120, allow_errors=False)
+    out, err = capfd.readouterr()
+    assert result.err is None and nb.cells[0].outputs[0]["text"] == "42\n"
+    assert TCP_WARNING not in out + err

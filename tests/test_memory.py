@@ -133,17 +133,16 @@ def test_breakdown_arithmetic_and_table():
         a.parameters = 0
 
 
-def test_calculators_do_not_import_torch_and_are_fast():
-    code = ("import sys, time, vramlab\n"
+def test_calculators_do_not_import_torch():
+    """The estimates run where torch is absent (the browser): importing and calling them loads no torch.
+    How fast they are is speed, measured by benchmarks/calculator_speed.py, never asserted here."""
+    code = ("import sys, vramlab\n"
             "s = vramlab.preset('llama-3.1-8b')\n"
-            "t = time.perf_counter()\n"
-            "for _ in range(200): vramlab.estimate_training(s, batch_size=4, seq_len=4096, precision='bf16-mixed')\n"
-            "dt = (time.perf_counter() - t) / 200\n"
+            "vramlab.estimate_training(s, batch_size=4, seq_len=4096, precision='bf16-mixed')\n"
             "vramlab.fit(s, 'h100', seq_len=4096); vramlab.estimate_inference(s, batch_size=1, seq_len=8)\n"
-            "print('torch' in sys.modules, dt)\n")
+            "print('torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out[0] == "False"
-    assert float(out[1]) < 1e-3  # well under a millisecond per estimate
+    assert out == ["False"]
 
 
 def test_subtraction_says_when_it_is_not_like_with_like():

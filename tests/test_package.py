@@ -88,12 +88,14 @@ def test_released_lab_runs_from_the_wheel_in_a_fresh_venv(dist, tmp_path):
     work.mkdir()
     (work / f"{lab}.ipynb").write_bytes((ROOT / "labs" / "release" / lab / f"{lab}.ipynb").read_bytes())
     runner = f"""
-import json, sys, nbformat
+import json, os, sys, tempfile, nbformat
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 import vramlab
 nb = nbformat.read("{lab}.ipynb", as_version=4)
 nb.cells.append(nbformat.v4.new_code_cell("import vramlab, sys; print('KERNEL', vramlab.__file__, sys.executable)"))
-NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True).execute()
+km = KernelManager(kernel_name="python3", transport="ipc", connection_file=os.path.join(tempfile.mkdtemp(), "kernel.json"))
+NotebookClient(nb, km=km, timeout=600, kernel_name="python3", allow_errors=True).execute()
 errors = [o["ename"] for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
 text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
 print(json.dumps({{"errors": errors, "text": text, "vramlab": vramlab.__file__, "path": sys.path}}))

@@ -27,7 +27,8 @@ onmessage = async (ev) => {
   try {
     out = JSON.parse(runHtml(name, JSON.stringify(values)));
   } catch (e) {
-    out = { html: `<p class="vl-error">${String(e)}</p>`, error: String(e), numbers: {} };
+    const text = String(e).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+    out = { html: `<p class="vl-error" role="alert">${text}</p>`, error: String(e), invalid: [], numbers: {} };
   }
   postMessage({ type: "result", id, ms: performance.now() - t0, ...out });
 };

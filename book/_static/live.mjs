@@ -48,7 +48,7 @@ function restore(calc) {  // Python could not start: controls back to the snapsh
 async function recompute(calc) {
   const id = ++nextId;
   calc.dataset.want = String(id);
-  if (calc.dataset.state !== "live") setStatus(calc, "loading", "loading Python into this page (once; a few seconds)…");
+  if (!worker) setStatus(calc, "loading", "loading Python into this page (once; a few seconds)…");
   let info;
   try {
     info = await startWorker();
@@ -65,7 +65,16 @@ async function recompute(calc) {
   if (calc.dataset.want !== String(id)) return;  // a newer change is on its way
   calc.classList.remove("vl-busy");
   calc.querySelector(".vl-result").innerHTML = m.html;
-  setStatus(calc, "live", `live: computed in this page by vramlab ${info.version} (Python ${info.python}) in ${m.ms.toFixed(1)} ms`);
+  const invalid = new Set(m.invalid || []);
+  for (const el of calc.querySelectorAll("[data-input]")) {
+    if (invalid.has(el.dataset.input)) el.setAttribute("aria-invalid", "true");
+    else el.removeAttribute("aria-invalid");
+  }
+  if (m.error) {  // refused inputs: nothing was computed, and the status says so (never "live" beside an error)
+    setStatus(calc, "error", `error: nothing computed for these inputs (${invalid.size ? "fix the marked control" : "see below"})`);
+  } else {
+    setStatus(calc, "live", `live: computed in this page by vramlab ${info.version} (Python ${info.python}) in ${m.ms.toFixed(1)} ms`);
+  }
 }
 
 for (const calc of calcs) {
@@ -83,4 +92,16 @@ for (const calc of calcs) {
     }
   }
   setStatus(calc, "snapshot", "snapshot: computed when this page was built; change a control to compute in this page");
+}
+
+// Figures (matplotlib PNGs in the cells' outputs, 9 pt text at 110 dpi): on a narrow screen an image
+// is never shown below MIN_SCALE of its natural width, where its text would drop under 9 px; its
+// output box scrolls sideways instead (book.css). 9 px / (9 pt * 110 / 72) = 0.655.
+const MIN_SCALE = 0.66;
+function legible(img) {
+  if (img.naturalWidth) img.style.minWidth = `${Math.ceil(MIN_SCALE * img.naturalWidth)}px`;
+}
+for (const img of document.querySelectorAll(".cell_output img")) {
+  if (img.complete) legible(img);
+  else img.addEventListener("load", () => legible(img), { once: true });
 }

@@ -13,6 +13,7 @@ the plans.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import operator
@@ -626,6 +627,17 @@ class DeviceShare:
 WHOLE_MODEL = DeviceShare()
 
 
+@dataclass(frozen=True)
+class _ShareView:
+    """What `activation_bytes` reads of a DeviceShare (its cache key)."""
+    blocks: "tuple[int, int] | None"
+    first: bool
+    last: bool
+    tp: int
+    sp: bool
+    whole: bool
+
+
 def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
                      attention: AttentionImpl = "sdpa", recompute: "Recompute | Plan" = "none", device: str = "cuda",
                      frozen_base: bool = False, share: DeviceShare = WHOLE_MODEL, use_cache: bool = False) -> dict:
@@ -648,6 +660,17 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     if not isinstance(share, DeviceShare):
         raise ValueError(f"share must be a vramlab.activations.DeviceShare, got {_checks.show(share)}")
     plan = recompute_plan(recompute, spec)
+    # the answer depends on these of the share only: a planner asks again for layouts that differ
+    # elsewhere (ZeRO-1 or not: the optimizer's shards), and gets the same answer at once
+    return dict(_activation_bytes(spec, batch_size, seq_len, precision, attention, plan, device, frozen_base,
+                                  use_cache, share.blocks, share.first, share.last, share.tp, share.sp, share.whole))
+
+
+@functools.lru_cache(maxsize=512)
+def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision: str, attention: str, plan: "Plan",
+                      device: str, frozen_base: bool, use_cache: bool, blocks, first: bool, last: bool, tp: int,
+                      sp: bool, whole: bool) -> dict:
+    share = _ShareView(blocks, first, last, tp, sp, whole)
     nb = _dtype_bytes(precision, device)
     nb["loss"] = _loss_bytes(spec, precision)
     b, s, a = batch_size, seq_len, spec.num_heads

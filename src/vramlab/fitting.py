@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Literal
 
 from . import checks as _checks
@@ -40,6 +40,7 @@ class Fit:
     context: int  # the CUDA context and libraries, outside the allocator
     expandable_segments: bool = False
     capped: bool = False  # even the search's limit fits: max_batch_size is a lower bound, not the answer
+    batch_size: int | None = None  # the batch size whose bytes `needed` and its terms are (`fit` sets it)
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpu, GPUSpec):
@@ -48,8 +49,9 @@ class Fit:
             object.__setattr__(self, k, _checks.whole(k, getattr(self, k), lo=0, hi=MAX_BYTES))
         for k in ("fits", "expandable_segments", "capped"):
             object.__setattr__(self, k, _checks.flag(k, getattr(self, k)))
-        if self.max_batch_size is not None:
-            object.__setattr__(self, "max_batch_size", _checks.whole("max_batch_size", self.max_batch_size, lo=0))
+        for k in ("max_batch_size", "batch_size"):
+            if getattr(self, k) is not None:
+                object.__setattr__(self, k, _checks.whole(k, getattr(self, k), lo=0 if k == "max_batch_size" else 1))
 
     @property
     def reserve(self) -> int:
@@ -57,14 +59,19 @@ class Fit:
         return self.margin + self.fragmentation + self.context
 
     def explain(self) -> str:
-        """One line per term of `needed`."""
+        """One line per term of `needed`, under a line that says which batch size they are for (the
+        one asked, beside the largest that fits, when the search ran)."""
+        at = f"at batch size {self.batch_size:,}" if self.batch_size is not None else "at the batch size asked"
+        if self.max_batch_size is not None:
+            largest = f"more than {self.max_batch_size:,}" if self.capped else f"{self.max_batch_size:,}"
+            at += f" (the largest that fits is {largest})"
         alloc = "expandable: 2 MiB pages" if self.expandable_segments else "the largest tensor"
         rows = [("estimate (max_memory_allocated)", self.estimate, ""),
                 (f"+ estimate margin ({ESTIMATE_MARGIN:.0%})", self.margin, ""),
                 ("+ fragmentation", self.fragmentation, f"  ({alloc})"),
                 ("+ CUDA context and libraries", self.context, ""),
                 ("= needed", self.needed, f"  of {fmt_bytes(self.available)} usable")]
-        return "\n".join(f"  {label:<31}{fmt_bytes(n):>12}{note}" for label, n, note in rows)
+        return "\n".join([f"  needed {at}:"] + [f"  {label:<31}{fmt_bytes(n):>12}{note}" for label, n, note in rows])
 
     def __str__(self) -> str:
         verdict = "fits" if self.fits else "does NOT fit"
@@ -230,4 +237,4 @@ def fit(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: int = 1, mode
                           largest_tensor=fragmentation_bytes(model, batch_size=bs, mode=mode, **options), **found)
 
     lo = largest_true(lambda bs: verdict(bs).fits, limit=max_search)
-    return verdict(batch_size, max_batch_size=lo, capped=lo >= max_search)
+    return replace(verdict(batch_size, max_batch_size=lo, capped=lo >= max_search), batch_size=batch_size)

@@ -35,13 +35,9 @@ def test_categories():
     assert big.breakdown.activations > big.breakdown.parameters
 
 
-def test_trace_mode_measures_gpu_sized_models_quickly():
-    import time
-
+def test_trace_mode_measures_gpu_sized_models_without_their_memory():
     spec = dataclasses.replace(preset("llama-3.1-8b"), num_layers=1)  # 1.3 B params incl. embeddings
-    t = time.perf_counter()
     m = measure_training(spec, batch_size=1, seq_len=256, mode="trace", precision="bf16-mixed")
-    assert time.perf_counter() - t < 60
     assert m.breakdown.parameters == 4 * spec.params  # 5 GiB of fp32 weights that were never allocated
 
 

@@ -57,10 +57,10 @@ def test_checkpointing_numbers_are_the_librarys():
                                    precision="bf16-mixed", gpu="h100-80gb")
     mine = CK.evaluate("llama-3.2-1b", "sqrt", batch_size=4, seq_len=2048, precision="bf16-mixed", gpu="h100-80gb")
     assert r.numbers["peak"][0] == mine.peak.total and r.numbers["recompute"][0] == mine.recompute_fraction
-    assert r.numbers["cheapest"][1] == "none"  # 44 GiB without recompute fits in an H100's 79 GiB
+    assert r.numbers["cheapest"][1] == "none (recompute nothing)"  # the plan none: 44 GiB without recompute fits in an H100's 79 GiB
     t4 = C.get("checkpointing").run(model="llama-3.2-1b", plan="none", batch_size=4, seq_len=2048,
                                     precision="bf16-mixed", gpu="t4")
-    assert t4.numbers["cheapest"][1] == "none fits" and "no plan fits" in t4.text  # the model states alone exceed 15 GiB
+    assert t4.numbers["cheapest"][1] == C.NO_PLAN_FITS and "no plan fits" in t4.text  # the model states alone exceed 15 GiB
 
 
 def test_offload_numbers_are_the_librarys():
@@ -98,7 +98,7 @@ def test_streaming_the_10b_model_on_a_gtx_1060():
     assert more > m.usable_bytes  # one more resident block would not fit
     assert not m.fitted.hidden and OFF.stream_model(spec, "gtx-1060", tokens=512, weight_bytes=1).fitted.hidden
     big = C.get("streaming").run(model="llama-3.1-70b", weights="fp32")
-    assert big.numbers["resident"][1] == "none fit" and "does NOT fit" in big.text and not big.error
+    assert big.numbers["resident"][1] == "does not fit" and "does NOT fit" in big.text and not big.error
 
 
 def vramlab_preset_params(name):
@@ -116,15 +116,15 @@ def vramlab_preset_params(name):
     ("compression", {"recompute": "most"}, "'most' is not one of"),
     ("compression", {"method": "full", "bits": 4}, "full fine-tuning cannot train 4-bit weights"),
     ("compression", {"model": "gpt2", "seq_len": 4096}, "gpt2 reads at most 1,024 positions"),
-    ("offload", {"batch_size": 0}, "batch size: 0 is outside"),
+    ("offload", {"batch_size": 0}, "batch size: 0 is out of range"),
     ("checkpointing", {"model": "gpt2", "seq_len": 2048}, "gpt2 reads at most 1,024 positions"),
     ("zero", {"model": "gpt2", "seq_len": 4096}, "gpt2 reads at most 1,024 positions"),
-    ("training", {"batch_size": 0}, "batch size: 0 is outside 1..128"),
+    ("training", {"batch_size": 0}, "batch size: 0 is out of range: it must be between 1 and 128"),
     ("training", {"batch_size": 2.5}, "whole number"),
     ("training", {"model": "gpt5"}, "'gpt5' is not one of"),
     ("training", {"seq_len": 8192}, "gpt2 reads at most 1,024 positions"),
     ("collectives", {"size_mib": "lots"}, "expected a number"),
-    ("collectives", {"ranks": 1}, "outside 2..256"),
+    ("collectives", {"ranks": 1}, "out of range: it must be between 2 and 256"),
     ("precision", {"value": float("nan")}, "expected a number, got nan"),
     ("training", {"colour": "red"}, "unknown input colour"),
 ])
@@ -210,3 +210,53 @@ def test_number_inputs_take_numpy_scalars():
     for name, inp in _NUMBERS:
         value = np.int64(inp.default) if inp.kind == "int" else np.float64(inp.default)
         assert not C.get(name).run(**{inp.name: value}).error, (name, inp.name)
+
+
+# issue 31: what a reader types and what a phone shows
+@pytest.mark.parametrize("name, values, needle, invalid", [
+    ("training", {"batch_size": "1e9"}, "batch size: 1e+09 is out of range: it must be between 1 and 128", "batch_size"),
+    ("training", {"batch_size": 1e9}, "batch size: 1e+09 is out of range: it must be between 1 and 128", "batch_size"),
+    ("training", {"batch_size": "1e1"}, "", ""),  # 10, written as a float: a whole number in range
+    ("training", {"batch_size": " 16 "}, "", ""),
+    ("training", {"batch_size": "-3"}, "batch size: -3 is out of range", "batch_size"),
+    ("collectives", {"size_mib": "1e9"}, "size: 1e+09 MiB is out of range: it must be between 0.0009766 and 1.638e+04 MiB",
+     "size_mib"),
+    ("precision", {"value": "1e-20"}, "value: 1e-20 is out of range", "value"),
+    ("checkpointing", {"batch_size": "1e3"}, "batch size: 1000 is out of range: it must be between 1 and 128", "batch_size"),
+])
+def test_a_number_out_of_range_says_so_with_the_range(name, values, needle, invalid):
+    r = C.get(name).run(**values)
+    assert needle in r.error and "expected a number" not in r.error and "\n" not in r.error
+    assert r.invalid == ((invalid,) if invalid else ())
+    out = json.loads(C.run_html(name, json.dumps(values)))
+    assert out["error"] == r.error and out["invalid"] == list(r.invalid)
+    if r.error:
+        assert 'class="vl-error" role="alert"' in out["html"] and not out["numbers"]
+
+
+def test_no_plan_fits_is_not_the_plan_called_none():
+    """'none' is a plan (recompute nothing); when nothing fits the page says 'no plan fits', never 'none'."""
+    no = C.get("checkpointing").run(model="llama-3.1-70b", batch_size=4, seq_len=1024, gpu="t4")
+    fits_without = C.get("checkpointing").run(model="gpt2", batch_size=1, seq_len=128)
+    assert no.numbers["cheapest"] == (0, C.NO_PLAN_FITS) and "no plan fits" in no.text and "none" not in no.numbers["cheapest"][1]
+    assert fits_without.numbers["cheapest"][1] == "none (recompute nothing)"
+    assert "the plan with the least recompute that fits: none (recompute nothing)" in fits_without.text
+    label = C.get("checkpointing").number_labels["cheapest"]
+    assert "plan" in label and label in C.page_html("checkpointing")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_chart_comes_wide_and_for_a_phone(name):
+    """The page carries both layouts of each chart (book.css shows the one that fits its box); the
+    phone's is drawn at svg.PHONE wide, and its text is never under svg.MIN_FONT, so at a 390 px
+    phone's column (about 1:1) it is legible; ipywidgets show the wide one only."""
+    from vramlab.present import svg
+
+    r = C.get(name).run(**({"schedule": "interleaved"} if name == "parallel" else {}))
+    assert r.svg_narrow.startswith("<svg") and r.svg_narrow != r.svg
+    assert all(f'viewBox="0 0 {svg.PHONE} ' in part for part in r.svg_narrow.split("</svg>")[:-1])
+    sizes = [float(x) for x in re.findall(r'font-size="([\d.]+)"', r.svg + r.svg_narrow)]
+    assert sizes and min(sizes) >= svg.MIN_FONT
+    page = C.page_html(name)
+    assert '<div class="vl-wide"><svg' in page and '<div class="vl-narrow"><svg' in page
+    assert "vl-narrow" not in C._result_html(C.get(name), r, narrow=False)

@@ -120,3 +120,173 @@ def test_sequence_longer_than_the_model_reads_is_refused():
     assert r.returncode == 2 and "gpt2 reads at most 1,024 positions" in r.stderr and "Traceback" not in r.stderr
     ok = run("estimate", "train", "--model", "t5-small", "--batch-size", "1", "--seq-len", "4096")
     assert ok.returncode == 0  # T5's relative positions have no such limit
+
+
+# ----------------------------------------------------------------------------- every chapter's subcommand
+from vramlab import checkpointing as CK, compression as COMP, parallel as PAR, specs, zero as Z  # noqa: E402
+
+
+def _json(capsys, *argv):
+    assert main(list(argv) + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+ZERO_70B = ["estimate", "train", "--model", "llama-3.1-70b", "--zero", "3", "--gpus", "8", "--gpu", "h100",
+            "--batch-size", "1", "--seq-len", "4096", "--precision", "bf16-mixed"]
+
+
+def test_zero_answers_70b_on_8_h100s(capsys):
+    """The README's question, against zero.fits called directly with the same arguments."""
+    out = _json(capsys, *ZERO_70B)
+    f = Z.fits("llama-3.1-70b", 8, 3, "h100", micro_batch_size=1, seq_len=4096, recipe="mixed-adam",
+               optimizer_impl="fused")
+    assert out["gpu"]["fits"] is f.fits and out["gpu"]["needed_bytes"] == f.needed
+    assert out["gpu"]["max_micro_batch_size"] == f.max_batch_size
+    assert out["total_bytes"] == Z.estimate_rank("llama-3.1-70b", 8, 3, micro_batch_size=1, seq_len=4096,
+                                                 recipe="mixed-adam", gpu=specs.gpu("h100")).total
+    assert {s["setup"] for s in out["setups"]} == {"ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2"}
+    assert main(ZERO_70B) == 0
+    text = capsys.readouterr().out
+    assert ("YES:" if f.fits else "NO:") in text and "largest micro-batch that fits" in text
+    assert "needed at batch size 1" in text
+
+
+def test_fsdp2_is_zero3_sharding(capsys):
+    out = _json(capsys, "estimate", "train", "--model", "llama-3.1-8b", "--fsdp2", "--gpus", "8", "--gpu", "h100",
+                "--batch-size", "1", "--seq-len", "2048", "--precision", "bf16-mixed")
+    f = Z.fits("llama-3.1-8b", 8, 3, "h100", micro_batch_size=1, seq_len=2048, recipe="mixed-adam",
+               implementation="fsdp2", optimizer_impl="fused")
+    assert out["setup"] == "FSDP2" and out["gpu"]["needed_bytes"] == f.needed and out["gpu"]["fits"] is f.fits
+
+
+def test_plan_answers_as_plan_layouts(capsys):
+    out = _json(capsys, "plan", "--model", "llama-3.1-70b", "--gpus", "64", "--gpu", "h100", "--seq-len", "4096",
+                "--top", "3")
+    plans = PAR.plan_layouts("llama-3.1-70b", 64, "h100", seq_len=4096, global_batch=512)
+    ok = [x for x in plans if x.fit.fits]
+    assert out["layouts"] == len(plans) and out["layouts_fitting"] == len(ok) and len(out["shown"]) == 3
+    assert [s["layout"] for s in out["shown"]] == [x.name for x in ok[:3]]
+    assert out["shown"][0]["needed_bytes"] == ok[0].fit.needed
+
+
+def test_lora_answers_as_peft_training(capsys):
+    out = _json(capsys, "lora", "--model", "llama-3.1-8b", "--method", "qlora", "--batch-size", "1",
+                "--seq-len", "2048", "--gpu", "h100")
+    peak = COMP.peft_training("llama-3.1-8b", method="qlora", rank=16, batch_size=1, seq_len=2048, precision="bf16",
+                              gpu=specs.gpu("h100"))
+    assert out["total_bytes"] == peak.total and out["gpu"]["fits"]
+    assert out["trainable_params"] == COMP.lora_params("llama-3.1-8b", rank=16)
+
+
+def test_offload_answers_as_model_offload(capsys):
+    out = _json(capsys, "offload", "--model", "llama-3.2-1b", "--scheme", "zero-offload", "--batch-size", "4",
+                "--seq-len", "2048", "--gpu", "h100")
+    g = specs.gpu("h100")
+    s = CK.evaluate("llama-3.2-1b", "none", precision="bf16-mixed", gpu=g, batch_size=4, seq_len=2048).step_seconds
+    m = __import__("vramlab.offload", fromlist=["x"]).model_offload("llama-3.2-1b", scheme="zero-offload", gpu=g,
+                                                                    gpu_seconds=s, batch_size=4, seq_len=2048)
+    assert out["gpu_peak_bytes"] == m.gpu_peak.total and out["host_bytes"] == m.host_bytes
+    assert set(out["schemes"]) == {"none", "save-on-cpu", "zero-offload", "fsdp2-cpu"}
+
+
+def test_checkpoint_answers_as_cheapest_plan(capsys):
+    out = _json(capsys, "checkpoint", "--model", "llama-3.2-1b", "--gpu", "h100", "--batch-size", "16",
+                "--seq-len", "2048")
+    best = CK.cheapest_plan("llama-3.2-1b", None, batch_size=16, seq_len=2048, gpu="h100")
+    assert out["cheapest"]["plan"] == best.plan.name and out["cheapest"]["peak_bytes"] == best.peak.total
+    assert set(out["plans"]) >= set(CK.PLANS)
+    b = out["max_batch_size"]
+    assert CK.cheapest_plan("llama-3.2-1b", None, batch_size=b, seq_len=2048, gpu="h100") is not None
+    assert CK.cheapest_plan("llama-3.2-1b", None, batch_size=b + 1, seq_len=2048, gpu="h100") is None
+
+
+README_8B = ["estimate", "train", "--model", "llama-3.1-8b", "--batch-size", "1", "--seq-len", "4096",
+             "--precision", "bf16-mixed", "--recompute", "full", "--gpu", "h100"]
+
+
+
+
+@pytest.mark.parametrize("argv", [
+    README_8B, ZERO_70B,
+    ["plan", "--model", "llama-3.1-70b", "--gpus", "8", "--gpu", "h100", "--seq-len", "4096"],
+    ["lora", "--model", "llama-3.1-70b", "--batch-size", "1", "--seq-len", "4096", "--gpu", "h100"],
+    ["offload", "--model", "llama-3.1-8b", "--scheme", "save-on-cpu", "--batch-size", "4", "--seq-len", "4096",
+     "--gpu", "h100"],
+    ["checkpoint", "--model", "llama-3.1-8b", "--gpu", "h100", "--batch-size", "4", "--seq-len", "4096"],
+    ["estimate", "infer", "--model", "llama-3.1-70b", "--batch-size", "8", "--seq-len", "8192", "--gpu", "h100",
+     "--precision", "fp32"],
+])
+def test_suggestions_are_real(argv, capsys):
+    out = _json(capsys, *argv)
+    assert out["suggestions"], "a configuration that does not fit gets levers"
+    for s in out["suggestions"]:
+        got = _json(capsys, *s["argv"][1:])
+        if s["argv"][1] == "plan":
+            assert got["fits"] is s["fits"]
+            if s["fits"]:
+                assert got["shown"][0]["needed_bytes"] == s["needed_bytes"]
+            continue
+        if s["argv"][1] == "checkpoint":
+            assert got["fits"] is s["fits"] and got["max_batch_size"] == (s["largest"] or 0)
+            if s["fits"]:
+                assert got["cheapest"]["needed_bytes"] == s["needed_bytes"]
+            continue
+        g = got["gpu"]
+        assert g["fits"] is s["fits"] and g["needed_bytes"] == s["needed_bytes"], s["try"]
+        assert g["max_batch_size"] == s["largest"], s["try"]
+
+
+def test_readme_example_ends_with_suggestions(capsys):
+    assert main(README_8B) == 0
+    text = capsys.readouterr().out
+    tail = text[text.index("largest batch size that fits: 0"):]
+    assert "next levers" in tail and "--zero 3 --gpus" in tail and "--precision bf16" in tail
+
+
+def test_precision_help_lists_every_recipe():
+    from vramlab.present.cli import build_parser
+    est = build_parser().commands["estimate"]
+    help_ = next(a.help for a in est._actions if a.dest == "precision")
+    from vramlab.precision import PRECISIONS
+    assert all(p in help_ for p in PRECISIONS)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (ZERO_70B[:-2] + ["--precision", "bf16"], "not a ZeRO recipe"),
+    (ZERO_70B + ["--recompute", "full"], "--recompute does not apply"),
+    (ZERO_70B + ["--recipe", "fp32-adam"], "not both"),
+    (ZERO_70B[:4] + ["--gpus", "8", "--batch-size", "1", "--seq-len", "8"], "give --zero"),
+    (ZERO_70B[:5] + ["2"] + ZERO_70B[6:] + ["--fsdp2"], "--fsdp2 shards like ZeRO-3"),
+    (["estimate", "train", "--model", "gpt2", "--zero", "5", "--batch-size", "1", "--seq-len", "8"], "invalid choice"),
+    (["estimate", "train", "--model", "gpt2", "--zero", "x", "--batch-size", "1", "--seq-len", "8"], "invalid int"),
+    (["estimate", "infer", "--model", "gpt2", "--zero", "3", "--batch-size", "1", "--seq-len", "8"], "for 'estimate train'"),
+    (ZERO_70B[:6] + ["--gpus", "0"] + ZERO_70B[8:], "positive integer"),
+    (["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "h100"], "required"),
+    (["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "h100", "--seq-len", "4096", "--top", "0"], "positive"),
+    (["plan", "--model", "t5-small", "--gpus", "8", "--gpu", "h100", "--seq-len", "512"], "decoder-only"),
+    (["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "voodoo", "--seq-len", "512"], "unknown GPU"),
+    (["plan", "--model", "llama-3.1-8b", "--gpus", "67", "--gpu", "h100", "--seq-len", "512", "--global-batch", "7"],
+     "no dp x tp x pp layout"),
+    (["lora", "--model", "llama-3.1-8b", "--method", "dora", "--batch-size", "1", "--seq-len", "8", "--gpu", "h100"],
+     "invalid choice"),
+    (["lora", "--model", "llama-3.1-8b", "--method", "qlora", "--precision", "fp32", "--batch-size", "1",
+      "--seq-len", "8", "--gpu", "h100"], "does not apply to qlora"),
+    (["lora", "--model", "llama-3.1-8b", "--recompute", "most", "--batch-size", "1", "--seq-len", "8", "--gpu", "h100"],
+     "recompute"),
+    (["lora", "--model", "llama-3.1-8b", "--batch-size", "1", "--seq-len", "8"], "required"),
+    (["offload", "--model", "llama-3.1-8b", "--scheme", "nvme", "--batch-size", "1", "--seq-len", "8", "--gpu", "h100"],
+     "invalid choice"),
+    (["offload", "--model", "gpt5", "--scheme", "zero-offload", "--batch-size", "1", "--seq-len", "8", "--gpu", "h100"],
+     "unknown model preset"),
+    (["offload", "--model", "llama-3.1-8b", "--scheme", "zero-offload", "--batch-size", "-1", "--seq-len", "8",
+      "--gpu", "h100"], "positive integer"),
+    (["checkpoint", "--model", "llama-3.1-8b", "--gpu", "h100", "--batch-size", "1", "--seq-len", "8", "--plan", "every-0"],
+     "every"),
+    (["checkpoint", "--model", "gpt2", "--gpu", "h100", "--batch-size", "1", "--seq-len", "99999"], "1,024 positions"),
+    (["checkpoint", "--model", "llama-3.1-8b", "--batch-size", "1", "--seq-len", "8"], "required"),
+])
+def test_subcommands_bad_input_one_line_exit_2(args, needle):
+    r = run(*args)
+    assert r.returncode == 2, r.stdout[-300:]
+    assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -11,7 +11,7 @@ def test_show_gives_both_front_ends():
     bundle = W.show("collectives", ranks=4)._repr_mimebundle_()
     assert 'data-calc="collectives"' in bundle["text/html"]
     assert "application/vnd.jupyter.widget-view+json" in bundle  # Jupyter and Colab draw the widget
-    with pytest.raises(ValueError, match="ranks: 1 is outside"):
+    with pytest.raises(ValueError, match="ranks: 1 is out of range"):
         W.show("collectives", ranks=1)
 
 
@@ -25,3 +25,4 @@ def test_widget_recomputes_what_the_page_shows():
     controls["GPU"].value = "a100-80gb"
     expected = C.get("training").run(model="gpt2", batch_size=16, gpu="a100-80gb")
     assert expected.numbers["train_total"][1] in out.value and expected.svg in out.value
+    assert expected.svg_narrow not in out.value  # one chart, the wide one: the notebook is not a phone

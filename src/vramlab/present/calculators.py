@@ -24,6 +24,7 @@ from .. import offload as OFF
 from .. import parallel as PAR
 from .. import precision as P
 from .. import zero as Z
+from . import svg as SVG
 from .svg import gantt, loglog_lines, stacked_bars, streams
 from ..units import GiB, fmt_bytes
 
@@ -54,17 +55,22 @@ class Input:
         if isinstance(value, bool):
             raise ValueError(f"{self.label}: expected a number, got {value!r}")
         try:
-            v = int(value) if self.kind == "int" and float(value) == int(float(value)) else float(value)
+            v = float(value.strip() if isinstance(value, str) else value)  # '1e9' and ' 16 ' are numbers
         except (TypeError, ValueError):
             raise ValueError(f"{self.label}: expected a number, got {value!r}") from None
-        except OverflowError:  # inf, "inf", JSON's Infinity, 1e400 as a whole number
+        except OverflowError:  # a whole number too large for a float
             raise ValueError(f"{self.label}: expected a finite number, got {value!r}") from None
         if v != v:
             raise ValueError(f"{self.label}: expected a number, got {value!r}")
-        if self.kind == "int" and not isinstance(v, int):
-            raise ValueError(f"{self.label}: expected a whole number, got {value!r}")
+        if math.isinf(v):  # inf, "inf", JSON's Infinity, 1e400
+            raise ValueError(f"{self.label}: expected a finite number, got {value!r}")
+        if self.kind == "int":
+            if v != int(v):
+                raise ValueError(f"{self.label}: expected a whole number, got {value!r}")
+            v = int(v)
         if not (self.min <= v <= self.max):
-            raise ValueError(f"{self.label}: {v:g} is outside {self.min:g}..{self.max:g}")
+            raise ValueError(f"{self.label}: {v:g}{' ' + self.unit if self.unit else ''} is out of range: "
+                             f"it must be between {self.min:.4g} and {self.max:.4g}{' ' + self.unit if self.unit else ''}")
         return v
 
 
@@ -75,11 +81,19 @@ class Result:
     text: str
     numbers: dict[str, tuple[float, str]] = field(default_factory=dict)
     svg: str = ""
+    svg_narrow: str = ""  # the same chart laid out for a phone's column (svg.PHONE wide); the book shows the one that fits
     error: str = ""
+    invalid: tuple[str, ...] = ()  # the inputs the error is about
 
     def to_dict(self) -> dict:
         return {"text": self.text, "numbers": {k: [v, s] for k, (v, s) in self.numbers.items()}, "svg": self.svg,
-                "error": self.error}
+                "svg_narrow": self.svg_narrow, "error": self.error, "invalid": list(self.invalid)}
+
+
+def _both(draw: Callable[..., str], *args: Any, wide: int | None = None, **kwargs: Any) -> tuple[str, str]:
+    """A chart at its own width (or `wide`) and at a phone's (svg.PHONE)."""
+    return (draw(*args, **kwargs) if wide is None else draw(*args, width=wide, **kwargs),
+            draw(*args, width=SVG.PHONE, **kwargs))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,8 +110,13 @@ class Calculator:
         unknown = set(values) - {i.name for i in self.inputs}
         if unknown:
             return Result(text="", error=f"unknown input {', '.join(sorted(unknown))}")
+        checked = {}
+        for i in self.inputs:
+            try:
+                checked[i.name] = i.check(values.get(i.name, i.default))
+            except ValueError as e:
+                return Result(text="", error=str(e.args[0]), invalid=(i.name,))
         try:
-            checked = {i.name: i.check(values.get(i.name, i.default)) for i in self.inputs}
             return self.compute(**checked)
         except (ValueError, KeyError) as e:
             return Result(text="", error=str(e.args[0]) if e.args else str(e))
@@ -119,11 +138,11 @@ def _training(*, model: str, batch_size: int, seq_len: int, precision: str, opti
     verdict = fitting.fit(spec, g, batch_size=batch_size, **opts)
     bars = [(label, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
             for label, b in (("training step", train), (f"inference ({infer_dtype})", infer))]
-    svg = stacked_bars(bars, title=f"{spec.name}: {spec.params / 1e6:,.0f} M params, b={batch_size}, s={seq_len}",
+    svg, narrow = _both(stacked_bars, bars, title=f"{spec.name}: {spec.params / 1e6:,.0f} M params, b={batch_size}, s={seq_len}",
                        line=(g.usable_bytes / GiB, f"{g.name} usable"))
     text = "\n".join([train.table(title="training step"), "", str(verdict), verdict.explain(), "",
                       f"inference prefill: {fmt_bytes(infer.total)} (KV cache {fmt_bytes(infer.kv_cache)})"])
-    return Result(text=text, svg=svg, numbers={
+    return Result(text=text, svg=svg, svg_narrow=narrow, numbers={
         "train_total": (train.total, fmt_bytes(train.total)), "infer_total": (infer.total, fmt_bytes(infer.total)),
         "max_batch": (verdict.max_batch_size, str(verdict.max_batch_size))})
 
@@ -156,9 +175,9 @@ def _collectives(*, op: str, ranks: int, size_mib: float, link: str) -> Result:
     palette = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C"]
     series = [(name, [(s, float(C.collective_time(op, ranks, s, name))) for s in sizes], palette[i % len(palette)], name == link)
               for i, name in enumerate(C.LINKS)]
-    svg = loglog_lines(series, title=f"{op} on {ranks} ranks: time vs message size", xlabel="message size (bytes)",
+    svg, narrow = _both(loglog_lines, series, title=f"{op} on {ranks} ranks: time vs message size", xlabel="message size (bytes)",
                        ylabel="seconds", vline=S)
-    return Result(text=text, svg=svg, numbers={"time_ms": (t * 1e3, f"{t * 1e3:.3f} ms"),
+    return Result(text=text, svg=svg, svg_narrow=narrow, numbers={"time_ms": (t * 1e3, f"{t * 1e3:.3f} ms"),
                                                "busbw_GBps": (bus / 1e9, f"{bus / 1e9:.1f} GB/s")})
 
 
@@ -185,10 +204,10 @@ def _precision(*, value: float, model: str, batch_size: int) -> Result:
     ests = [memory.estimate_training(model, batch_size=batch_size, seq_len=1024, precision=p) for p in P.PRECISIONS]
     bars = [(p, [(c.replace("_", " "), getattr(e, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
             for p, e in zip(P.PRECISIONS, ests)]
-    svg = stacked_bars(bars, title=f"{model}, b={batch_size}, s=1024: training peak by recipe", width=720)
+    svg, narrow = _both(stacked_bars, bars, title=f"{model}, b={batch_size}, s=1024: training peak by recipe", wide=720)
     lines += ["", f"{'recipe':20s}{'training peak':>14}"] + [f"{p:20s}{fmt_bytes(e.total):>14}"
                                                              for p, e in zip(P.PRECISIONS, ests)]
-    return Result(text="\n".join(lines), svg=svg, numbers={
+    return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
         "fp16": (rounded["fp16"], f"{rounded['fp16']:.6g}"), "bf16": (rounded["bf16"], f"{rounded['bf16']:.6g}"),
         "amp_peak": (ests[1].total, fmt_bytes(ests[1].total))})
 
@@ -223,10 +242,10 @@ def _parallel(*, model: str, dp: int, tp: int, pp: int, sp: str, zero: str, reco
     bars = [(f"stage {i}", [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
             for i, b in shown]
     title = f"{spec.name} on {layout.devices} GPUs (dp {dp} x tp {tp} x pp {pp}): memory per device"
-    svgs = [stacked_bars(bars, title=title, line=(g.usable_bytes / GiB, f"{g.name} usable"))]
+    svgs = [_both(stacked_bars, bars, title=title, line=(g.usable_bytes / GiB, f"{g.name} usable"))]
     if pp > 1 and pp * micro_batches * chunks <= 512:
         run = PAR.simulate(pp, micro_batches, schedule, chunks=chunks)
-        svgs.append(gantt(run.ops, devices=pp, makespan=run.makespan, chunks=chunks,
+        svgs.append(_both(gantt, run.ops, devices=pp, makespan=run.makespan, chunks=chunks,
                           title=f"{schedule}, {pp} stages, {micro_batches} micro-batches: bubble {float(bubble):.1%} of the step"))
     worst = max(stages, key=lambda b: b.total)
     lines = [worst.table(title=f"fullest device: {worst.label}"), "",
@@ -241,7 +260,7 @@ def _parallel(*, model: str, dp: int, tp: int, pp: int, sp: str, zero: str, reco
                     ("tp", f"tensor parallel: {comm['tp']['calls']} all-reduces of {fmt_bytes(comm['tp']['bytes'])} over nvlink4"),
                     ("pp", f"pipeline: {comm['pp']['calls']} sends of {fmt_bytes(comm['pp']['bytes'])} over {link}")):
         lines.append(f"  {what}: {comm[k]['seconds'] * 1e3:.2f} ms")
-    return Result(text="\n".join(lines), svg="".join(svgs), numbers={
+    return Result(text="\n".join(lines), svg="".join(w for w, _ in svgs), svg_narrow="".join(n for _, n in svgs), numbers={
         "per_device": (worst.total, fmt_bytes(worst.total)), "fits": (int(ok), "yes" if ok else "no"),
         "bubble": (float(bubble), f"{float(bubble):.1%}")})
 
@@ -275,8 +294,8 @@ def _layouts(*, model: str, gpus: int, gpu: str, seq_len: int, global_batch: int
     bars = [(f"{x.layout.dp}x{x.layout.tp}x{x.layout.pp}" + ("+sp" if x.layout.sp else "") + ("+z1" if x.layout.zero else "")
              + ("" if x.recompute == "none" else f"+{x.recompute[:3]}"),
              [(c.replace("_", " "), getattr(x.peak, c) / GiB, COLORS[c]) for c in memory.CATEGORIES]) for x in shown]
-    svg = stacked_bars(bars, title=f"{spec.name} on {gpus} x {g.name}: the fullest GPU of each layout (dp x tp x pp)",
-                       line=(g.usable_bytes / GiB, f"{g.name} usable"), width=720)
+    svg, narrow = _both(stacked_bars, bars, title=f"{spec.name} on {gpus} x {g.name}: the fullest GPU of each layout (dp x tp x pp)",
+                       line=(g.usable_bytes / GiB, f"{g.name} usable"), wide=720)
     head = f"{'layout':50}{'fullest GPU':>12}{'needs':>11}{'tokens/s':>11}{'bubble':>8}{'recompute':>10}"
     rows = [f"{x.name:50}{fmt_bytes(x.peak.total):>12}{fmt_bytes(x.fit.needed):>11}{x.tokens_per_s:>11,.0f}"
             f"{float(x.bubble):>8.1%}{x.recompute_fraction:>+10.0%}" for x in shown]
@@ -289,9 +308,9 @@ def _layouts(*, model: str, gpus: int, gpu: str, seq_len: int, global_batch: int
     lines += ["", "time: a roofline at 40 % of the GPU's bf16 peak, the bubble (p-1)/m, tensor-parallel all-reduces on "
                   "NVLink and the pipeline's sends exposed; data-parallel all-reduce hidden behind the backward"]
     best = ok[0] if ok else None
-    return Result(text="\n".join(lines), svg=svg, numbers={
+    return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
         "fitting": (len(ok), f"{len(ok)} of {len(plans)}"),
-        "best": (best.tokens_per_s if best else 0, best.name if best else "none fits"),
+        "best": (best.tokens_per_s if best else 0, best.name if best else "no layout fits"),
         "tokens": (best.tokens_per_s if best else 0, f"{best.tokens_per_s:,.0f} tokens/s" if best else "-")})
 
 
@@ -323,7 +342,7 @@ def _zero(*, model: str, setup: str, ranks: int, recipe: str, micro_batch_size: 
                            implementation="deepspeed" if impl == "deepspeed" else "paper")
     bars = [(label, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
             for label, b in rows]
-    svg = stacked_bars(bars, title=f"{spec.name} on {ranks} ranks, {recipe}: one rank's peak",
+    svg, narrow = _both(stacked_bars, bars, title=f"{spec.name} on {ranks} ranks, {recipe}: one rank's peak",
                        line=(g.usable_bytes / GiB, f"{g.name} usable"))
     paper = Z.paper_per_rank(spec.params, ranks, stage, k=k, param_bytes=pb, grad_bytes=gb)
     lines = [mine.table(title=mine.label), "",
@@ -333,7 +352,7 @@ def _zero(*, model: str, setup: str, ranks: int, recipe: str, micro_batch_size: 
              f"({comm['volume_in_psi']:.0f} Psi), {comm['seconds'] * 1e3:.1f} ms over {link}",
              f"peak phase: {mine.phase} (model states between steps + the step's worst phase, "
              "checked against lab 4's measured steps)"]
-    return Result(text="\n".join(lines), svg=svg, numbers={
+    return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
         "per_rank": (mine.total, fmt_bytes(mine.total)), "fits": (int(ok), "yes" if ok else "no"),
         "comm_ms": (comm["seconds"] * 1e3, f"{comm['seconds'] * 1e3:.1f} ms")})
 
@@ -364,25 +383,34 @@ def _checkpointing(*, model: str, plan: str, batch_size: int, seq_len: int, prec
     bars = [(f"{p} (+{100 * r.recompute_fraction:.0f} %)",
              [(c.replace("_", " "), getattr(r.peak, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
             for p, r in results.items()]
-    svg = stacked_bars(bars, title=f"{spec.name}, b={batch_size}, s={seq_len}, {precision}: peak by plan "
+    svg, narrow = _both(stacked_bars, bars, title=f"{spec.name}, b={batch_size}, s={seq_len}, {precision}: peak by plan "
                                    "(extra FLOPs in brackets)", line=(g.usable_bytes / GiB, f"{g.name} usable"))
     best = CK.cheapest_plan(spec, None, **kw)
-    fits = mine.fit.fits
     lines = [mine.peak.table(title=f"plan {plan}: peak at {mine.peak.phase}"), "",
              f"recompute: {100 * mine.recompute_fraction:.1f} % of the step's FLOPs; step ≈ {1e3 * mine.step_seconds:,.0f} ms "
              f"on {g.name} at {100 * CK.MFU:.0f} % of its peak FLOP/s",
              str(mine.fit), mine.fit.explain(),
-             ("least recompute that fits: " + best.plan.name + f" ({fmt_bytes(best.peak.total)}, "
-              f"+{100 * best.recompute_fraction:.1f} % FLOPs)") if best else "no plan fits: fewer tokens per step"]
-    return Result(text="\n".join(lines), svg=svg, numbers={
+             (f"the plan with the least recompute that fits: {_plan_name(best.plan.name)} "
+              f"({fmt_bytes(best.peak.total)}, +{100 * best.recompute_fraction:.1f} % FLOPs)") if best else
+             "no plan fits, not even the one that recomputes most: fewer tokens per step, or a bigger GPU"]
+    return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
         "peak": (mine.peak.total, fmt_bytes(mine.peak.total)),
         "recompute": (mine.recompute_fraction, f"+{100 * mine.recompute_fraction:.1f} %"),
-        "cheapest": (0 if best is None else best.peak.total, best.plan.name if best else "none fits")})
+        "cheapest": (0 if best is None else best.peak.total, _plan_name(best.plan.name) if best else NO_PLAN_FITS)})
+
+
+NO_PLAN_FITS = "no plan fits"
+
+
+def _plan_name(name: str) -> str:
+    """A plan as a reader reads it: the plan called 'none' recomputes nothing (it is not 'no plan')."""
+    return "none (recompute nothing)" if name == "none" else name
 
 
 CHECKPOINTING = Calculator(
     name="checkpointing", title="Activation checkpointing: memory against recompute", compute=_checkpointing,
-    number_labels={"peak": "peak of the step", "recompute": "extra compute", "cheapest": "least recompute that fits"},
+    number_labels={"peak": "peak of the step", "recompute": "extra compute",
+                   "cheapest": "the plan with the least recompute that fits"},
     inputs=(Input(name="model", label="model", kind="choice", default="llama-3.2-1b", choices=specs.preset_names()),
             Input(name="plan", label="recompute plan", kind="choice", default="full",
                   choices=CK.PLANS + ("every-2", "first-4", "segments-4")),
@@ -408,7 +436,7 @@ def _offload(*, model: str, scheme: str, batch_size: int, seq_len: int, gpu: str
     verdicts = {name: fitting.device_fit(b, g, largest_tensor=largest) for name, b, *_ in rows}
     bars = [(name, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
             for name, b, *_ in rows]
-    svg = stacked_bars(bars, title=f"{spec.name}, {batch_size} x {seq_len}, bf16: the GPU's peak with each offload",
+    svg, narrow = _both(stacked_bars, bars, title=f"{spec.name}, {batch_size} x {seq_len}, bf16: the GPU's peak with each offload",
                        line=(g.usable_bytes / GiB, f"{g.name} usable"))
     link = OFF.host_link_GBps(g)
     lines = [f"{'scheme':>13}{'GPU peak':>12}{'host':>12}{'over PCIe':>12}{'step':>10}   fits",
@@ -423,7 +451,7 @@ def _offload(*, model: str, scheme: str, batch_size: int, seq_len: int, gpu: str
              "measured on the same host)", ""]
     mine = dict((r[0], r) for r in rows)[scheme]
     lines += [mine[1].table(title=f"{scheme}: {mine[1].label}"), "", str(verdicts[scheme]), verdicts[scheme].explain()]
-    return Result(text="\n".join(lines), svg=svg, numbers={
+    return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
         "gpu_peak": (mine[1].total, fmt_bytes(mine[1].total)), "host": (mine[2], fmt_bytes(mine[2])),
         "step_ms": (mine[4] * 1e3, f"{mine[4] * 1e3:.0f} ms"), "fits": (int(verdicts[scheme].fits),
                                                                        "yes" if verdicts[scheme].fits else "no")})
@@ -457,8 +485,8 @@ def _streaming(*, model: str, gpu: str, tokens: int, weights: str, buffers: int)
              f"usable GPU memory: {fmt_bytes(r.usable_bytes)}"]
     if r.fitted is None:
         lines.append("does NOT fit: even with every block streamed, the embeddings, head and buffers exceed the GPU")
-        svg = ""
-        numbers = {"resident": (0, "none fit"), "pass_ms": (0.0, "-"), "hide": (hide, f"{hide} of {n}")}
+        svg = narrow = ""
+        numbers = {"resident": (0, "does not fit"), "pass_ms": (0.0, "-"), "hide": (hide, f"{hide} of {n}")}
     else:
         f = r.fitted
         lines += [f"fits with {r.most_resident} of {n} blocks resident, {n - r.most_resident} streamed through "
@@ -469,11 +497,11 @@ def _streaming(*, model: str, gpu: str, tokens: int, weights: str, buffers: int)
                   f"the copies hide with {hide} of {n} resident (needs "
                   f"{fmt_bytes(r.hiding.gpu_bytes + r.other_bytes)} on the GPU"
                   f"{'' if r.hiding.gpu_bytes + r.other_bytes <= r.usable_bytes else ': more than it has'})"]
-        svg = streams(f.events, makespan=f.seconds,
+        svg, narrow = _both(streams, f.events, makespan=f.seconds,
                       title=f"one pass, {r.most_resident} of {n} blocks resident: {1e3 * f.seconds:.1f} ms")
         numbers = {"resident": (r.most_resident, f"{r.most_resident} of {n}"),
                    "pass_ms": (1e3 * f.seconds, f"{1e3 * f.seconds:.1f} ms"), "hide": (hide, f"{hide} of {n}")}
-    return Result(text="\n".join(lines), svg=svg, numbers=numbers)
+    return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers=numbers)
 
 
 STREAMING = Calculator(
@@ -517,7 +545,7 @@ def _compression(*, model: str, method: str, rank: int, bits: int, targets: str,
     verdict = fitting.device_fit(mine, g, largest_tensor=fitting.fragmentation_bytes(
         spec, batch_size=batch_size, seq_len=seq_len, mode="infer" if infer else "train",
         precision="bf16-mixed", dtype="int8" if bits == 8 else "bf16"))
-    svg = stacked_bars(bars, title=f"{spec.name}, {batch_size} x {seq_len}: the peak of each method",
+    svg, narrow = _both(stacked_bars, bars, title=f"{spec.name}, {batch_size} x {seq_len}: the peak of each method",
                        line=(g.usable_bytes / GiB, f"{g.name} usable"))
     n = COMP.lora_params(spec, rank=rank, targets=targets) if method == "lora" else spec.params
     lines = [mine.table(title=f"{method}, {bits}-bit {'base' if method == 'lora' else 'weights'}: {mine.label}"), "",
@@ -525,7 +553,7 @@ def _compression(*, model: str, method: str, rank: int, bits: int, targets: str,
               f"{len(COMP.lora_targets(spec, targets))} matrices, as peft counts)") if method == "lora" else
              ("trainable: none (inference)" if method == "inference" else f"trainable: all {spec.params:,} parameters"),
              str(verdict), verdict.explain()]
-    return Result(text="\n".join(lines), svg=svg, numbers={
+    return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
         "peak": (mine.total, fmt_bytes(mine.total)), "trainable": (n if method != "inference" else 0,
                                                                    f"{n:,}" if method != "inference" else "0"),
         "fits": (int(verdict.fits), "yes" if verdict.fits else "no")})
@@ -573,7 +601,8 @@ def run_html(name: str, values_json: str) -> str:
     except (ValueError, TypeError) as e:
         calc, r = None, Result(text="", error=str(e))
     html = _result_html(calc, r) if calc else f'<p class="vl-error">{escape(r.error)}</p>'
-    return json.dumps({"html": html, "error": r.error, "numbers": {k: v for k, (v, _) in r.numbers.items()}})
+    return json.dumps({"html": html, "error": r.error, "invalid": list(r.invalid),
+                       "numbers": {k: v for k, (v, _) in r.numbers.items()}})
 
 
 # ----------------------------------------------------------------------------- the book's front end
@@ -595,18 +624,24 @@ def _control(i: Input, value: Any, cid: str) -> str:
             f'value="{value}"></div>')
 
 
-def _result_html(calc: Calculator, r: Result) -> str:
+def _result_html(calc: Calculator, r: Result, *, narrow: bool = True) -> str:
+    """The result area: the numbers, the chart and the text; an error is one line in the error's
+    style (role="alert"). With `narrow`, the chart comes twice (wide, and laid out for a phone) and
+    the book's CSS shows the one that fits the column (book.css: .vl-chart's container query)."""
     if r.error:
-        return f'<p class="vl-error">{escape(r.error)}</p>'
-    nums = " · ".join(f'{escape(calc.number_labels.get(k, k))} <strong data-key="{k}" data-value="{v!r}">{escape(s)}'
-                      f'</strong>' for k, (v, s) in r.numbers.items())
-    return f'<p class="vl-numbers">{nums}</p><div class="vl-chart">{r.svg}</div><pre class="vl-text">{escape(r.text)}</pre>'
+        return f'<p class="vl-error" role="alert">{escape(r.error)}</p>'
+    nums = " · ".join(f'<span class="vl-number">{escape(calc.number_labels.get(k, k))} <strong data-key="{k}" '
+                      f'data-value="{v!r}">{escape(s)}</strong></span>' for k, (v, s) in r.numbers.items())
+    chart = (f'<div class="vl-wide">{r.svg}</div><div class="vl-narrow">{r.svg_narrow}</div>' if narrow and r.svg_narrow
+             else r.svg)
+    return f'<p class="vl-numbers">{nums}</p><div class="vl-chart">{chart}</div><pre class="vl-text">{escape(r.text)}</pre>'
 
 
 def page_html(name: str, **values: Any) -> str:
     """The calculator as the online book shows it: its controls (disabled until the page's script
     takes over), the result pre-rendered by CPython at build time, and a status line: 'snapshot',
-    then 'loading', then 'live' (Python running in this page, in a Web Worker)."""
+    then 'loading', then 'live' (Python running in this page, in a Web Worker), or 'error' (the
+    inputs were refused: nothing computed for them) or 'failed' (Python could not start)."""
     calc = get(name)
     r = calc.run(**values)
     if r.error:

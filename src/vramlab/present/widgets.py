@@ -38,7 +38,8 @@ def calculator_widget(name: str, **values: Any):
     out = W.HTML()
 
     def update(*_):
-        out.value = _result_html(calc, calc.run(**{k: w.value for k, w in controls.items()}))
+        # one chart, at its full width: Jupyter's and Colab's output area is not a phone's column
+        out.value = _result_html(calc, calc.run(**{k: w.value for k, w in controls.items()}), narrow=False)
 
     for w in controls.values():
         w.observe(update, names="value")
