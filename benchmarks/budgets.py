@@ -15,9 +15,10 @@ Each is also given as a multiple of a reference workload timed at the start and 
 pure-Python loop): on a busier or slower machine both grow, so the ratio says whether the code got
 slower or the machine did.
 
-    python benchmarks/budgets.py                        # all of it (~15 min on 2 quiet cores)
+    python benchmarks/budgets.py                        # all of it (~20 min on 2 quiet cores)
     python benchmarks/budgets.py --only estimator,calculators,build
     python benchmarks/budgets.py --strict               # exit 1 when a budget is exceeded
+    python benchmarks/budgets.py --only pages --html _build/html --update   # re-measure one step, keep the rest
 
 Writes benchmarks/results/speed/budgets_<host>.json (with provenance); progress on stderr, a table on stdout.
 """
@@ -130,10 +131,10 @@ def pages(html_dir: Path) -> list[dict]:
         res = json.loads(out_file.read_text())
     out = []
     for c in res.get("calculators", []):
-        out.append(row(f"page {c['calculator']}: first live result", c["cold_s"], res["budgets"]["cold_s"], "s",
+        out.append(row(f"page {c['calc']}: first live result", c["cold_s"], res["budgets"]["cold_s"], "s",
                        "cold: Python loaded into the page, then the answer"))
-        out.append(row(f"page {c['calculator']}: recompute", c["recompute_ms"], res["budgets"]["recompute_ms"], "ms",
-                       f"median of {c.get('repeats', '?')} recomputes, end to end"))
+        out.append(row(f"page {c['calc']}: recompute", c["recompute_ms_median"], res["budgets"]["recompute_ms"], "ms",
+                       f"median of {len(c['recompute_ms'])} recomputes, end to end"))
     return out
 
 
@@ -153,13 +154,36 @@ def labs(which: list[str]) -> list[dict]:
     return out
 
 
+def _provenance(argv) -> dict:
+    return {"device": "cpu", "host": socket.gethostname(), "cpus": os.cpu_count(),
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+            "python": platform.python_version(), "platform": platform.platform(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python benchmarks/budgets.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+
+
+def _step_of(r: dict) -> str:
+    if r.get("step"):
+        return r["step"]
+    name = r["budget"]
+    return ("pages" if name.startswith("page ") else "labs" if name.startswith("lab") else
+            "calculators" if name.startswith("calculator ") else "estimator" if name.startswith("estimate") else "build")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+    def one_line(message: str):  # bad input: one line, exit status 2 (argparse's usage block omitted)
+        print(f"budgets.py: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+    ap.error = one_line
     ap.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps of {', '.join(STEPS)} (default: all)")
     ap.add_argument("--labs", default=",".join(LABS), help="which labs the labs step runs (default: all eight)")
     ap.add_argument("--html", default=None, help="a built book to time in the browser (default: the one the build step makes)")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a budget is exceeded")
     ap.add_argument("--out", default=None, help="results file (default benchmarks/results/speed/budgets_<host>.json)")
+    ap.add_argument("--update", action="store_true",
+                    help="keep the results file's rows of the steps not run now (each step keeps its own provenance)")
     a = ap.parse_args(argv)
     steps = [s.strip() for s in a.only.split(",") if s.strip()]
     bad = [s for s in steps if s not in STEPS]
@@ -175,12 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         ap.error(f"cannot write --out {out}: {e.strerror or e}")
 
+    previous = {}
+    if a.update and out.stat().st_size:
+        try:
+            previous = json.loads(out.read_text())
+        except ValueError:
+            ap.error(f"--update: {out} is not a results file")
     ref0 = reference_seconds()
     rows, failures = [], []
     with tempfile.TemporaryDirectory() as tmp:
         html = Path(a.html) if a.html else Path(tmp) / "_build" / "html"
         for step in steps:
             log(f"== {step}")
+            before = len(rows)
             try:
                 if step == "estimator":
                     rows += estimator()
@@ -197,19 +228,29 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # one step's failure is reported, the others still run
                 failures.append({"step": step, "error": f"{type(e).__name__}: {e}"})
                 log(f"{step}: not measured: {e}")
+            for r in rows[before:]:
+                r["step"] = step
     ref1 = reference_seconds()
     ref = (ref0 + ref1) / 2
     for r in rows:
         seconds = r["measured"] * {"ms": 1e-3, "s": 1.0}[r["unit"]]
-        r["in_reference_units"] = round(seconds / ref, 3)
+        r["in_reference_units"] = float(f"{seconds / ref:.4g}")
+    now = _provenance(argv)
+    for r in rows:
+        r["measured_at"] = {"date": now["date"], "reference_workload_s": round(ref, 4), "command": now["command"]}
+    if previous:  # the steps not run now keep their rows (and when and how they were measured)
+        kept = [r for r in previous.get("rows", []) if _step_of(r) not in steps]
+        for r in kept:
+            r.setdefault("step", _step_of(r))
+            r.setdefault("measured_at", {"date": previous["provenance"]["date"],
+                                         "reference_workload_s": round(sum(previous["reference_workload_s"].values()) / 2, 4),
+                                         "command": previous["provenance"]["command"]})
+        rows = kept + rows
+        failures = [f for f in previous.get("not_measured", []) if f["step"] not in steps] + failures
     result = {
         "what": "the course's speed and latency budgets on this machine (benchmarks/budgets.py)",
         "reference_workload_s": {"start": round(ref0, 4), "end": round(ref1, 4)},
-        "provenance": {"device": "cpu", "host": socket.gethostname(), "cpus": os.cpu_count(),
-                       "load_average": [round(x, 2) for x in os.getloadavg()],
-                       "python": platform.python_version(), "platform": platform.platform(),
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "command": "python benchmarks/budgets.py " + " ".join(argv if argv is not None else sys.argv[1:])},
+        "provenance": now,
         "over_budget": [r["budget"] for r in rows if not r["ok"]],
         "not_measured": failures,
         "rows": rows,

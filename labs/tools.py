@@ -298,7 +298,7 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
     return scores
 
 
-def execute(nb: nbformat.NotebookNode, *, timeout: float = 600, env: dict | None = None) -> tuple[nbformat.NotebookNode, str | None]:
+def execute(nb: nbformat.NotebookNode, *, timeout: float = 1800, env: dict | None = None) -> tuple[nbformat.NotebookNode, str | None]:
     """Run a whole notebook in a Jupyter kernel (the instructor's, for `record`: trusted code), in a
     scratch directory, each cell at most `timeout` seconds, the kernel's process group killed at the
     end. Returns (the executed notebook, why it stopped early or None)."""
