@@ -67,6 +67,9 @@ def run(*, models=MODELS, plans=PLANS, batch_size: int = 2, seq_len: int = 512, 
     mode_ = resolve_mode(mode)
     if mode_ == "cpu":
         mode_ = "trace"  # memory by tracing the CPU kernels: the same bytes, seconds instead of minutes
+        import torch
+
+        torch.set_num_threads(1)  # one compute thread: on a busy machine several wait on each other at every op
     from .memory import check_measurable
 
     for name in models:  # a plan that cannot be measured fails here, before any process starts

@@ -404,6 +404,8 @@ def _probe(cfg: dict[str, Any]) -> dict[str, Any]:
     """One fine-tuning step's memory, in this process (run by `memory_probes`, one per process)."""
     from .memory import measure_training
 
+    if cfg["mode"] == "cpu":
+        torch.set_num_threads(1)  # two probes run at once, one core each
     spec, method = teacher_spec(), cfg["method"]
     autocast = cfg.get("autocast", True)  # QLoRA: a bf16 step under autocast, or pure bf16 without
     precision = ("bf16-mixed" if autocast else "bf16") if method == "qlora" else "fp32"
@@ -585,6 +587,10 @@ def run(*, mode: str = "auto", steps: int = 250, progress=print) -> dict[str, An
     mode_ = resolve_mode(mode)
     if mode_ == "trace":
         mode_ = "cpu"  # peft cannot wrap a model under FakeTensorMode: real CPU steps (small model)
+    if mode_ == "cpu":
+        # One compute thread: the model is small, and on a busy machine several threads wait on each
+        # other at every operation (lab 8 ran 25 CPU-minutes instead of 3 with both cores taken).
+        torch.set_num_threads(1)
     t0 = time.perf_counter()
     progress(f"[1/6] training the teacher ({teacher_spec().params:,} parameters, {steps} steps)")
     teacher, chain = train_teacher(steps, progress=progress)
