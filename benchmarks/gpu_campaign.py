@@ -21,6 +21,16 @@ Steps (each configuration measured in its own process, so nothing of one can cou
              the allocator's peak, the bytes each way from the profiler's memcpy records, the host step;
              DeepSpeedCPUAdam against torch's AdamW; INT8 and bf16 matmul rates (needs deepspeed)
              -> benchmarks/results/offload/gpu/ (benchmarks/offload_gpu_validation.py)
+- allocator: the caching allocator itself (benchmarks/allocator_gpu_probe.py, GPT-2 b8 s1024 bf16-mixed,
+             one process per setting: default and expandable_segments:True): allocated/reserved before
+             and after empty_cache() between steps and after a phase change (an eval at 4x the batch),
+             memory_summary(), memory_stats() counters, and the steps' allocation trace replayed through
+             vramlab.allocator -> benchmarks/results/allocator/gpu/<gpu>_{default,expandable}.json
+- pinned:    chapter 6's pinned memory, one process each: pinned and pageable host<->device copies (1 GiB),
+             and a pin_memory=True DataLoader of image batches (2 workers x prefetch 2): the pinned
+             caching host allocator's peak (torch.cuda.host_memory_stats) against
+             vramlab.offload.loader_memory, one batch's copy pinned vs pageable
+             -> benchmarks/results/offload/gpu/<gpu>_pinned.json
 - labs:      every lab's instructor version, run without a Jupyter kernel (labs/kernelless.py)
              -> labs/results/<gpu>/<lab>_<gpu>.json (<gpu>: the catalogue's key, h100 on an H100, else
              the device's name; labs/results/<lab>.json holds each lab's CPU run)
@@ -52,7 +62,7 @@ def _use_this_checkout() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *rest])
-STEPS = ("accuracy", "inference", "maxbatch", "fsdp2", "offload", "labs")
+STEPS = ("accuracy", "inference", "maxbatch", "fsdp2", "offload", "allocator", "pinned", "labs")
 LABS = ("lab01_where_memory_goes", "lab02_collectives", "lab03_parallelism", "lab04_zero", "lab05_mixed_precision",
         "lab06_offload", "lab07_checkpointing", "lab08_compression")
 INFERENCE = [  # (preset, batch, prompt, new tokens or None for a prefill with all logits, dtype)
@@ -200,6 +210,59 @@ def offload(dry: bool) -> None:
         mod.main([])
 
 
+def pinned_memory(dry: bool, tag: str) -> None:
+    """Chapter 6's pinned-memory probes (vramlab.measure.offload --probe bandwidth / loader-pinned), each
+    in a fresh process (the pinned host cache is per process), into one file."""
+    import subprocess
+    import tempfile
+
+    dest = RESULTS / "offload" / "gpu" / f"{tag}_pinned.json"
+    say(f"pinned: host link pinned/pageable and a pin_memory DataLoader, one process each -> {dest.relative_to(ROOT)}")
+    if dry:
+        return
+    report: dict = {}
+    for probe in ("bandwidth", "loader-pinned"):
+        with tempfile.TemporaryDirectory() as tmp:
+            f = Path(tmp) / "probe.json"
+            r = subprocess.run([sys.executable, "-m", "vramlab.measure.offload", "--probe", probe, "--out", str(f)],
+                               capture_output=True, text=True, timeout=600)
+            report[probe] = json.loads(f.read_text()) if r.returncode == 0 else \
+                {"error": (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]}
+            say(f"pinned: {probe} {'done' if r.returncode == 0 else 'failed: ' + report[probe]['error']}")
+    from vramlab.measure.record import provenance
+
+    report.update(provenance=provenance("cuda"), command="python benchmarks/gpu_campaign.py --only pinned")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def allocator(dry: bool, tag: str) -> None:
+    """The allocator probe in a fresh process per setting: a process's allocator state (its cache, its
+    segments) is exactly what is measured, so nothing before it may touch the GPU."""
+    import subprocess
+
+    out = RESULTS / "allocator" / "gpu"
+    for conf in ("", "expandable_segments:True"):
+        dest = out / f"{tag}_{'expandable' if conf else 'default'}.json"
+        say(f"allocator: GPT-2 b8 s1024 bf16-mixed, empty_cache() and a phase change, alloc_conf={conf or 'default'} "
+            f"-> {dest.relative_to(ROOT)}")
+        if dry:
+            continue
+        env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+        if conf:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "allocator_gpu_probe.py"), "--out", str(dest)],
+                           env=env, cwd=ROOT, capture_output=True, text=True)
+        if r.returncode:
+            say(f"allocator: failed ({r.returncode}): {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}")
+            continue
+        res = json.loads(dest.read_text())
+        m = res["points"][1]
+        say(f"allocator: measured step peak allocated {m['peak_allocated'] / 2**30:.2f} GiB, reserved "
+            f"{m['peak_reserved'] / 2**30:.2f} GiB; the model on this trace: "
+            f"{res['model_on_this_trace']['peak_reserved'] / 2**30:.2f} GiB reserved")
+
+
 def gpu_tag(name: str) -> str:
     """The folder a GPU's lab runs go in: the catalogue's name for the device where it has one
     (labs/results/h100/ on any H100, t4/ on a Colab T4), else the device's name as a file name."""
@@ -277,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         fsdp2(args.dry_run)
     if "offload" in steps:
         offload(args.dry_run)
+    if "allocator" in steps:
+        allocator(args.dry_run, gpu_tag(name))
+    if "pinned" in steps:
+        pinned_memory(args.dry_run, gpu_tag(name))
     if "labs" in steps:
         labs(args.dry_run, gpu_tag(name))
     say("done" + (" (dry run: nothing measured)" if args.dry_run else ""))

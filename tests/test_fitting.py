@@ -57,3 +57,69 @@ def test_explain_says_which_batch_its_terms_are_for():
     assert f"at batch size {f.max_batch_size} " in at_max.explain() and at_max.needed > f.needed
     plain = device_fit(10**9, "t4", largest_tensor=0)  # no batch known, none searched
     assert plain.explain().splitlines()[0].strip() == "needed at the batch size asked:"
+
+
+# ----------------------------------------------------------------------------- gradient accumulation
+
+def _needed(model, gpu_, m, n, **kw):
+    """device_fit's terms at micro-batch m of a global batch n, from the estimate itself."""
+    from vramlab.fitting import device_fit, fragmentation_bytes
+
+    est = estimate_training(model, batch_size=m, accumulation_steps=-(-n // m), gpu=gpu_, **kw)
+    return device_fit(est, gpu_, largest_tensor=fragmentation_bytes(model, batch_size=m, **kw)).fits
+
+
+@pytest.mark.parametrize("model,gpu_name,n,kw", [
+    ("gpt2", "t4", 96, dict(seq_len=1024, precision="bf16-mixed")),
+    ("gpt2-medium", "rtx-3090", 60, dict(seq_len=512, precision="bf16-mixed")),
+    ("llama-3.2-1b", "a100-40gb", 32, dict(seq_len=2048, precision="bf16-mixed", recompute="full")),
+])
+def test_largest_micro_batch_is_the_largest_divisor_that_fits(model, gpu_name, n, kw):
+    from vramlab.fitting import largest_micro_batch
+
+    r = largest_micro_batch(model, gpu_name, global_batch=n, **kw)
+    m = r.micro_batch_size
+    assert m >= 1 and n % m == 0 and r.accumulation_steps == n // m and r.last_micro_batch == m
+    assert _needed(model, gpu(gpu_name), m, n, **kw) and r.fit.fits and r.fit.batch_size == m
+    assert not any(_needed(model, gpu(gpu_name), d, n, **kw) for d in range(m + 1, n + 1) if n % d == 0)
+
+
+def test_largest_micro_batch_with_a_remainder():
+    from vramlab.fitting import largest_micro_batch
+
+    kw = dict(seq_len=1024, precision="bf16-mixed")
+    prime = largest_micro_batch("gpt2", "t4", global_batch=97, **kw)  # divisors 1 and 97 only
+    assert prime.micro_batch_size == 1 and prime.accumulation_steps == 97
+    r = largest_micro_batch("gpt2", "t4", global_batch=97, divisor=False, **kw)
+    m, k = r.micro_batch_size, r.accumulation_steps
+    assert m > 1 and k == -(-97 // m) and r.last_micro_batch == 97 - (k - 1) * m and 1 <= r.last_micro_batch <= m
+    assert _needed("gpt2", gpu("t4"), m, 97, **kw) and not _needed("gpt2", gpu("t4"), m + 1, 97, **kw)
+    assert f"{k} micro-batch(es) of {m} (the last of {r.last_micro_batch})" in str(r)
+
+
+def test_largest_micro_batch_accounts_for_the_held_gradients():
+    """With k > 1 every gradient stays under the later micro-batches: a micro-batch that fits alone
+    (k = 1) may not fit with accumulation. A 1.3 B-parameter OPT on a 24 GB card: fp32 gradients are 5 GiB."""
+    from vramlab.fitting import largest_micro_batch
+
+    kw = dict(seq_len=512, precision="bf16-mixed", optimizer="sgd")
+    alone = fit("opt-1.3b", "rtx-3090", **kw).max_batch_size
+    r = largest_micro_batch("opt-1.3b", "rtx-3090", global_batch=4 * alone, **kw)
+    held = fit("opt-1.3b", "rtx-3090", accumulation_steps=4, **kw).max_batch_size  # any k > 1 holds them
+    assert alone >= 1 and 1 <= held < alone and r.micro_batch_size <= held
+
+
+def test_largest_micro_batch_none_fits_and_bad_input():
+    from vramlab.fitting import largest_micro_batch
+
+    r = largest_micro_batch("llama-3.1-70b", "t4", global_batch=8, seq_len=128)
+    assert r.micro_batch_size == 0 and r.accumulation_steps == 0 and not r.fit.fits and "not even" in str(r)
+    for kw, match in [(dict(global_batch=0), "global_batch"), (dict(global_batch=2.5), "global_batch"),
+                      (dict(global_batch=8, batch_size=2), "chooses batch_size"),
+                      (dict(global_batch=8, accumulation_steps=2), "chooses accumulation_steps"),
+                      (dict(global_batch=8, divisor="yes"), "divisor"), (dict(global_batch=8, seq_len=None), "seq_len"),
+                      (dict(global_batch=8, colour=1), "does not take colour")]:
+        with pytest.raises(ValueError, match=match):
+            largest_micro_batch("gpt2", "t4", **{"seq_len": 128, **kw})
+    with pytest.raises(ValueError, match="seq_len must be given"):
+        largest_micro_batch("gpt2", "t4", global_batch=8)

@@ -378,3 +378,77 @@ def test_h100_lab_run_streams_as_the_schedule_predicts():
     assert best["gpu_bytes"] < rows[()]["gpu_bytes"] and best["measured_seconds"] <= 1.05 * rows[()]["measured_seconds"]
     # and streaming every layer does not hide: the copies are longer than the compute
     assert rows[tuple(range(len(st["widths"])))]["measured_seconds"] > 1.3 * rows[()]["measured_seconds"]
+
+
+# ----------------------------------------------------------------------------- pinned DataLoader, ZeRO-Infinity (issue 32)
+def test_loader_and_infinity_are_pure_python(assert_pure_python):
+    assert_pure_python("import vramlab.offload as o; o.loader_memory([100], num_workers=2); "
+                       "o.needed_placement('gpt2', host_ram_bytes=2**35, batch_size=1, seq_len=64); "
+                       "o.disk_streaming([10, 20], activation_bytes=1)")
+
+
+def test_loader_memory_counts_power_of_two_blocks_per_tensor():
+    # an ImageNet batch: 256 images of 3 x 224 x 224 fp32 and 256 int64 labels
+    sizes = [256 * 3 * 224 * 224 * 4, 256 * 8]
+    r = O.loader_memory(sizes, num_workers=8, prefetch_factor=2, gpu="h100", step_seconds=0.25)
+    assert r.batches_in_flight == 16 and r.pinned_batches == 17
+    assert r.pinned_bytes == 17 * (2**28 + 2**11)  # 154,140,672 B round up to 256 MiB; 2,048 B stay
+    assert r.pageable_copy_seconds == pytest.approx(r.copy_seconds / O.PAGEABLE_FRACTION)
+    assert r.step_share == pytest.approx(r.copy_seconds / 0.25)
+    off = O.loader_memory(sizes, num_workers=8, pin_memory=False)
+    assert off.pinned_bytes == 0 and off.copy_seconds == r.pageable_copy_seconds
+    assert O.loader_memory(sizes, num_workers=0).batches_in_flight == 0
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda: O.loader_memory([10], num_workers=0, prefetch_factor=2), "prefetch_factor"),
+    (lambda: O.loader_memory([10], num_workers=-1), "num_workers"),
+    (lambda: O.loader_memory("10", num_workers=1), "batch_tensor_bytes"),
+    (lambda: O.loader_memory([10], num_workers=1, step_seconds=0), "step_seconds"),
+    (lambda: O.infinity("gpt2", params="disk", optimizer="cpu", batch_size=1, seq_len=8), "params"),
+    (lambda: O.infinity("gpt2", params="nvme", optimizer="cpu", batch_size=1, seq_len=8), "at least as far"),
+    (lambda: O.infinity("gpt2", params="gpu", optimizer="nvme", batch_size=1, seq_len=8, nvme_GBps=0), "nvme_GBps"),
+    (lambda: O.needed_placement("gpt2", host_ram_bytes=-1, batch_size=1, seq_len=8), "host_ram_bytes"),
+    (lambda: O.deepspeed_config({"params": "nvme"}), "placement"),
+    (lambda: O.deepspeed_config(O.infinity("gpt2", params="gpu", optimizer="nvme", batch_size=1, seq_len=8),
+                                nvme_path="nvme"), "nvme_path"),
+    (lambda: O.disk_streaming([], activation_bytes=1), "layer_bytes"),
+    (lambda: O.disk_streaming([1], activation_bytes=1, buffers=0), "buffers"),
+])
+def test_new_entry_points_refuse_nonsense_in_one_line(call, needle):
+    with pytest.raises(ValueError, match=needle) as e:
+        call()
+    assert "\n" not in str(e.value)
+
+
+def test_infinity_tiers_hold_the_papers_sixteen_bytes_and_move_what_each_link_carries():
+    kw = dict(batch_size=1, seq_len=1024, recompute=True)
+    psi = specs.preset("mistral-7b").params
+    r = {p: O.infinity("mistral-7b", params=p[0], optimizer=p[1], **kw) for p in O.PLACEMENTS}
+    assert r["gpu", "cpu"].host_bytes == 16 * psi and r["gpu", "cpu"].pcie_bytes == sum(O.ZERO_OFFLOAD_COPIES["deepspeed"]) * psi  # as model_offload
+    assert r["cpu", "cpu"].host_bytes == 18 * psi and r["cpu", "cpu"].pcie_bytes == 8 * psi
+    assert r["gpu", "nvme"].nvme_bytes == 16 * psi and r["gpu", "nvme"].nvme_read_bytes == 16 * psi
+    assert r["nvme", "nvme"].nvme_bytes == 16 * psi + 2 * (psi - O.DS_MAX_IN_CPU)
+    # the GPU keeps less as parameters leave it; the host less as the optimizer leaves it
+    assert r["gpu", "gpu"].gpu_bytes > r["gpu", "cpu"].gpu_bytes > r["cpu", "cpu"].gpu_bytes == r["nvme", "nvme"].gpu_bytes
+    assert r["cpu", "cpu"].host_bytes > r["cpu", "nvme"].host_bytes > r["nvme", "nvme"].host_bytes
+    # per step the NVMe traffic does not depend on the batch: more tokens hide it behind compute
+    big = O.infinity("mistral-7b", params="gpu", optimizer="nvme", batch_size=64, seq_len=1024)
+    assert big.nvme_seconds == r["gpu", "nvme"].nvme_seconds and big.compute_seconds == pytest.approx(64 * r["gpu", "nvme"].compute_seconds)
+
+
+def test_needed_placement_goes_down_the_tiers_as_host_memory_shrinks():
+    kw = dict(batch_size=1, seq_len=2048, gpu="h100")
+    GiB = 2**30
+    seen = [O.needed_placement("llama-3.1-70b", host_ram_bytes=ram * GiB, **kw) for ram in (2048, 512, 64, 8)]
+    assert [(r.params, r.optimizer) if r else None for r in seen] == [("cpu", "cpu"), ("cpu", "nvme"), ("nvme", "nvme"), None]
+    assert O.needed_placement("gpt2", host_ram_bytes=0, batch_size=1, seq_len=1024, gpu="h100").label == "params gpu, optimizer gpu"
+    for r in filter(None, seen):  # what it chose fits what it was given
+        assert r.gpu_bytes <= specs.gpu("h100").usable_bytes - specs.gpu("h100").context_bytes
+
+
+def test_disk_streaming_arithmetic():
+    r = O.disk_streaming([4, 8, 2], activation_bytes=3, buffers=2, disk_GBps=1e-9)
+    assert (r.resident_bytes, r.activation_bytes, r.gradient_bytes, r.peak_bytes) == (16, 9, 8, 33)
+    assert (r.read_bytes, r.write_bytes, r.read_seconds) == (28, 14, pytest.approx(28.0))
+    assert O.disk_streaming([4, 8], activation_bytes=0, buffers=5).resident_bytes == 16

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -261,3 +262,158 @@ def timeline(model: ModelSpec | str, recompute: "str | Plan" = "none", *, batch_
     held = list(itertools.accumulate(act["kept"]))
     return ([(f"forward {i}", b) for i, b in enumerate(held)] + [("loss", held[-1] + act["outside"])]
             + [(f"backward {i}", b + act["outside"]) for i, b in act["backward"]])
+
+
+# ============================================================================ what the compiler keeps
+# torch.compile's AOTAutograd traces forward and backward as one joint graph and cuts it in two with
+# `min_cut_rematerialization_partition` (torch/_functorch/partitioners.py): what crosses the cut is
+# saved, everything else is recomputed inside the backward's fused kernels. Its default options
+# (torch/_functorch/config.py, `ban_recompute_*`) never recompute a matmul or an attention kernel
+# (not on the recomputable allowlist), a reduction (output 4x smaller than its input: norm
+# statistics) or a tensor a non-fusible backward op must read (a matmul's input, for its weight's
+# gradient); pointwise chains (residual adds, norms' affine maps, activation functions, dropout's
+# scaling) are rebuilt from whatever of those is saved. `activation_memory_budget` b in [0, 1] then
+# asks for at most min + b (max - min) of it, min the graph's inputs (b = 0: full checkpointing of the
+# compiled region) and max the default cut (b = 1), solving a 0-1 knapsack over the banned nodes by
+# their FLOPs ("flops" runtime estimator).
+def compiled_block_saved(model: ModelSpec | str) -> list[_act.Saved]:
+    """What one transformer block saves for backward when it is compiled with `torch.compile` and the
+    partitioner's default cut (activation_memory_budget = 1), as a ledger (`activations.Saved`,
+    widths per token). Derived from the partitioner's rules above, op by op, for the decoder-only
+    families (GPT-2, GPT-NeoX, OPT, Llama) without dropout and with fused (SDPA) attention:
+
+    - the block's input (a graph input: the first norm's backward reads it);
+    - each norm's statistics (a reduction: mean and rstd for LayerNorm, rstd for RMSNorm; one set for
+      GPT-NeoX's two norms of the same input) and its output (the next projection's input, read by
+      its weight's gradient matmul);
+    - q, k, v (k and v at the KV heads' width), the attention output (also the output projection's
+      input) and its log-sum-exp: what the fused kernel's backward reads (GPT-NeoX: the fused qkv
+      output whole, v being a view of it, and a transposed copy of the attention output);
+    - the output projection's output where a second norm reads the residual (pre-norm blocks in
+      sequence: the residual is rebuilt from it and the block's input, no matmul re-run); GPT-NeoX's
+      parallel residual needs none;
+    - the MLP's up (and gate) projection outputs (the activation's backward reads them) and the down
+      projection's input (its weight's gradient reads it): 2 x intermediate ungated, 3 x gated; one
+      for ReLU (its backward reads its output, which is the down projection's input).
+
+    Kinds follow `activations.layer_saved`: the block's input in the activations' dtype, what the
+    projections and attention read or make in the compute dtype ("half": 16 bits under autocast),
+    statistics in fp32. Known limitations: dropout (random ops: their masks are saved, not modelled
+    here), eager attention and the math SDPA path (the s x s scores), BERT and T5 are not covered;
+    measured in fp32 on CPU inductor only (autocast's dtypes are priced, not measured)."""
+    spec = _specs.resolve(model)
+    if spec.family not in ("gpt2", "gpt_neox", "opt", "llama"):
+        raise ValueError(f"the compiled-block ledger covers decoder-only families (gpt2, gpt_neox, opt, llama), "
+                         f"not {spec.family}")
+    if spec.attention_dropout > 0 or spec.hidden_dropout > 0:
+        raise ValueError(f"{spec.name} has dropout: the compiled-block ledger covers blocks without dropout "
+                         "(dataclasses.replace(spec, attention_dropout=0.0, hidden_dropout=0.0))")
+    S = _act.Saved
+    h, i, qd, kv, a = spec.hidden_size, spec.intermediate_size, spec.q_dim, spec.kv_dim, spec.num_heads
+    stats = 1 if spec.norm == "rmsnorm" else 2
+    if spec.family == "gpt2":
+        kv = qd  # one fused c_attn: q, k and v are views of one (b, s, 3h) output
+    saved = [S(name="block input", width=h, kind="x")]
+    for n in (1, 2):
+        # GPT-NeoX's parallel residual: both norms normalise the block's input, and the compiler
+        # computes their shared mean and rstd once (common subexpressions are merged)
+        if n == 1 or not spec.parallel_residual:
+            saved.append(S(name=f"norm {n} statistics", width=stats, kind="f32"))
+        saved.append(S(name=f"norm {n} output (projection input)", width=h, kind="half", for_weight=True))
+    if spec.family == "gpt_neox":
+        # its rotary embedding concatenates: q and k are new head-major tensors; v stays a view of the
+        # fused qkv output, which it keeps whole; the kernel's head-major output needs a transposed copy
+        # for the dense projection (as eager autograd keeps: activations.layer_saved)
+        saved += [S(name="q, k after rotary", width=qd + kv, kind="half"),
+                  S(name="fused qkv output (v is a view)", width=qd + 2 * kv, kind="half"),
+                  S(name="attention output", width=qd, kind="half"),
+                  S(name="dense input (attention output, transposed copy)", width=qd, kind="half", for_weight=True)]
+    else:  # GPT-2's q, k, v are views of c_attn's output (kv = qd above); rotary (Llama) keeps q's layout
+        saved += [S(name="q", width=qd, kind="half"), S(name="k, v", width=2 * kv, kind="half"),
+                  S(name="attention output (o_proj input)", width=qd, kind="half", for_weight=True)]
+    saved.append(S(name="logsumexp", width=a, kind="f32"))
+    if not spec.parallel_residual:
+        saved.append(S(name="o_proj output (rebuilds the residual)", width=h, kind="half"))
+    if spec.activation == "relu" and not spec.gated_mlp:  # relu's backward reads its output: the down input
+        saved.append(S(name="relu output (MLP down input)", width=i, kind="half", part="mlp", for_weight=True))
+        return saved
+    ups = 2 if spec.gated_mlp else 1
+    saved += [S(name="MLP up/gate outputs", width=ups * i, kind="half", part="mlp"),
+              S(name="MLP down input", width=i, kind="half", part="mlp", for_weight=True)]
+    return saved
+
+
+def compiled_activations(model: ModelSpec | str, *, batch_size: int, seq_len: int, precision: str = "fp32",
+                         device: str = "cpu", memory_budget: float = 1.0) -> dict:
+    """Bytes one block saves for backward, eager against compiled (`compiled_block_saved`):
+    'eager' (the ledger's block, `activations.activation_bytes`), 'compiled' (the partitioner's
+    default cut), 'minimum' (the block's input: activation_memory_budget = 0, which saves only the
+    compiled region's inputs), and 'budget' (the most the partitioner may keep at `memory_budget`:
+    minimum + memory_budget x (compiled - minimum), in the partitioner's own accounting, where a view
+    weighs its own elements; plus, for a fused qkv projection (GPT-2, GPT-NeoX), the rest of that
+    output, which one saved view of it keeps alive: its knapsack keeps at most that), per block and
+    for all the model's blocks ('*_layers'). 'saved': the compiled ledger, priced (name, bytes).
+
+    Known limitations: validated against CPU inductor in fp32 (`vramlab.measure.checkpointing
+    compile`); other precisions price the same tensors in the compute dtype, unmeasured."""
+    spec = _specs.resolve(model)
+    b, s = _mem._check_positive(batch_size=batch_size, seq_len=seq_len)
+    memory_budget = _checks.number("memory_budget", memory_budget, lo=0, hi=1,
+                                   what="torch._functorch.config.activation_memory_budget, in [0, 1]")
+    _mem._check_choice(device, ("cuda", "cpu"), "device")
+    ledger = compiled_block_saved(spec)
+    nb = _prec._dtype_bytes(precision, device)
+    size = dict(tokens=b * s, scores=b * spec.num_heads * s * s, nbytes=nb, batch=b)
+    priced = [(x.name, _act._saved_bytes(x, **size)) for x in ledger]
+    compiled = sum(n for _, n in priced)
+    minimum = priced[0][1]  # the block's input
+    eager = _act.activation_bytes(spec, batch_size=b, seq_len=s, precision=precision, device=device)["full"][0]
+    # The partitioner weighs each saved node at its own size, a view at the view's: GPT-2's q, k, v and
+    # GPT-NeoX's v are views of one fused qkv output, whose storage a saved view keeps whole. Its
+    # default cut counts GPT-NeoX's v at the KV width (GPT-2 saves all three views: no difference); a
+    # cut under a budget may keep one view of either, and with it the rest of the fused output.
+    fused = spec.family in ("gpt2", "gpt_neox")
+    x_bytes = nb["half"] * b * s  # q, k, v are in the compute dtype
+    kv = spec.q_dim if spec.family == "gpt2" else spec.kv_dim
+    nodes = compiled - ((spec.q_dim + kv) * x_bytes if spec.family == "gpt_neox" else 0)
+    if memory_budget == 1:
+        budget = compiled
+    elif memory_budget == 0:
+        budget = minimum
+    else:
+        budget = minimum + math.floor(memory_budget * (nodes - minimum)) + ((spec.q_dim + kv) * x_bytes if fused else 0)
+    n = spec.num_layers
+    return {"eager": eager, "compiled": compiled, "minimum": minimum, "budget": budget, "memory_budget": memory_budget,
+            "eager_layers": n * eager, "compiled_layers": n * compiled, "minimum_layers": n * minimum,
+            "budget_layers": n * budget, "saved": priced}
+
+
+def loss_bytes(*, tokens: int, hidden_size: int, vocab_size: int, chunk_tokens: "int | None" = None,
+               dtype_bytes: int = 4) -> dict:
+    """Cross-entropy through an LM head (`F.cross_entropy(h @ W.T, y)`, h tokens x hidden, W vocab x
+    hidden), whole or chunked, and its backward: 'saved', the bytes kept for backward beyond h and W;
+    'peak', the most bytes alive at once beyond h and W (gradients included).
+
+    Whole: log_softmax saves its output, N x V (the logits are freed once it has run). The backward
+    holds three N x V tensors at once: the log-probabilities, their gradient (nll_loss's backward
+    scatters it) and the logits' gradient log_softmax's backward makes; then the head's gradient
+    (V x h) is made while the logits' gradient is alive. Peak 3 N V + V h elements.
+
+    Chunked (chunks of c tokens, each one's logits made, reduced and thrown away inside
+    `torch.utils.checkpoint` and recomputed in the backward; Liger-Kernel's fused linear
+    cross-entropy and Wijmans+24's cut cross-entropy go further and never write a chunk's logits to
+    memory): nothing N x V is saved; the backward holds one chunk's three c x V tensors, the head's
+    accumulating gradient and the chunk's part of it, and h's gradient: 3 c V + 2 V h + N h elements
+    (one chunk, c >= N: 3 N V + V h + N h, the whole loss's peak with nothing saved)."""
+    tokens = _checks.whole("tokens", tokens, lo=1)
+    hidden_size = _checks.whole("hidden_size", hidden_size, lo=1)
+    vocab_size = _checks.whole("vocab_size", vocab_size, lo=1)
+    dtype_bytes = _checks.whole("dtype_bytes", dtype_bytes, lo=1, hi=8)
+    n, h, v = tokens, hidden_size, vocab_size
+    if chunk_tokens is not None:
+        chunk_tokens = _checks.whole("chunk_tokens", chunk_tokens, lo=1)
+    if chunk_tokens is None:
+        return {"saved": n * v * dtype_bytes, "peak": (3 * n * v + v * h) * dtype_bytes}
+    c = min(chunk_tokens, n)
+    head_grads = 2 if c < n else 1  # the accumulated gradient and the next chunk's part of it
+    return {"saved": 0, "peak": (3 * c * v + head_grads * v * h + n * h) * dtype_bytes}

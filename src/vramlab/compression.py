@@ -420,6 +420,165 @@ def adam8bit_state_bytes(sizes, *, block_size: int = BNB_BLOCK, min_8bit_size: i
     return total + maps
 
 
+# ============================================================================ prompt, prefix and P-tuning
+# (helper G's region.) peft 0.21's prompt-learning methods: a few trainable "virtual tokens" in front
+# of a frozen model. Prompt tuning (Lester+21) and P-tuning (Liu+21) prepend them to the input
+# embeddings, so every activation grows from s to s + p tokens; prefix tuning (Li & Liang 21) hands
+# every layer p learned keys and values (past_key_values), so only attention's K/V grow.
+PROMPT_METHODS: tuple[str, ...] = ("prompt", "prefix", "p-tuning")
+ENCODER_TYPES: tuple[str, ...] = ("MLP", "LSTM")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptLearning:
+    """The shapes peft 0.21 gives a prompt-learning adapter (`_prepare_prompt_learning_config`):
+    `token_dim` (d: the embedding width; prefix tuning on a model with `num_key_value_heads`, the
+    Llama family, uses a_kv x head_dim, the K/V width), `num_layers` (L: num_hidden_layers, T5's
+    encoder depth), `submodules` (T: 2 for a sequence-to-sequence model, else 1),
+    `encoder_hidden_size` (H: defaults to d) and `trainable` parameters."""
+
+    method: str
+    num_virtual_tokens: int
+    token_dim: int
+    num_layers: int
+    submodules: int
+    encoder_hidden_size: int
+    trainable: int
+    prefix_projection: bool = False  # prefix: the reparameterisation MLP
+    encoder_type: str = "MLP"  # P-tuning's prompt encoder
+
+
+def _lstm_params(d_in: int, hidden: int, layers: int) -> int:
+    """torch.nn.LSTM(d_in, hidden, num_layers=layers, bidirectional=True): per layer and direction
+    four gates, W_ih (4H x input) + W_hh (4H x H) + two biases (4H each); layers after the first
+    read both directions (2H)."""
+    total = 0
+    for k in range(layers):
+        width = d_in if k == 0 else 2 * hidden
+        total += 2 * (4 * hidden * (width + hidden) + 8 * hidden)
+    return total
+
+
+def prompt_learning(model: ModelSpec | str, *, method: str = "prompt", num_virtual_tokens: int = 20,
+                    prefix_projection: bool = False, encoder_hidden_size: int | None = None,
+                    encoder_type: str = "MLP", encoder_num_layers: int = 2) -> PromptLearning:
+    """Trainable parameters of peft's prompt-learning adapters, as `get_nb_trainable_parameters()`
+    counts them (p = num_virtual_tokens, d, L, T, H as in `PromptLearning`):
+
+    prompt    PromptEmbedding (Lester+21): an Embedding of T·p rows of d: T·p·d.
+    prefix    PrefixEncoder (Li & Liang 21): without projection an Embedding of p rows of L·2·d
+              (every layer's keys and values): p·L·2·d. With `prefix_projection` the
+              reparameterisation MLP: Embedding p·d, Linear d->H (+H), Tanh, Linear H->L·2·d (+L·2·d).
+    p-tuning  PromptEncoder (Liu+21): an Embedding T·p·d, then "MLP": Linear d->H, ReLU, Linear H->H,
+              ReLU, Linear H->d (with biases); or "LSTM": a bidirectional LSTM of
+              `encoder_num_layers` layers (d->H), then Linear 2H->2H, ReLU, Linear 2H->d.
+
+    Known limitations: T5's second half of the prompt embedding (the decoder's p rows) is trained
+    by peft's count but never used by PeftModelForSeq2SeqLM's prompt/P-tuning forward (it gets no
+    gradient); prefix tuning of a T5 whose a x d_kv differs from d_model (mT5-small) fails in peft,
+    and here."""
+    s = _resolve(model)
+    _checks.one_of("prompt-learning method", method, PROMPT_METHODS)
+    p = _checks.whole("num_virtual_tokens", num_virtual_tokens, hi=1 << 20)
+    prefix_projection = _checks.flag("prefix_projection", prefix_projection)
+    _checks.one_of("encoder_type", encoder_type, ENCODER_TYPES)
+    encoder_num_layers = _checks.whole("encoder_num_layers", encoder_num_layers, hi=64)
+    d = s.kv_dim if method == "prefix" and s.family == "llama" else s.hidden_size
+    if method == "prefix" and s.family == "t5" and s.q_dim != s.hidden_size:
+        raise ValueError(f"{s.name}: peft's prefix tuning views d_model ({s.hidden_size}) as heads x head width, "
+                         f"but its attention is {s.num_heads} x {s.head_dim} = {s.q_dim} wide; prefix tuning cannot "
+                         "wrap it (use prompt tuning or P-tuning)")
+    H = d if encoder_hidden_size is None else _checks.whole("encoder_hidden_size", encoder_hidden_size, hi=1 << 20)
+    L, T = s.num_layers, 2 if s.family == "t5" else 1
+    if method == "prompt":
+        n = T * p * d
+    elif method == "prefix":
+        n = p * d + d * H + H + H * L * 2 * d + L * 2 * d if prefix_projection else p * L * 2 * d
+    elif encoder_type == "MLP":
+        n = T * p * d + (d * H + H) + (H * H + H) + (H * d + d)
+    else:
+        n = T * p * d + _lstm_params(d, H, encoder_num_layers) + (2 * H * 2 * H + 2 * H) + (2 * H * d + d)
+    return PromptLearning(method=method, num_virtual_tokens=p, token_dim=d, num_layers=L, submodules=T,
+                          encoder_hidden_size=H, trainable=n, prefix_projection=prefix_projection and method == "prefix",
+                          encoder_type=encoder_type)
+
+
+def prompt_params(model: ModelSpec | str, *, method: str = "prompt", num_virtual_tokens: int = 20, **options) -> int:
+    """`prompt_learning(...).trainable`: the trainable parameters of prompt tuning, prefix tuning or
+    P-tuning on `model` (peft's `get_nb_trainable_parameters()[0]`)."""
+    return prompt_learning(model, method=method, num_virtual_tokens=num_virtual_tokens, **options).trainable
+
+
+def _prompt_training(spec: ModelSpec, pl: PromptLearning, *, batch_size: int, seq_len: int, precision: str,
+                     optimizer: str, optimizer_impl: str, attention: str, device: str, gpu, recompute) -> MemoryBreakdown:
+    """`peft_training` for prompt tuning, prefix tuning and P-tuning (helper G's region; see there)."""
+    from .activations import _math_path, activation_bytes
+
+    b, s, p, n = batch_size, seq_len, pl.num_virtual_tokens, pl.trainable
+    t5, method = spec.family == "t5", pl.method
+    if method == "prefix" and recompute != "none":
+        raise ValueError("peft refuses prefix tuning with gradient checkpointing (its prefix is a KV cache): "
+                         "use recompute='none', or prompt tuning / P-tuning")
+    kw = dict(precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl, attention=attention,
+              device=device, gpu=gpu, recompute=recompute, trainable_params=n)
+    nb = _dtype_bytes(precision, device)
+    ak = dict(precision=precision, attention=attention, device=device, frozen_base=True)
+    n_enc, n_dec = spec.num_layers, spec.num_decoder_layers
+    if method != "prefix" and not t5:
+        # the prompt is part of the sequence: every block, the logits and the loss see s + p tokens
+        # (peft labels the virtual tokens -100)
+        phases, extra = training_phases(spec, batch_size=b, seq_len=s + p, **kw), 0
+    elif method != "prefix":
+        # T5 (PeftModelForSeq2SeqLM): the encoder reads p + s tokens, the decoder its s; every
+        # cross-attention's k and v, and the encoder's output, are p tokens longer
+        phases = training_phases(spec, batch_size=b, seq_len=s, **kw)
+        longer = activation_bytes(spec, batch_size=b, seq_len=s + p, recompute=recompute, **ak)["full"]
+        short = activation_bytes(spec, batch_size=b, seq_len=s, recompute=recompute, **ak)["full"]
+        extra = (sum(longer[:n_enc]) - sum(short[:n_enc]) + n_dec * 2 * b * p * spec.q_dim * nb["half"]
+                 + b * p * spec.hidden_size * nb["x"] + ((s + p) ** 2 - s ** 2) * nb["i64"])
+    else:
+        # prefix: each layer's attention (T5: the decoder's self-attention) concatenates p learned keys
+        # and values to its own; autograd saves the longer k and v, and scores s x (s + p) where they
+        # are materialised. The blocks before the first prefix (T5: the whole encoder, which peft
+        # leaves alone) need no gradient and save nothing.
+        phases = training_phases(spec, batch_size=b, seq_len=s, use_cache=not t5, **kw)
+        saved = layer_saved(spec, decoder=t5, attention=attention, device=device, precision=precision, batch_size=b)
+        led = dict(tokens=b * s, nbytes=nb, batch=b)
+        layers = n_dec if t5 else spec.num_layers
+        own = saved[:next((i for i, x in enumerate(saved) if x.name.startswith("cross")), len(saved))]  # self-attention's
+        scores = _ledger_bytes([x for x in own if x.per_score and not x.shared_batch], scores=b * spec.num_heads * s * p, **led) \
+            if _math_path(spec, attention, device, precision) else 0
+        first = next((i for i, x in enumerate(saved) if x.name == "q" or x.name.startswith("c_attn out")
+                      or x.name.startswith("qkv out")), 0)
+        unsaved = _ledger_bytes([x for x in saved[:first] if not x.for_weight], scores=0, **led)
+        if t5:
+            unsaved += sum(activation_bytes(spec, batch_size=b, seq_len=s, **ak)["full"][:n_enc])
+        extra = layers * (2 * b * p * pl.token_dim * nb["half"] + scores) - unsaved
+        if not t5 and spec.num_kv_heads < spec.num_heads:
+            # grouped-query attention: the prefix makes transformers pass SDPA an explicit mask, and
+            # with a mask it repeats k and v to every query head (repeat_kv), which SDPA then saves
+            extra += layers * 2 * b * (s + p) * spec.q_dim * nb["half"]
+        if pl.prefix_projection:  # the reparameterisation MLP keeps its two Linears' inputs (fp32)
+            extra += b * p * (pl.token_dim + pl.encoder_hidden_size) * 4
+    if method == "p-tuning":  # the prompt encoder runs on T·p rows per sequence and keeps its Linears' inputs
+        H, d, rows = pl.encoder_hidden_size, pl.token_dim, b * pl.submodules * p
+        # (fp32). Known limitation: the LSTM's own saved gates are not counted, only its head's inputs
+        extra += rows * 4 * ((d + 2 * H) if pl.encoder_type == "MLP" else 4 * H)
+    pb = param_bytes(precision)
+    out = []
+    for m in phases:
+        upd = dict(parameters=spec.params * pb + n * 4, precision=precision,
+                   label=f"{spec.name} {method} p={p} b={b} s={s} {precision}")
+        if m.activations:
+            upd["activations"] = m.activations + extra
+        if m.gradients:
+            upd["gradients"] = m.gradients * 4 // pb
+        if pb == 2:  # peft's prompt encoder is fp32 on a 16-bit base: fp32 Adam states
+            upd["optimizer_states"] = optimizer_state_bytes(optimizer, n, "fp32")
+        out.append(dataclasses.replace(m, **upd))
+    return max(out, key=lambda m: m.total)
+
+
 # ============================================================================ LoRA / QLoRA training
 METHODS: tuple[str, ...] = ("full", "lora", "lora-int8", "qlora")
 _QUANT_BASE = {"lora-int8": "int8", "qlora": "nf4-dq"}  # the base's linear layers, quantized
@@ -434,7 +593,9 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
                   batch_size: int, seq_len: int, precision: str = "fp32", optimizer: str = "adamw",
                   optimizer_impl: str = "foreach", attention: str = "sdpa", device: str = "cuda",
                   gpu=None, autocast: bool = True, adapter_dtype: str = "fp32",
-                  recompute="none") -> MemoryBreakdown:
+                  recompute="none", num_virtual_tokens: int = 20, prefix_projection: bool = False,
+                  encoder_hidden_size: int | None = None, encoder_type: str = "MLP",
+                  encoder_num_layers: int = 2) -> MemoryBreakdown:
     """Peak memory of one fine-tuning step (PEFT: Houlsby+19; LoRA: Hu+21; QLoRA: Dettmers+23).
 
     full:  `estimate_training` of the whole model; with optimizer "adamw-8bit", bitsandbytes'
@@ -454,12 +615,25 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
     default (`autocast_adapter_dtype=True`), the adapters in fp32 (`adapter_dtype="fp32"`; "base" keeps
     them in the base's dtype), exactly as lora-int8 and qlora hold theirs. "bf16-mixed" keeps the
     frozen base in fp32 (4 bytes a parameter): the result carries a warning saying so.
+    prompt / prefix / p-tuning: peft's prompt learning (`prompt_learning`, with `num_virtual_tokens`
+           p and its options): the frozen base K plus N trainable fp32 parameters. Prompt tuning and
+           P-tuning run every block (T5: the encoder) on s + p tokens, and the gradient must reach
+           the input, so every block keeps what it would for a frozen base; prefix tuning keeps
+           each layer's K and V p tokens longer (T5: the decoder's self-attention only, and its
+           encoder, which never sees the prefix, saves nothing; a grouped-query model keeps k and v
+           repeated to every query head, as transformers does once the prefix brings a mask).
     recompute: a plan of `activations.recompute_plan` (QLoRA's 65 B on one 48 GB GPU used "full",
     gradient checkpointing of every block): a checkpointed block keeps its input only, and its
     adapters' tensors exist while it (its segment) is recomputed in the backward.
     """
     spec = _resolve(model)
-    _checks.one_of("fine-tuning method", method, METHODS)
+    if isinstance(method, str) and method in PROMPT_METHODS:  # prompt / prefix / P-tuning: `prompt_learning`
+        pl = prompt_learning(spec, method=method, num_virtual_tokens=num_virtual_tokens, prefix_projection=prefix_projection,
+                             encoder_hidden_size=encoder_hidden_size, encoder_type=encoder_type,
+                             encoder_num_layers=encoder_num_layers)
+        return _prompt_training(spec, pl, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
+                                optimizer_impl=optimizer_impl, attention=attention, device=device, gpu=gpu, recompute=recompute)
+    _checks.one_of("fine-tuning method", method, METHODS + PROMPT_METHODS)
     autocast = _checks.flag("autocast", autocast)
     rank = _checks.whole("rank", rank, hi=1 << 20)
     _target_names(targets)
@@ -639,3 +813,166 @@ def low_rank_params(model: ModelSpec | str, *, rank: int, roles: tuple[str, ...]
             k = min(rank, x.d_in, x.d_out)
             saved += max(0, x.d_in * x.d_out - k * (x.d_in + x.d_out))
     return s.params - saved
+
+
+# ============================================================================ MoEfication: experts from a dense FFN
+# Zhang+22 (MoEfication, arXiv:2110.01786): each FFN's intermediate neurons split into E equal
+# groups (the "experts"); a router picks k of them per token, and only those neurons are computed.
+MOE_ROUTERS: tuple[str, ...] = ("linear", "mlp")
+_MOE_DTYPES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class MoEfication:
+    """A dense model's FFNs turned into `experts` groups of `neurons_per_expert` neurons, `active` of
+    them computed per token (MoEfication, Zhang+22). Counts are per token and over every FFN layer
+    of the model (T5: encoder and decoder) unless a name says otherwise; FLOPs are the forward's
+    matmuls (2 per multiply-add), as `checkpointing.flops` counts them.
+
+    Weights stay resident: every expert is kept (any token may pick any expert), so `params` is the
+    dense model's plus the routers'. MoEfication saves compute and the FFN's activation memory, not
+    weight memory (nor gradient or optimizer memory when the experts are trained).
+
+    Known limitations: elementwise FLOPs (the activation, the gate product) and the top-k selection
+    are not counted; `ffn_intermediate_values` counts one tensor for the activation (SiLU, ReLU, exact
+    GELU are one kernel; GPT-2's tanh GELU in eager PyTorch makes several temporaries);
+    per-token routing keeps k indices a token (int64) that a real kernel may store
+    smaller; the attention core's FLOPs are at `seq_len` (full s x s scores, as `checkpointing.flops`)."""
+
+    model: str
+    experts: int
+    active: int
+    neurons_per_expert: int
+    ffn_layers: int
+    router: str
+    router_params: int              # all layers' routers
+    params_dense: int
+    params: int                     # params_dense + router_params: all experts stay resident
+    ffn_params: int                 # all FFN layers' parameters (weights and biases)
+    active_ffn_params: int          # the FFN parameters one token uses: k/E of the split part + the output bias
+    active_params: int              # params - ffn_params + active_ffn_params (embeddings, attention, routers)
+    ffn_flops_dense: int            # a token's FFN matmul FLOPs, all layers
+    ffn_flops: int                  # the k experts' plus the router's
+    flops_dense: int                # a token's whole forward (blocks and head) at seq_len
+    flops: int
+    ffn_intermediate_values: int    # values of width-intermediate tensors a token's FFN forwards make, all layers
+    ffn_intermediate_values_dense: int
+    ffn_saved_bytes_dense: int      # what a training step saves of the FFNs' intermediates a token (all layers)
+    ffn_saved_bytes: int            # the same with k of E experts (plus the routing indices)
+    weight_bytes_dense: int         # in `dtype`
+    weight_bytes: int               # + the routers: not smaller
+    dtype: str
+
+    @property
+    def active_share(self) -> float:
+        """k / E: the share of each FFN's neurons a token computes."""
+        return self.active / self.experts
+
+
+def _moe_ffn_shapes(s: ModelSpec) -> tuple[int, int, int, bool]:
+    """(input matrices reading the hidden state, FFN layers, intermediate tensors a forward makes per
+    neuron, bias): gated FFNs down(act(gate x) * up x) make 4 (gate, up, act, product), plain ones 2."""
+    n_in = 2 if s.gated_mlp else 1
+    layers = s.num_layers + (s.num_decoder_layers if s.family == "t5" else 0)
+    return n_in, layers, 4 if s.gated_mlp else 2, s.mlp_bias
+
+
+def moe_router_params(hidden_size: int, experts: int, *, router: str = "linear", router_hidden: int = 0,
+                      router_bias: bool = False) -> int:
+    """One layer's router: "linear" scores each expert from the FFN's input (h x E, + E with a bias: a
+    MoE gate, or MoEfication's similarity router with the groups' centroids as weights); "mlp" is
+    MoEfication's learned router, a two-layer network h -> router_hidden -> E (with biases)."""
+    h = _checks.whole("hidden_size", hidden_size, hi=1 << 24)
+    e = _checks.whole("experts", experts, hi=1 << 24)
+    _checks.one_of("router", router, MOE_ROUTERS)
+    router_bias = _checks.flag("router_bias", router_bias)
+    if router == "linear":
+        return h * e + (e if router_bias else 0)
+    r = _checks.whole("router_hidden", router_hidden, hi=1 << 24)
+    return h * r + r + r * e + e
+
+
+def moefication(model: ModelSpec | str, *, experts: int, active: int, router: str = "linear", router_hidden: int = 0,
+                router_bias: bool = False, dtype: str = "bf16", precision: str = "bf16-mixed", seq_len: int = 1024,
+                device: str = "cuda") -> MoEfication:
+    """Parameters, compute and FFN activation memory a token needs once each FFN is MoEfied
+    (Zhang+22): the `intermediate_size` neurons split into `experts` equal groups, `active` (k)
+    computed per token. Per FFN layer of hidden size h, i neurons, m = i / E a group, n_in input
+    matrices (2 for a gated FFN, 1 otherwise):
+      FFN parameters         n_in (h i + i [bias]) + i h + h [bias]   (unchanged; + the router's)
+      active FFN parameters  k m (n_in (h + [1]) + h) + h [bias]
+      FFN FLOPs a token      2 k m h (n_in + 1) + the router's 2 h E  (dense: 2 i h (n_in + 1))
+      intermediates a token  k m x (4 gated, 2 plain) values           (dense: i x the same)
+    The training-saved bytes are `activations.layer_saved`'s FFN intermediates scaled to k m
+    neurons, plus the k routing indices (int64) a token; `precision` and `device` as there.
+    `dtype` is the weights' storage type (fp32, bf16, fp16) for `weight_bytes`."""
+    from .checkpointing import flops as _flops
+
+    s = _resolve(model)
+    i = s.intermediate_size
+    experts = _checks.whole("experts", experts, hi=i)
+    active = _checks.whole("active", active, hi=experts)
+    if i % experts:
+        raise ValueError(f"{s.name}'s FFN has {i:,} neurons, which do not split into {experts} equal experts: "
+                         f"choose a divisor of {i:,}")
+    _checks.one_of("dtype", dtype, tuple(_MOE_DTYPES))
+    _checks.one_of("precision", precision, PRECISIONS)
+    _checks.one_of("device", device, ("cuda", "cpu"))
+    seq_len = _checks.whole("seq_len", seq_len, hi=1 << 24)
+    h, m = s.hidden_size, i // experts
+    n_in, layers, n_tensors, bias = _moe_ffn_shapes(s)
+    per_router = moe_router_params(h, experts, router=router, router_hidden=router_hidden, router_bias=router_bias)
+    router_flops = 2 * (h * experts if router == "linear" else h * router_hidden + router_hidden * experts)
+    ffn_layer = n_in * (h * i + (i if bias else 0)) + i * h + (h if bias else 0)
+    active_layer = active * m * (n_in * (h + (1 if bias else 0)) + h) + (h if bias else 0)
+    f = _flops(s, batch_size=1, seq_len=seq_len)
+    ffn_flops_dense = layers * 2 * i * h * (n_in + 1)
+    ffn_flops = layers * (2 * active * m * h * (n_in + 1) + router_flops)
+    flops_dense = f["forward"] // seq_len
+    # the training ledger's FFN tensors of intermediate width, dense and with k m of the i neurons
+    nb = _dtype_bytes(precision, device)
+    saved = [x for x in layer_saved(s, precision=precision, device=device, batch_size=1)
+             if x.part == "mlp" and x.width % i == 0 and x.width >= i]
+    led = dict(tokens=1, scores=0, nbytes=nb, batch=1)
+    dense_saved = _ledger_bytes(saved, **led)
+    moe_saved = _ledger_bytes([dataclasses.replace(x, width=x.width // i * active * m) for x in saved], **led) + 8 * active
+    params = s.params + layers * per_router
+    wb = _MOE_DTYPES[dtype]
+    return MoEfication(
+        model=s.name, experts=experts, active=active, neurons_per_expert=m, ffn_layers=layers, router=router,
+        router_params=layers * per_router, params_dense=s.params, params=params, ffn_params=layers * ffn_layer,
+        active_ffn_params=layers * active_layer, active_params=params - layers * ffn_layer + layers * active_layer,
+        ffn_flops_dense=ffn_flops_dense, ffn_flops=ffn_flops, flops_dense=flops_dense,
+        flops=flops_dense - ffn_flops_dense + ffn_flops,
+        ffn_intermediate_values=layers * active * m * n_tensors, ffn_intermediate_values_dense=layers * i * n_tensors,
+        ffn_saved_bytes_dense=layers * dense_saved, ffn_saved_bytes=layers * moe_saved,
+        weight_bytes_dense=s.params * wb, weight_bytes=params * wb, dtype=dtype)
+
+
+def moefied_training(model: ModelSpec | str, *, experts: int, active: int, batch_size: int, seq_len: int,
+                     precision: str = "bf16-mixed", router: str = "linear", router_hidden: int = 0,
+                     router_bias: bool = False, device: str = "cuda", **kw) -> MemoryBreakdown:
+    """One training step of the MoEfied model (all experts trained, as in MoEfication's fine-tuning):
+    `estimate_training`'s peak phase with the routers' weights, gradients and optimizer states added,
+    and the FFNs' saved intermediates cut to k of E experts (plus the routing indices). Parameters,
+    gradients and optimizer states do not shrink: every expert is resident and trained.
+    Known limitations: the router's own saved tensors (E scores a token) and the backward's transient
+    FFN gradients are left as the dense model's."""
+    s = _resolve(model)
+    mo = moefication(s, experts=experts, active=active, router=router, router_hidden=router_hidden,
+                     router_bias=router_bias, precision=precision, seq_len=seq_len, device=device)
+    opt = kw.get("optimizer", "adamw")
+    phases = training_phases(s, batch_size=batch_size, seq_len=seq_len, precision=precision, device=device, **kw)
+    pb = param_bytes(precision)
+    cut = (mo.ffn_saved_bytes_dense - mo.ffn_saved_bytes) * batch_size * seq_len
+    out = []
+    for ph in phases:
+        upd = dict(parameters=ph.parameters + mo.router_params * pb, label=f"{s.name} MoEfied E={experts} k={active}")
+        if ph.gradients:
+            upd["gradients"] = ph.gradients + mo.router_params * pb
+        if ph.optimizer_states:
+            upd["optimizer_states"] = ph.optimizer_states + optimizer_state_bytes(opt, mo.router_params, precision)
+        if ph.activations:
+            upd["activations"] = max(0, ph.activations - cut)
+        out.append(dataclasses.replace(ph, **upd))
+    return max(out, key=lambda m: m.total)

@@ -238,3 +238,79 @@ def fit(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: int = 1, mode
 
     lo = largest_true(lambda bs: verdict(bs).fits, limit=max_search)
     return replace(verdict(batch_size, max_batch_size=lo, capped=lo >= max_search), batch_size=batch_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroBatchFit:
+    """Gradient accumulation's answer for a global batch: run `accumulation_steps` micro-batches of
+    `micro_batch_size` sequences (the last one `last_micro_batch`, smaller when the global batch is not
+    a multiple) and one optimizer step. `micro_batch_size` 0: not even one sequence fits. `fit` is
+    `device_fit` at that micro-batch (or at 1 when none fits)."""
+
+    global_batch: int
+    micro_batch_size: int
+    accumulation_steps: int
+    last_micro_batch: int
+    fit: Fit
+
+    def __str__(self) -> str:
+        if not self.micro_batch_size:
+            return (f"global batch {self.global_batch:,}: not even a micro-batch of 1 fits on {self.fit.gpu.name} "
+                    f"({fmt_bytes(self.fit.needed)} needed, {fmt_bytes(self.fit.available)} available)")
+        last = (f" (the last of {self.last_micro_batch:,})" if self.last_micro_batch != self.micro_batch_size else "")
+        return (f"global batch {self.global_batch:,} = {self.accumulation_steps:,} micro-batch(es) of "
+                f"{self.micro_batch_size:,}{last} on {self.fit.gpu.name} ({fmt_bytes(self.fit.needed)} needed of "
+                f"{fmt_bytes(self.fit.available)})")
+
+
+def largest_micro_batch(model: ModelSpec | str, gpu: GPUSpec | str, *, global_batch: int, divisor: bool = True,
+                        expandable_segments: bool = False, **options) -> MicroBatchFit:
+    """The largest micro-batch that fits `gpu` (`device_fit`, as `fit`) when a step must see
+    `global_batch` sequences, and the accumulation steps it takes. `options` are estimate_training's
+    (seq_len required; not batch_size or accumulation_steps, which this chooses).
+
+    divisor=True: the micro-batch divides the global batch (every micro-batch the same size, so the
+    mean of the k micro-batch losses, each scaled by 1/k, is the global batch's mean).
+    divisor=False: any micro-batch up to the global batch; k = ceil(N / m) and the last micro-batch
+    holds the remainder N - (k - 1) m (smaller, so it fits too; scale each loss by its share, m / N).
+    With k > 1 the gradients stay from the first micro-batch's backward to the optimizer's step, so a
+    micro-batch of m fits with accumulation only if m plus every gradient does (`training_phases`)."""
+    g = _gpu(gpu)
+    n = _checks.whole("global_batch", global_batch, hi=_checks.MAX_COUNT)
+    divisor = _checks.flag("divisor", divisor)
+    expandable_segments = _checks.flag("expandable_segments", expandable_segments)
+    for k in ("batch_size", "accumulation_steps", "mode"):
+        if k in options:
+            raise ValueError(f"largest_micro_batch chooses {k} itself: pass global_batch and the step's other options")
+    if options.get("device", "cuda") != "cuda":
+        raise ValueError("largest_micro_batch() answers for a GPU: leave device at 'cuda'")
+    options = {k: v for k, v in options.items() if k != "device"}
+    allowed = set(inspect.signature(estimate_training).parameters) - {"model", "batch_size", "gpu", "device",
+                                                                       "accumulation_steps"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(f"largest_micro_batch() does not take {', '.join(unknown)}; it takes {', '.join(sorted(allowed))}")
+    if "seq_len" not in options:
+        raise ValueError("seq_len must be given: the tokens per sequence of the step whose fit is asked")
+    estimate_training(model, batch_size=1, gpu=g, **options)  # every option checked once
+
+    def verdict(m: int) -> Fit:
+        k = -(-n // m)
+        return replace(device_fit(estimate_training(model, batch_size=m, gpu=g, accumulation_steps=k, **options), g,
+                                  expandable_segments=expandable_segments,
+                                  largest_tensor=fragmentation_bytes(model, batch_size=m, **options)), batch_size=m)
+
+    if divisor:
+        # the divisors of n, largest first; every one is tried until one fits (k = 1 holds no gradients
+        # between micro-batches, so memory is not monotonic at m = n)
+        divisors = sorted({d for i in range(1, int(n ** 0.5) + 1) if n % i == 0 for d in (i, n // i)}, reverse=True)
+        m = next((d for d in divisors if verdict(d).fits), 0)
+    else:
+        m = n if verdict(n).fits else (largest_true(lambda x: verdict(x).fits, start=max(1, n // 2), limit=n - 1)
+                                       if n > 1 else 0)
+    if not m:
+        return MicroBatchFit(global_batch=n, micro_batch_size=0, accumulation_steps=0, last_micro_batch=0,
+                             fit=verdict(1))
+    k = -(-n // m)
+    return MicroBatchFit(global_batch=n, micro_batch_size=m, accumulation_steps=k, last_micro_batch=n - (k - 1) * m,
+                         fit=verdict(m))

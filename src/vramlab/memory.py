@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
@@ -215,6 +216,7 @@ def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
 
 
 MAX_BATCH = _checks.MAX_COUNT  # sequences in one step; far beyond any GPU, small enough to stay exact and fast
+MAX_ACCUMULATION = 1 << 16  # micro-batches per optimizer step
 
 
 def _check_positive(**sizes: int) -> list[int]:
@@ -231,12 +233,14 @@ def estimate_training(model: ModelSpec | str, *, batch_size: int, seq_len: int, 
                       optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
                       attention: AttentionImpl = "sdpa", recompute: Recompute = "none",
                       device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None,
-                      gpu: GPUSpec | str | None = None, use_cache: bool = False) -> MemoryBreakdown:
+                      gpu: GPUSpec | str | None = None, use_cache: bool = False,
+                      accumulation_steps: int = 1) -> MemoryBreakdown:
     """Peak memory of one steady-state training step: the largest of `training_phases(...)`, whose
     docstring describes the arguments."""
     phases = training_phases(model, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
                              optimizer_impl=optimizer_impl, attention=attention, recompute=recompute, device=device,
-                             trainable_params=trainable_params, gpu=gpu, use_cache=use_cache)
+                             trainable_params=trainable_params, gpu=gpu, use_cache=use_cache,
+                             accumulation_steps=accumulation_steps)
     return max(phases, key=lambda m: m.total)
 
 
@@ -245,7 +249,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
                     attention: AttentionImpl = "sdpa", recompute: Recompute = "none",
                     device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None,
                     gpu: GPUSpec | str | None = None, share: DeviceShare = WHOLE_MODEL,
-                    use_cache: bool = False) -> list[MemoryBreakdown]:
+                    use_cache: bool = False, accumulation_steps: int = 1) -> list[MemoryBreakdown]:
     """Memory, in bytes, at each candidate peak of one steady-state training step, in step order
     (`.phase` names each); `estimate_training` returns the largest.
 
@@ -263,6 +267,11 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     gpu         on CUDA, sets the cuBLAS workspaces' size (default: Hopper's 32 MiB per handle)
     share       one device's part of a parallel layout (`DeviceShare`; `parallel.estimate_layout`
                 builds them): the default, the whole model on one device, is `estimate_training`
+    accumulation_steps  micro-batches per optimizer step (gradient accumulation; batch_size is the
+                micro-batch): with k > 1 the gradients made by the first micro-batch's backward stay
+                until the step, so micro-batches 2..k ("micro-batch 2-k: ..." phases) run their
+                forward and backward over all of them (`_later_micro_batches`); the peak is the same
+                for every k > 1. Checked against traces of the real loop (tests/test_accumulation.py)
     use_cache   the model trains with transformers' KV cache on: a config that says use_cache=True
                 (the default of most) without gradient checkpointing. The cache's torch.cat copies
                 every block's k and v, which attention then saves: a fused-QKV block keeps 2h per
@@ -297,6 +306,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     _check_choice(attention, ATTENTIONS, "attention implementation")
     _check_choice(device, ("cuda", "cpu"), "device")
     use_cache = _checks.flag("use_cache", use_cache)
+    k_acc = _checks.whole("accumulation_steps", accumulation_steps, hi=MAX_ACCUMULATION)
     gpu = _gpu_or_none(gpu)
     if not isinstance(share, DeviceShare):
         raise ValueError(f"share must be a vramlab.memory.DeviceShare, got {_checks.show(share)}")
@@ -429,8 +439,39 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
             phases.append(MemoryBreakdown(**base, activations=others, gradients=grads(G - emb),
                                           temporaries=emb * accumulate + dense,
                                           phase="embedding backward (gradient accumulation)"))
+    if k_acc > 1:
+        phases += _later_micro_batches(phases, k_acc, held=buckets + G, head_grad=head_grad,
+                                       tied=bool(spec.tie_word_embeddings and first and last))
     phases.append(MemoryBreakdown(**base, gradients=buckets + G, temporaries=T_opt, phase="optimizer.step()"))
     return phases
+
+
+def _later_micro_batches(first: list[MemoryBreakdown], k: int, *, held: int, head_grad: int,
+                         tied: bool) -> list[MemoryBreakdown]:
+    """Gradient accumulation: the phases of micro-batches 2..k, from the first's (which starts with no
+    gradients: zero_grad(set_to_none=True) ran after the last step). Every gradient the first backward
+    made stays (`held`) under the next forward and backward. Autograd's AccumulateGrad adds each new
+    gradient into `.grad` in place (`variable.grad += new_grad`: torch/csrc/autograd/functions/
+    accumulate_grad.h), so a new gradient is a temporary until it is added, where the first micro-batch
+    kept it as the gradient itself:
+    - the LM head's weight gradient, made while d(logits) exists; tied to the embedding it waits in
+      autograd's input buffer for the embedding's backward, under every block's backward;
+    - the embedding's gradient: beside the head's when tied (their sum made as in the first
+      micro-batch: old, new and sum in fp32, two under CUDA autocast), else alone.
+    A block's weight gradients are added one by one (each freed once added): within the modelled
+    block-backward transients."""
+    name = f"micro-batch 2-{k}: " if k > 2 else "micro-batch 2: "
+    later = []
+    for ph in first:
+        temps, grads = ph.temporaries, held
+        if ph.phase.startswith("LM head backward"):
+            temps += head_grad  # the new head gradient, before it is added
+        elif "block" in ph.phase and tied:
+            temps += head_grad  # the head's new gradient in the input buffer, waiting for the embedding's
+        # the embedding's backward: its new gradient (and, tied, the head's and their sum) as in the
+        # first micro-batch's temporaries; now added into the held gradient instead of becoming it
+        later.append(dataclasses.replace(ph, gradients=grads, temporaries=temps, phase=name + ph.phase))
+    return later
 
 
 # ============================================================================ inference

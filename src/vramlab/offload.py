@@ -16,12 +16,21 @@ What is here:
   the GPU (Han et al., BMInf 2021): k of n layers resident, the others copied in before their turn through a few
   GPU buffers, on a copy stream beside the compute stream; the time per pass, the GPU and host
   bytes, the smallest k whose copies hide behind compute, and the hiding choice that needs the
-  least GPU memory (not the same when the layers differ: the buffers take the largest streamed one).
+  least GPU memory (not the same when the layers differ: the buffers take the largest streamed one);
+- `loader_memory`: a `DataLoader(pin_memory=True)`'s batches in flight, its pinned host memory and
+  one batch's copy, pinned against pageable (checked against a real DataLoader: tests/test_outofcore.py);
+- `infinity` / `needed_placement` / `deepspeed_config`: ZeRO-Infinity's tiers (Rajbhandari et al.
+  2021): parameters and optimizer states on the GPU, the CPU or NVMe, DeepSpeed's pinned swap buffers,
+  bytes and seconds per step on PCIe and NVMe against compute, the fastest placement that fits a GPU
+  and a host, and the DeepSpeed config for it (accepted by DeepSpeed's own config model);
+- `disk_streaming`: layers streamed from disk through a few host buffers for a forward and backward,
+  the host's peak and the bytes read and written (measured by `vramlab.measure.offload.stream_from_disk`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -675,3 +684,294 @@ def ten_b_model() -> ModelSpec:
 
     return from_config({"model_type": "gpt2", "n_layer": 48, "n_embd": 4096, "n_head": 32, "vocab_size": 50257,
                         "n_positions": 2048}, name="gpt-10b")
+
+
+# ----------------------------------------------------------------------------- a pinned DataLoader
+@dataclasses.dataclass(frozen=True)
+class LoaderMemory:
+    batch_bytes: int  # one batch's tensors
+    batches_in_flight: int  # made (or being made) ahead of the loop: num_workers x prefetch_factor
+    pinned_batches: int  # in pinned memory at once: those in flight and the one the loop holds (0: no pinning)
+    pinned_bytes: int  # what the pinned caching host allocator holds for them: each tensor in its power-of-two block
+    copy_seconds: float  # one batch host -> GPU over the link (pinned, or pageable when pin_memory is False)
+    pageable_copy_seconds: float  # the same batch from pageable memory, for comparison
+    step_share: float | None  # copy_seconds / step_seconds, when a step time is given
+
+
+def loader_memory(batch_tensor_bytes, *, num_workers: int, prefetch_factor: int | None = None,
+                  pin_memory: bool = True, gpu: GPUSpec | str = "h100-80gb",
+                  step_seconds: float | None = None) -> LoaderMemory:
+    """Host memory and copy time of `torch.utils.data.DataLoader(..., num_workers, prefetch_factor,
+    pin_memory)` feeding `batch.to("cuda", non_blocking=True)`; `batch_tensor_bytes`: the bytes of each
+    tensor in one batch (token ids, labels, mask...).
+
+    How torch (2.x, torch/utils/data/dataloader.py) does it: with workers, the iterator keeps at most
+    `prefetch_factor x num_workers` batches outstanding (`_tasks_outstanding`; prefetch_factor defaults
+    to 2) and sends one more index each time it hands a batch to the loop. Workers collate into shared
+    memory; with `pin_memory=True` a thread in the main process (`_utils/pin_memory.py`) copies every
+    tensor of each finished batch into page-locked memory (`tensor.pin_memory()`), so that at most the
+    outstanding batches and the one the loop is using are pinned at once. The pinned caching host
+    allocator rounds each request up to a power of two (`pinned_block`) and keeps freed blocks for
+    reuse: its footprint is that many batches, rounded. With num_workers=0 the loop's own thread
+    loads and pins one batch when asked: nothing is in flight.
+    The copy: a pinned batch goes at the link's pinned rate and `non_blocking=True` lets the host go
+    on; a pageable one is staged by the driver through a pinned bounce buffer (PAGEABLE_FRACTION of
+    the rate, and the host waits). Both run on the current stream: the forward waits for the copy
+    unless a side stream prefetches the next batch.
+
+    Known limitations: batches still being collated in workers (shared memory, up to num_workers
+    of them) and the loop's references to earlier batches are not counted; the rounding is the
+    caching allocator's, not the driver's page granularity."""
+    sizes = _checks.wholes("batch_tensor_bytes", batch_tensor_bytes, lo=0, hi=_checks.MAX_BYTES)
+    num_workers = _checks.whole("num_workers", num_workers, lo=0, hi=1024)
+    if num_workers == 0:
+        if prefetch_factor is not None:
+            raise ValueError("prefetch_factor needs num_workers > 0 (torch refuses it too)")
+        in_flight = 0
+    else:
+        prefetch_factor = _checks.whole("prefetch_factor", 2 if prefetch_factor is None else prefetch_factor, lo=1, hi=1024)
+        in_flight = num_workers * prefetch_factor
+    pin_memory = _checks.flag("pin_memory", pin_memory)
+    if step_seconds is not None:
+        step_seconds = _checks.number("step_seconds", step_seconds, lo=0, lo_open=True)
+    g = _gpu(gpu)
+    batch = sum(sizes)
+    pinned = in_flight + 1 if pin_memory else 0
+    copy = transfer_seconds(batch, g, pinned=pin_memory, efficiency=STREAM_EFFICIENCY)
+    pageable = transfer_seconds(batch, g, pinned=False, efficiency=STREAM_EFFICIENCY)
+    return LoaderMemory(batch_bytes=batch, batches_in_flight=in_flight, pinned_batches=pinned,
+                        pinned_bytes=pinned * sum(pinned_block(n) for n in sizes), copy_seconds=copy,
+                        pageable_copy_seconds=pageable,
+                        step_share=None if step_seconds is None else copy / step_seconds)
+
+
+# ----------------------------------------------------------------------------- ZeRO-Infinity's NVMe tier
+TIERS = ("gpu", "cpu", "nvme")
+# Placements (where the 16-bit parameters live, where the optimizer states and fp32 gradients live),
+# fastest first: what `needed_placement` tries in turn. Offloading the parameters or using NVMe needs
+# ZeRO stage 3 in DeepSpeed (offload_config.py: "offload_param ... Valid only with stage 3").
+PLACEMENTS: tuple[tuple[str, str], ...] = (("gpu", "gpu"), ("gpu", "cpu"), ("cpu", "cpu"), ("gpu", "nvme"),
+                                           ("cpu", "nvme"), ("nvme", "nvme"))
+# One NVMe drive's sequential rate, decimal GB/s: an assumption (a PCIe 4.0 x4 data-centre SSD reads
+# ~6-7 and writes ~3-4 GB/s; ZeRO-Infinity's DGX-2 striped 16 drives for ~25 GB/s per node).
+NVME_GBps = 3.5
+# DeepSpeed 0.19's defaults (runtime/zero/offload_config.py, runtime/zero/config.py)
+DS_PARAM_BUFFER_COUNT = 5
+DS_PARAM_BUFFER_SIZE = 10**8  # elements of each parameter swap buffer (16-bit)
+DS_MAX_IN_CPU = 10**9  # 16-bit parameter elements kept in host memory when parameters go to NVMe
+DS_OPTIMIZER_BUFFER_COUNT = 4  # fp32 swap buffers, each one sub-group: parameter, gradient, two moments
+DS_SUB_GROUP_SIZE = 10**9  # elements of one optimizer sub-group (stage 3's sub_group_size)
+INFINITY_MFU = 0.4  # share of the GPU's 16-bit peak a large model's matmuls reach (an assumption)
+
+
+@dataclasses.dataclass(frozen=True)
+class Infinity:
+    """One GPU training with ZeRO-Infinity's placement; bytes, and seconds per training step."""
+
+    model: str
+    params: str  # where the 16-bit parameters live between uses: gpu, cpu or nvme
+    optimizer: str  # where fp32 master weights, Adam's moments and the fp32 gradients live
+    gpu_bytes: int  # the GPU's peak: resident states + gathered parameters + activations and temporaries
+    host_bytes: int  # host memory: offloaded states + DeepSpeed's pinned swap buffers
+    nvme_bytes: int
+    pcie_bytes: int  # GPU <-> host per step, both ways
+    nvme_read_bytes: int
+    nvme_write_bytes: int
+    compute_seconds: float
+    pcie_seconds: float
+    nvme_seconds: float
+    cpu_seconds: float  # the Adam step on the CPU (0 when the optimizer is on the GPU)
+    step_seconds: float  # ZeRO-Infinity's overlap at best: see `infinity`
+    swap_buffer_elements: int  # each parameter swap buffer (at least the largest parameter tensor)
+    sub_group_size: int  # elements of one optimizer sub-group (its swap buffers' size)
+
+    @property
+    def label(self) -> str:
+        return f"params {self.params}, optimizer {self.optimizer}"
+
+
+@functools.lru_cache(maxsize=64)
+def _spec_sizes(spec: ModelSpec) -> tuple[int, int, int]:
+    """(the largest block's parameters, the rest's, the largest tensor's elements), cached."""
+    block, root = _units(spec)
+    return block, root, max((n for _, n in spec.param_tensors()), default=0)
+
+
+@functools.lru_cache(maxsize=64)
+def _working_bytes(spec: ModelSpec, g: GPUSpec, batch_size: int, seq_len: int, recompute: bool) -> int:
+    """The step's largest activations + temporaries on the GPU (pure bf16, every block recomputed
+    when `recompute`), outside the optimizer step: the same for every placement (cached)."""
+    plan = _act.recompute_plan("full" if recompute else "none", spec)
+    phases = _mem.training_phases(spec, batch_size=batch_size, seq_len=seq_len, precision="bf16",
+                                  optimizer_impl="fused", recompute=plan, device="cuda", gpu=g)
+    return max(p.activations + p.temporaries for p in phases if not p.phase.startswith("optimizer"))
+
+
+def infinity(model: ModelSpec | str, *, params: str, optimizer: str, batch_size: int, seq_len: int,
+             gpu: GPUSpec | str = "h100-80gb", recompute: bool = True, nvme_GBps: float = NVME_GBps,
+             efficiency: float = STREAM_EFFICIENCY, mfu: float = INFINITY_MFU,
+             cpu_adam_seconds_per_param: float = DS_CPU_ADAM_SECONDS_PER_PARAM,
+             sub_group_size: int = DS_SUB_GROUP_SIZE) -> Infinity:
+    """Memory on each tier and traffic on each link of one training step with DeepSpeed's ZeRO-3 on
+    one GPU, with `offload_param` (`params`) and `offload_optimizer` (`optimizer`) on "gpu" (not
+    offloaded), "cpu" or "nvme" (ZeRO-Infinity, Rajbhandari et al. 2021), bf16 compute, AdamW.
+
+    Ψ parameters; per parameter (the paper's §3): 2 bytes of 16-bit weights, 12 of fp32 master
+    weights and moments, gradients (2 bytes on the GPU; 4 in fp32 when the optimizer is offloaded,
+    as DeepSpeed copies them, stage3.py `_offload_grad_partition_at_boundary`).
+    - GPU: the states left on it, the gathered 16-bit parameters of the live blocks when parameters
+      are offloaded (the block in use and the one prefetched, and the root: embeddings, head), the
+      step's activations and temporaries (`memory.training_phases`, pure bf16, every block
+      recomputed when `recompute`, as the paper trains).
+    - host: the offloaded states; with parameters on NVMe, up to DS_MAX_IN_CPU of them stay in host
+      memory plus DS_PARAM_BUFFER_COUNT pinned swap buffers of max(DS_PARAM_BUFFER_SIZE, largest
+      tensor) 16-bit elements; with the optimizer on NVMe, DS_OPTIMIZER_BUFFER_COUNT pinned fp32
+      buffers of one sub-group (min(sub_group_size, Ψ) elements; partitioned_optimizer_swapper.py).
+    - traffic: parameters up twice (forward, backward) when not on the GPU; gradients down when the
+      optimizer is not on the GPU (4 bytes) and 16-bit parameters back up after the step when they
+      live on the GPU (2); from NVMe, parameters read twice and written once after the step
+      (2+2 / 2 bytes), optimizer states and gradients read for the step and written back (16 / 16).
+    - time: the forward and backward (and recompute) at `mfu` of the GPU's 16-bit peak, PCIe at
+      `efficiency` of the link's pinned rate, NVMe at `nvme_GBps` both ways, DeepSpeed's CPU Adam.
+      step = max(compute, parameter traffic over PCIe, over NVMe) + max(the optimizer's NVMe
+      traffic, the CPU step, the updated parameters' upload): the paper's overlap-centric design
+      at its best (a lower bound; DeepSpeed overlaps less unless `pipeline_read/write`).
+
+    Known limitations: one GPU (no data parallelism dividing the states); DeepSpeed's
+    `stage3_max_live_parameters`/`max_reuse_distance` can keep more parameters gathered; activation
+    checkpoints offloaded to the CPU (the paper's option) are not modelled; FLOPs are 2Ψ a token a
+    pass (attention's score FLOPs left out)."""
+    params = _choice("params", params, TIERS)
+    optimizer = _choice("optimizer", optimizer, TIERS)
+    recompute = _checks.flag("recompute", recompute)
+    nvme_GBps = _checks.number("nvme_GBps", nvme_GBps, lo=0, lo_open=True, hi=1e6)
+    efficiency, mfu = _checks.fraction("efficiency", efficiency), _checks.fraction("mfu", mfu)
+    cpu_adam_seconds_per_param = _checks.number("cpu_adam_seconds_per_param", cpu_adam_seconds_per_param)
+    sub_group_size = _checks.whole("sub_group_size", sub_group_size, hi=10**13)
+    if TIERS.index(params) > TIERS.index(optimizer):
+        raise ValueError(f"params on {params} with the optimizer on {optimizer}: DeepSpeed offloads the optimizer "
+                         "at least as far as the parameters (an offloaded parameter is updated where its optimizer is)")
+    spec = _specs.resolve(model)
+    g = _gpu(gpu)
+    psi = spec.params
+    work = _working_bytes(spec, g, batch_size, seq_len, recompute)
+    block, root, largest = _spec_sizes(spec)
+    gpu_states = 2 * psi if params == "gpu" else 2 * (2 * block + root)  # 16-bit weights resident or gathered
+    gpu_states += 2 * psi + 12 * psi if optimizer == "gpu" else 0  # gradients + fp32 master weights and moments
+    if optimizer != "gpu":  # a gradient partition in flight: the largest tensor's, bf16 and its fp32 cast
+        gpu_states += 6 * largest
+    host = nvme = 0
+    buf = max(DS_PARAM_BUFFER_SIZE, largest)
+    group = min(sub_group_size, psi)
+    if params == "cpu":
+        host += 2 * psi
+    elif params == "nvme":
+        kept = min(DS_MAX_IN_CPU, psi)
+        host += 2 * kept + DS_PARAM_BUFFER_COUNT * buf * 2
+        nvme += 2 * (psi - kept)
+    if optimizer == "cpu":
+        host += 16 * psi
+    elif optimizer == "nvme":
+        host += DS_OPTIMIZER_BUFFER_COUNT * group * 4
+        nvme += 16 * psi
+    on_nvme_params = 0 if params != "nvme" else psi - min(DS_MAX_IN_CPU, psi)
+    pcie = (4 * psi if params != "gpu" else 0) + (4 * psi if optimizer != "gpu" else 0) \
+        + (2 * psi if params == "gpu" and optimizer != "gpu" else 0)
+    read = 4 * on_nvme_params + (16 * psi if optimizer == "nvme" else 0)
+    write = 2 * on_nvme_params + (16 * psi if optimizer == "nvme" else 0)
+    tokens = batch_size * seq_len
+    passes = 4 if recompute else 3  # forward, backward (two matmuls each), the recompute's forward
+    compute = 2 * psi * tokens * passes / (g.peak_tflops_16 * 1e12 * mfu)
+    link = host_link_GBps(g) * efficiency * 1e9
+    pcie_s, nvme_s = pcie / link, (read + write) / (nvme_GBps * 1e9)
+    cpu = psi * cpu_adam_seconds_per_param if optimizer != "gpu" else 0.0
+    param_pcie = (4 * psi if params != "gpu" else 0) + (4 * psi if optimizer != "gpu" else 0)
+    param_nvme = 6 * on_nvme_params
+    opt_nvme = 32 * psi if optimizer == "nvme" else 0
+    upload = 2 * psi / link if params == "gpu" and optimizer != "gpu" else 0.0
+    total = max(compute, param_pcie / link, param_nvme / (nvme_GBps * 1e9)) \
+        + max(opt_nvme / (nvme_GBps * 1e9), cpu, upload)
+    return Infinity(model=spec.name, params=params, optimizer=optimizer, gpu_bytes=gpu_states + work, host_bytes=host,
+                    nvme_bytes=nvme, pcie_bytes=pcie, nvme_read_bytes=read, nvme_write_bytes=write,
+                    compute_seconds=compute, pcie_seconds=pcie_s, nvme_seconds=nvme_s, cpu_seconds=cpu,
+                    step_seconds=total, swap_buffer_elements=buf, sub_group_size=group)
+
+
+def needed_placement(model: ModelSpec | str, *, host_ram_bytes: int, batch_size: int, seq_len: int,
+                     gpu: GPUSpec | str = "h100-80gb", **kw) -> Infinity | None:
+    """"When a model needs NVMe": the first of PLACEMENTS (fastest first) whose GPU peak fits the
+    GPU's usable memory (less its CUDA context) and whose host bytes fit `host_ram_bytes`; None when
+    even parameters and optimizer on NVMe do not fit. `kw` goes to `infinity`."""
+    host_ram_bytes = _checks.whole("host_ram_bytes", host_ram_bytes, lo=0, hi=_checks.MAX_BYTES)
+    g = _gpu(gpu)
+    spec = _specs.resolve(model)
+    for p, o in PLACEMENTS:
+        r = infinity(spec, params=p, optimizer=o, batch_size=batch_size, seq_len=seq_len, gpu=g, **kw)
+        if r.gpu_bytes <= g.usable_bytes - g.context_bytes and r.host_bytes <= host_ram_bytes:
+            return r
+    return None
+
+
+def deepspeed_config(placement: Infinity, *, nvme_path: str = "/local_nvme", batch_size: int = 1) -> dict:
+    """The DeepSpeed config (a dict, as `deepspeed.initialize(config=...)` takes it) for `placement`:
+    ZeRO stage 3 (stage 2 when only the optimizer goes to the CPU, ZeRO-Offload), `offload_param`
+    and `offload_optimizer` with the swap buffers `infinity` counted, bf16."""
+    if not isinstance(placement, Infinity):
+        raise ValueError(f"placement must be an offload.Infinity (from infinity or needed_placement), got {_checks.show(placement)}")
+    if not isinstance(nvme_path, str) or not nvme_path.startswith("/"):
+        raise ValueError(f"nvme_path must be an absolute path, got {_checks.show(nvme_path)}")
+    batch_size = _checks.whole("batch_size", batch_size, hi=_mem.MAX_BATCH)
+    p, o = placement.params, placement.optimizer
+    stage = 2 if p == "gpu" and o in ("gpu", "cpu") else 3
+    zero: dict = {"stage": stage}
+    if o != "gpu":
+        zero["offload_optimizer"] = {"device": o, "pin_memory": True}
+        if o == "nvme":
+            zero["offload_optimizer"].update(nvme_path=nvme_path, buffer_count=DS_OPTIMIZER_BUFFER_COUNT)
+            zero["sub_group_size"] = placement.sub_group_size
+    if p != "gpu":
+        zero["offload_param"] = {"device": p, "pin_memory": True}
+        if p == "nvme":
+            zero["offload_param"].update(nvme_path=nvme_path, buffer_count=DS_PARAM_BUFFER_COUNT,
+                                         buffer_size=placement.swap_buffer_elements, max_in_cpu=DS_MAX_IN_CPU)
+    cfg = {"train_micro_batch_size_per_gpu": batch_size, "bf16": {"enabled": True}, "zero_optimization": zero}
+    if "nvme" in (p, o):  # DeepSpeed's async I/O (runtime/swap_tensor/aio_config.py defaults)
+        cfg["aio"] = {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+                      "overlap_events": True}
+    return cfg
+
+
+# ----------------------------------------------------------------------------- out of core, streamed from disk
+@dataclasses.dataclass(frozen=True)
+class DiskStreaming:
+    """A stack of layers kept on disk, read into `buffers` host buffers one layer at a time through a
+    forward and a backward (what `vramlab.measure.offload.stream_from_disk` runs)."""
+
+    resident_bytes: int  # the buffers: layer weights in memory at once
+    activation_bytes: int  # each layer's saved input, kept for the backward
+    gradient_bytes: int  # one layer's weight gradient before it is written out
+    peak_bytes: int  # the three together
+    read_bytes: int  # per step: every layer read in the forward and again in the backward
+    write_bytes: int  # per step: every layer's gradient written
+    read_seconds: float | None  # read_bytes at `disk_GBps`, when given
+
+
+def disk_streaming(layer_bytes, *, activation_bytes: int, buffers: int = 2,
+                   disk_GBps: float | None = None) -> DiskStreaming:
+    """Host bytes and disk traffic of one forward+backward over layers stored on disk (ZeRO-Infinity's
+    "whole model on NVMe, a few layers in CPU buffers" on a CPU): weights of at most `buffers`
+    layers in memory (each buffer as large as the largest layer), the saved input of every layer
+    (`activation_bytes`, one layer's), one layer's gradient in flight; every layer read twice and
+    its gradient written once."""
+    sizes = _checks.wholes("layer_bytes", layer_bytes, lo=0, hi=_checks.MAX_BYTES)
+    activation_bytes = _checks.whole("activation_bytes", activation_bytes, lo=0, hi=_checks.MAX_BYTES)
+    buffers = _buffers(buffers)
+    if disk_GBps is not None:
+        disk_GBps = _checks.number("disk_GBps", disk_GBps, lo=0, lo_open=True, hi=1e6)
+    big = max(sizes)
+    resident = min(buffers, len(sizes)) * big
+    acts = activation_bytes * len(sizes)
+    read, write = 2 * sum(sizes), sum(sizes)
+    return DiskStreaming(resident_bytes=resident, activation_bytes=acts, gradient_bytes=big,
+                         peak_bytes=resident + acts + big, read_bytes=read, write_bytes=write,
+                         read_seconds=None if disk_GBps is None else read / (disk_GBps * 1e9))

@@ -20,7 +20,10 @@ What is here:
 - `estimate_rank`: one rank's peak in a step, `model_states` plus the step's worst phase (activations,
   the gradients' copies and buckets, stage 3's gathered parameters, FSDP2's units in flight);
 - `communication`: bytes each rank sends per step (stages 0-2: 2 Psi, as one all-reduce or a
-  reduce-scatter plus an all-gather; stage 3: 3 Psi) and their time on a link (`collectives`).
+  reduce-scatter plus an all-gather; stage 3: 3 Psi) and their time on a link (`collectives`);
+- gradient accumulation (`accumulation_steps` of `estimate_rank`, `rank_phases`, `communication`;
+  FSDP2's `no_sync`): what each library keeps between micro-batches (`accumulation_held`) and which
+  collectives run every micro-batch rather than once per optimizer step.
 """
 
 from __future__ import annotations
@@ -300,12 +303,108 @@ def partition_touch(model: ModelSpec | str, n_ranks: int) -> int:
     return max(partition_touches(model, n_ranks))
 
 
+MAX_ACCUMULATION = 1 << 16  # micro-batches per optimizer step
+# the phases of a step that happen once, at the accumulation boundary (after the last micro-batch's backward)
+_BOUNDARY_PHASES = ("gradients all-reduced (flat copy)", "gradients reduced into the partition",
+                    "root's gradients reduce-scattered", "optimizer step")
+
+
+def _accumulation(accumulation_steps) -> int:
+    return _checks.whole("accumulation_steps", accumulation_steps, hi=MAX_ACCUMULATION)
+
+
+def _no_sync(no_sync, implementation: str) -> bool:
+    no_sync = _checks.flag("no_sync", no_sync)
+    if no_sync and implementation != "fsdp2":
+        raise ValueError(f"no_sync=True needs implementation='fsdp2' (FSDP2's set_requires_gradient_sync(False)), got "
+                         f"{_checks.show(implementation)}: DeepSpeed decides by stage (ZeRO-0/1 reduce once per step, "
+                         "ZeRO-2/3 every micro-batch)")
+    return no_sync
+
+
+def accumulation_held(model: ModelSpec | str, n_ranks: int, stage: Stage, *, recipe: str = "mixed-adam",
+                      implementation: str = "deepspeed", no_sync: bool = False,
+                      reduce_bucket: int = REDUCE_BUCKET) -> dict[str, int | str]:
+    """What one rank keeps between two micro-batches of one optimizer step, beyond `model_states`:
+    {"bytes": ..., "what": ...}. From the sources (DeepSpeed 0.19.8, torch 2.13):
+
+    DeepSpeed accumulates in the model's dtype unless `data_types.grad_accum_dtype` says fp32 (its
+    default is the model's: `engine.get_data_types`); recipe "bf16-fp32-grads" is the fp32 case.
+    - DeepSpeed ZeRO-0: the engine all-reduces only at the accumulation boundary
+      (`engine.allreduce_gradients`: "Communicate only at gradient accumulation boundaries"), so every
+      gradient accumulates whole in `param.grad`: Psi x the gradients' bytes.
+    - ZeRO-1 (`partition_gradients` False): the same (`reduce_gradients` runs at the boundary only), plus
+      the reduce bucket the first gradient hook allocated (`setup_buckets`), kept until the boundary's
+      epilogue; with fp32 accumulation of a bf16 model, the fp32 `grad_accum` copies.
+    - ZeRO-2: gradients are reduced every micro-batch (`overlapping_partition_gradients_reduce_epilogue`
+      runs at every backward); the rank's partition (every parameter that touches it, whole:
+      `partition_touch`) is kept in `all_grad_tensors` and the next micro-batch's added to it
+      (`independent_gradient_partition_epilogue`); with fp32 accumulation of a bf16 model, the compact
+      fp32 partition (`_build_compact_grad_partition_buffer`).
+    Measured (tests/test_zero_accumulation.py): fp32 only.
+    - ZeRO-3: reduce-scattered every micro-batch and added into the fp32 gradient partition that stays
+      between steps anyway (`partition_grads`: copy at micro-step 0, add_ after): nothing more.
+    - FSDP2: every micro-batch reduce-scatters; the fp32 gradient shards (`sharded_param.grad`) stay and
+      the next are added in: Psi / N x 4. With no_sync (`set_requires_gradient_sync(False)`) the
+      unsharded gradients stay instead (`post_backward` returns before the reduce-scatter; under a
+      bf16 policy `to_accumulated_grad_if_needed` upcasts them to the fp32 reduce dtype): Psi x 4."""
+    spec = _specs.resolve(model)
+    n, s = _ranks(n_ranks), _stage(stage)
+    pb, gb, _ = _recipe(recipe)
+    _checks.one_of("implementation", implementation, ("deepspeed", "fsdp2"))
+    no_sync = _no_sync(no_sync, implementation)
+    fp32_accum = pb == 2 and gb == 4  # a 16-bit model accumulating in fp32
+    bucket = _elements("reduce_bucket", reduce_bucket, lo=1, hi=10**12)
+    psi = spec.params
+    if implementation == "fsdp2":
+        if s != 3:
+            raise ValueError(f"stage must be 3 with implementation='fsdp2', got {s}: FSDP2's fully_shard is ZeRO-3")
+        if no_sync:
+            return {"bytes": psi * 4, "what": "every unsharded gradient (fp32), not reduce-scattered"}
+        return {"bytes": sum(-(-x // n) for _, x in spec.param_tensors()) * 4,
+                "what": "this rank's fp32 gradient shards, the next micro-batch's added in"}
+    if s == 0:
+        return {"bytes": psi * (4 if fp32_accum else pb),
+                "what": "every gradient, whole (all-reduced once, at the boundary)"}
+    if s == 1:
+        return {"bytes": psi * (4 if fp32_accum else pb) + bucket * pb,  # the bucket is allocated whole
+                "what": "every gradient, whole, and the reduce bucket (reduced once, at the boundary)"}
+    if s == 2:
+        held = -(-psi // n) * 4 if fp32_accum else max(partition_touches(spec, n)) * pb
+        return {"bytes": held, "what": "this rank's gradient partition (reduced every micro-batch, added up)"}
+    return {"bytes": 0, "what": "nothing more: the fp32 gradient partition stays between steps anyway"}
+
+
+def _accumulated(phases: list, steps: list, spec: ModelSpec, s: int, pb: int, acc: int,
+                 implementation: str, no_sync: bool, held: int, block_shards: int) -> list:
+    """`phases` (one micro-batch, then the boundary's) with a later micro-batch's phases inserted before
+    the boundary: the same forward and backward with what `accumulation_held` keeps under them."""
+    at = next((i for i, x in enumerate(phases) if x[0] in _BOUNDARY_PHASES), len(phases))
+    micro = phases[:at]
+    name = f"micro-batch 2-{acc}: " if acc > 2 else "micro-batch 2: "
+    if implementation == "fsdp2":
+        if no_sync:  # every unsharded gradient; the one being made is the backward's temporary, added in place
+            later = [(name + ph, held, a, t) for ph, g, a, t in micro]
+        else:  # every shard; the blocks' shards made in this backward are added into them
+            later = [(name + ph, held + g - (block_shards if ph.startswith("embedding") else 0), a, t)
+                     for ph, g, a, t in micro]
+    elif s in (0, 1):  # every gradient (and ZeRO-1's bucket); the one being made is the backward's temporary,
+        # which autograd adds into `param.grad` in place (measured: the OPT-like model's tied embedding)
+        later = [(name + ph.phase, held, ph.activations, ph.temporaries) for ph in steps]
+    elif s == 2:  # the accumulated partition beside this micro-batch's
+        later = [(name + ph, g + held, a, t) for ph, g, a, t in micro]
+    else:
+        later = []
+    return phases[:at] + later + phases[at:]
+
+
 def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_batch_size: int, seq_len: int,
                 recipe: str = "mixed-adam", implementation: str = "deepspeed", attention: str = "sdpa",
                 reduce_bucket: int = REDUCE_BUCKET, max_live_parameters: int = MAX_LIVE,
                 persistence_threshold: int = PERSISTENCE, prefetch_bucket: int = PREFETCH,
                 max_reuse_distance: int = 1_000_000_000, optimizer_impl: str = "fused",
-                device: Literal["cuda", "cpu"] = "cuda", gpu=None, use_cache: bool = False) -> list[_mem.MemoryBreakdown]:
+                device: Literal["cuda", "cpu"] = "cuda", gpu=None, use_cache: bool = False,
+                accumulation_steps: int = 1, no_sync: bool = False) -> list[_mem.MemoryBreakdown]:
     """One rank's memory at each moment of a training step that may peak, in step order (`.phase`
     names each); `estimate_rank` returns the largest. The forward and backward come from
     `memory.training_phases` (activations, the logits and their gradient, the temporaries of each
@@ -337,11 +436,19 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
       flat partition tensor, FSDP2 each parameter's shard).
     On CUDA the two cuBLAS workspaces are under `other`, as in `memory`. `use_cache`: the model trains
     with transformers' KV cache on (`memory.training_phases`; vramlab.measure.zero's models do, as their
-    configs default)."""
+    configs default).
+
+    `accumulation_steps` (micro-batches per optimizer step, as `memory`'s): from the second micro-batch
+    on, what each library keeps between micro-batches sits under the next forward and backward (phases
+    named "micro-batch 2-k: ..."; `accumulation_held` says what and cites the code). `no_sync` (FSDP2
+    only): `set_requires_gradient_sync(False)` on every micro-batch but the last, so the unsharded
+    gradients are kept instead of reduce-scattered."""
     spec = _specs.resolve(model)
     n, s = _ranks(n_ranks), _stage(stage)
     pb, gb, k = _recipe(recipe)
     _checks.one_of("implementation", implementation, ("deepspeed", "fsdp2"))
+    acc = _accumulation(accumulation_steps)
+    no_sync = _no_sync(no_sync, implementation)
     if implementation == "fsdp2" and s != 3:
         raise ValueError(f"stage must be 3 with implementation='fsdp2', got {s}: FSDP2's fully_shard is ZeRO-3")
     _checks.one_of("optimizer_impl", optimizer_impl, _mem.OPTIMIZER_IMPLS)
@@ -489,7 +596,14 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
             phases.append((ph.phase, 0 if ph.phase.startswith("forward") else min(ph.gradients, head_grad),
                            ph.activations, ph.temporaries + gathered))
         phases.append(("optimizer step", part * 4, 0, temps([part])))
+    if acc > 1:
+        held = accumulation_held(spec, n, s, recipe=recipe, implementation=implementation, no_sync=no_sync,
+                                 reduce_bucket=bucket)["bytes"]
+        phases = _accumulated(phases, steps, spec, s, pb, acc, implementation, no_sync, held,
+                              block_shards if implementation == "fsdp2" else 0)
     label = "FSDP2" if implementation == "fsdp2" else f"DeepSpeed ZeRO-{s}"
+    if acc > 1:
+        label += f", {acc} micro-batches per step" + (" (no_sync)" if no_sync else "")
     return [_mem.MemoryBreakdown(parameters=between.parameters, gradients=between.gradients + g,
                                  optimizer_states=between.optimizer_states, activations=a, temporaries=t,
                                  inputs=inputs if a else 0, other=between.other + workspaces, phase=name,
@@ -504,7 +618,8 @@ def estimate_rank(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_b
                   reduce_bucket: int = REDUCE_BUCKET, max_live_parameters: int = MAX_LIVE,
                   persistence_threshold: int = PERSISTENCE, prefetch_bucket: int = PREFETCH,
                   max_reuse_distance: int = 1_000_000_000, optimizer_impl: str = "fused",
-                  device: Literal["cuda", "cpu"] = "cuda", gpu=None, use_cache: bool = False) -> _mem.MemoryBreakdown:
+                  device: Literal["cuda", "cpu"] = "cuda", gpu=None, use_cache: bool = False,
+                  accumulation_steps: int = 1, no_sync: bool = False) -> _mem.MemoryBreakdown:
     """One rank's peak in a training step: what stays between steps (`model_states`) plus the step's
     worst moment, the largest of `rank_phases` (whose docstring says what each library holds when).
     Validated against independent measurements on real gloo ranks (DeepSpeed 0.19.8, torch 2.13) for
@@ -514,18 +629,20 @@ def estimate_rank(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_b
                          implementation=implementation, attention=attention, reduce_bucket=reduce_bucket,
                          max_live_parameters=max_live_parameters, persistence_threshold=persistence_threshold,
                          prefetch_bucket=prefetch_bucket, max_reuse_distance=max_reuse_distance,
-                         optimizer_impl=optimizer_impl, device=device, gpu=gpu, use_cache=use_cache)
+                         optimizer_impl=optimizer_impl, device=device, gpu=gpu, use_cache=use_cache,
+                         accumulation_steps=accumulation_steps, no_sync=no_sync)
     return max(phases, key=lambda b: b.total)
 
 
 # ----------------------------------------------------------------------------- communication
 REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default, in elements
-COMM_IMPLEMENTATIONS: tuple[str, ...] = ("paper", "deepspeed")
+COMM_IMPLEMENTATIONS: tuple[str, ...] = ("paper", "deepspeed", "fsdp2")
 
 
 def communication(n_params: int, n_ranks: int, stage: Stage, *, bytes_per_value: int = 2,
-                  link: str | _coll.Link = "nvlink4", implementation: str = "paper") -> dict[str, float]:
-    """Bytes each rank sends per step and their time on `link` (ring collectives, `collectives`).
+                  link: str | _coll.Link = "nvlink4", implementation: str = "paper", accumulation_steps: int = 1,
+                  no_sync: bool = False, root_params: int = 0) -> dict[str, float]:
+    """Bytes each rank sends per optimizer step and their time on `link` (ring collectives, `collectives`).
 
     implementation="paper" (Rajbhandari+19, section 7): stages 0-2 move 2 Psi values per
     rank-equivalent: an all-reduce of the gradients (stage 0) or a reduce-scatter of the gradients
@@ -536,33 +653,57 @@ def communication(n_params: int, n_ranks: int, stage: Stage, *, bytes_per_value:
     their partition (`use_multi_rank_bucket_allreduce=True`, on every backend) before all-gathering
     the parameters: 3 Psi, half again the paper's. ZeRO-3 keeps a parameter gathered in the forward
     for its backward when fewer than `stage3_max_reuse_distance` (1e9) elements are fetched in
-    between: a model below that gathers once, 2 Psi; a larger one twice, 3 Psi."""
+    between: a model below that gathers once, 2 Psi; a larger one twice, 3 Psi.
+
+    implementation="fsdp2" (stage 3; `fully_shard` on each block and the root): every unit is
+    all-gathered for the forward, every unit but the root (`root_params`, not resharded after the
+    forward) again for the backward, and every gradient reduce-scattered.
+
+    `accumulation_steps` micro-batches per optimizer step: the gradients' collective runs once per step
+    at ZeRO-0/1 (the engine reduces only at the accumulation boundary; DDP's `no_sync`) and every
+    micro-batch at ZeRO-2/3 (the backward hooks reduce as gradients are made); the parameters' all-gather
+    once per step at stages 1-2 (after the optimizer's step) and every micro-batch at stage 3 (each
+    forward and backward needs them). FSDP2 reduce-scatters every micro-batch unless `no_sync`
+    (`set_requires_gradient_sync(False)` but on the last: once per step)."""
     psi, n, s = _psi(n_params), _ranks(n_ranks), _stage(stage)
     bytes_per_value = _checks.whole("bytes_per_value", bytes_per_value, hi=8)
     _checks.one_of("implementation", implementation, COMM_IMPLEMENTATIONS)
+    acc = _accumulation(accumulation_steps)
+    no_sync = _no_sync(no_sync, implementation)
+    root = _elements("root_params", root_params, hi=psi)
     link = _coll._link(link, "link")
     size = psi * bytes_per_value
     ds = implementation == "deepspeed"
-    if s == 0:
-        ops = [("all_reduce", "gradients")]
+    if implementation == "fsdp2":
+        if s != 3:
+            raise ValueError(f"stage must be 3 with implementation='fsdp2', got {s}: FSDP2's fully_shard is ZeRO-3")
+        ops = [("all_gather", "parameters, forward", size, acc),
+               ("all_gather", "parameters but the root's, backward", (psi - root) * bytes_per_value, acc),
+               ("reduce_scatter", "gradients", size, 1 if no_sync else acc)]
+    elif s == 0:
+        ops = [("all_reduce", "gradients", size, 1)]
     elif s in (1, 2):
-        ops = [("all_reduce" if ds else "reduce_scatter", "gradients"), ("all_gather", "parameters")]
+        ops = [("all_reduce" if ds else "reduce_scatter", "gradients", size, 1 if s == 1 else acc),
+               ("all_gather", "parameters", size, 1)]
     else:
         twice = not ds or psi > REUSE_DISTANCE
-        ops = ([("all_gather", "parameters, forward")] + ([("all_gather", "parameters, backward")] if twice else [])
-               + [("reduce_scatter", "gradients")])
-    rows = [{"op": op, "what": what, "bytes_sent": _coll.bytes_sent_per_rank(op, n, size),
-             "seconds": _coll.collective_time(op, n, size, link)} for op, what in ops]
+        ops = ([("all_gather", "parameters, forward", size, acc)]
+               + ([("all_gather", "parameters, backward", size, acc)] if twice else [])
+               + [("reduce_scatter", "gradients", size, acc)])
+    rows = [{"op": op, "what": what, "times_per_step": times,
+             "bytes_sent": times * _coll.bytes_sent_per_rank(op, n, nbytes),
+             "seconds": times * _coll.collective_time(op, n, nbytes, link)} for op, what, nbytes, times in ops]
     volume = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}
     return {"bytes_sent_per_rank": sum(r["bytes_sent"] for r in rows), "seconds": sum(r["seconds"] for r in rows),
-            "volume_in_psi": sum(volume[op] for op, _ in ops), "collectives": rows}
+            "volume_in_psi": sum(volume[op] * times * nbytes / size if size else 0 for op, _, nbytes, times in ops),
+            "collectives": rows}
 
 
 # ----------------------------------------------------------------------------- does it fit
 # what `fits` passes on to `estimate_rank` (its own micro_batch_size, seq_len and gpu aside)
 _ESTIMATE_OPTIONS = ("recipe", "implementation", "attention", "reduce_bucket", "max_live_parameters",
                      "persistence_threshold", "prefetch_bucket", "max_reuse_distance", "optimizer_impl", "device",
-                     "use_cache")
+                     "use_cache", "accumulation_steps", "no_sync")
 
 
 def fits(model: ModelSpec | str, n_ranks: int, stage: Stage, gpu, *, micro_batch_size: int, seq_len: int,

@@ -20,7 +20,7 @@ from vramlab.grading.programs import common
 PROGRAMS = Path(run.PROGRAMS)
 MODULES = sorted(p.stem for p in PROGRAMS.glob("*.py") if p.stem != "__init__")
 RANK_HARNESSES = ("ring", "tp", "ddp", "zero1", "zero2")
-CASE_HARNESSES = ("sac", "stream", "link_rate")
+CASE_HARNESSES = ("sac", "stream", "link_rate", "accum")
 
 LINK_GBPS = '''
 import statistics

@@ -260,3 +260,20 @@ def test_every_chart_comes_wide_and_for_a_phone(name):
     page = C.page_html(name)
     assert '<div class="vl-wide"><svg' in page and '<div class="vl-narrow"><svg' in page
     assert "vl-narrow" not in C._result_html(C.get(name), r, narrow=False)
+
+
+def test_offload_nvme_tier_and_host_memory_are_the_librarys():
+    from vramlab import offload as OFF
+
+    kw = dict(model="llama-3.1-70b", batch_size=1, seq_len=2048, gpu="h100-80gb")
+    r = C.get("offload").run(scheme="infinity-nvme", host_ram=64, **kw)
+    inf = OFF.infinity("llama-3.1-70b", params="nvme", optimizer="nvme", batch_size=1, seq_len=2048, gpu="h100")
+    assert r.numbers["gpu_peak"][0] == inf.gpu_bytes and r.numbers["host"][0] == inf.host_bytes
+    assert r.numbers["fits"][1] == "yes" and '"device": "nvme"' in r.text
+    need = OFF.needed_placement("llama-3.1-70b", host_ram_bytes=512 * 2**30, batch_size=1, seq_len=2048, gpu="h100")
+    auto = C.get("offload").run(scheme="smallest that fits", host_ram=512, **kw)
+    assert auto.numbers["host"][0] == need.host_bytes and f"parameters on {need.params}" in auto.text
+    # host memory decides: ZeRO-Offload's 16 bytes a parameter of Llama-3.1-8B do not fit in 64 GiB
+    small = C.get("offload").run(model="llama-3.1-8b", scheme="zero-offload", batch_size=1, seq_len=2048, gpu="h100-80gb",
+                                 host_ram=64)
+    assert small.numbers["fits"][1] == "no" and "does NOT fit" in small.text

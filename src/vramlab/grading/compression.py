@@ -375,3 +375,222 @@ def check_qlora_bytes(fn: Callable, cases) -> None:
                 hint = "each adapter value trains: fp32 weight, fp32 gradient and Adam's two fp32 moments"
         check_int(got, want, what=f"QLoRA r={r}, {what}", hint=hint, unit="bytes")
 
+
+
+# ---------------------------------------------------------------------------- MoEfication (moe-*)
+def moe_cases(seed: int, n: int, *, ties: bool = False):
+    """(x, W1, b1, W2, groups, k, scores): a ReLU FFN y = W2 relu(W1 x + b1) of random shape, its
+    neurons split into E groups (shuffled indices; equal sizes, or with `ties` uneven ones), k from 1
+    to E (one case k = E), and router scores tokens x E; with `ties`, scores with repeated values
+    (a tie between the k-th and the (k+1)-th group, and all-equal rows)."""
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for c in range(n):
+        d, tokens = rng.randint(1, 9), rng.randint(1, 6)
+        experts = rng.randint(1, 6)
+        if ties and c % 2:
+            sizes = [rng.randint(1, 5) for _ in range(experts)]  # odd shapes: uneven groups
+        else:
+            sizes = [rng.randint(1, 4)] * experts
+        neurons = sum(sizes)
+        order = list(range(neurons))
+        rng.shuffle(order)
+        groups, at = [], 0
+        for s in sizes:
+            groups.append(sorted(order[at:at + s]))
+            at += s
+        k = experts if c == 0 else rng.randint(1, experts)
+        x = [[rng.gauss(0, 1) for _ in range(d)] for _ in range(tokens)]
+        w1 = [[rng.gauss(0, 1) for _ in range(d)] for _ in range(neurons)]
+        b1 = [rng.gauss(0, 0.5) for _ in range(neurons)]
+        w2 = [[rng.gauss(0, 1) for _ in range(neurons)] for _ in range(d)]
+        scores = [[rng.gauss(0, 1) for _ in range(experts)] for _ in range(tokens)]
+        if ties:
+            for row in scores:
+                if rng.random() < 0.3:
+                    row[:] = [0.5] * experts  # every expert ties: the lowest indices win
+                else:
+                    a, b = rng.sample(range(experts), 2) if experts > 1 else (0, 0)
+                    row[b] = row[a]
+        cases.append((x, w1, b1, w2, groups, k, scores))
+    return cases
+
+
+def moe_topk(scores: list[float], k: int) -> list[int]:
+    """The k experts a token uses: the highest scores, a tie going to the lower expert index."""
+    return sorted(range(len(scores)), key=lambda e: (-scores[e], e))[:k]
+
+
+def moe_reference(x, w1, b1, w2, groups, k, scores, *, chosen=None) -> list[list[float]]:
+    """y = sum over the neurons j of each token's top-k groups of W2[:, j] relu(W1[j] . x + b1[j])."""
+    out = []
+    for t, xt in enumerate(x):
+        use = chosen[t] if chosen is not None else moe_topk(scores[t], k)
+        y = [0.0] * len(w2)
+        for e in use:
+            for j in groups[e]:
+                a = max(0.0, sum(w * v for w, v in zip(w1[j], xt)) + b1[j])
+                for r in range(len(w2)):
+                    y[r] += w2[r][j] * a
+        out.append(y)
+    return out
+
+
+def check_moe_ffn(fn: Callable, *, seed: int = 0, n: int = 8, ties: bool = False) -> None:
+    """`fn(x, W1, b1, W2, groups, k, scores)`: a MoEfied ReLU FFN (Zhang+22) on plain lists, each token's
+    output computed from the neurons of its k highest-scoring groups only (ties: the lower index),
+    against the same computed here; k = E must give the dense FFN."""
+    for x, w1, b1, w2, groups, k, scores in moe_cases(seed, n, ties=ties):
+        E = len(groups)
+        where = (f"{len(x)} tokens, d = {len(x[0])}, {sum(map(len, groups))} neurons in {E} groups "
+                 f"of {sorted({len(g) for g in groups})}, k = {k}")
+        want = moe_reference(x, w1, b1, w2, groups, k, scores)
+        got = _matrix_answer(fn([list(r) for r in x], [list(r) for r in w1], list(b1), [list(r) for r in w2],
+                                [list(g) for g in groups], k, [list(r) for r in scores]), len(x), len(w2),
+                             f"the output ({where})")
+        if _far(got, want, 1e-7) <= 0:
+            continue
+        everyone = [list(range(E))] * len(x)
+        dense = moe_reference(x, w1, b1, w2, groups, k, scores, chosen=everyone)
+        lowest = [sorted(range(E), key=lambda e: (s[e], e))[:k] for s in scores]
+        high_last = [sorted(range(E), key=lambda e: (-s[e], -e))[:k] for s in scores]
+        batch = [sorted(range(E), key=lambda e: (-sum(s[e] for s in scores), e))[:k]] * len(x)
+        first = [list(range(k))] * len(x)
+        hint = ""
+        if k < E and _far(got, dense, 1e-7) <= 0:
+            hint = "you computed every neuron (the dense FFN): only the k groups with the highest scores count"
+        elif _far(got, moe_reference(x, w1, b1, w2, groups, k, scores, chosen=lowest), 1e-7) <= 0:
+            hint = "you kept the k lowest scores: the router's highest scores choose the experts"
+        elif _far(got, moe_reference(x, w1, b1, w2, groups, k, scores, chosen=high_last), 1e-7) <= 0 \
+                or _moe_other_tie(got, x, w1, b1, w2, groups, k, scores):
+            hint = "equal scores: the tie goes to the lower expert index (a stable sort by descending score)"
+        elif _far(got, moe_reference(x, w1, b1, w2, groups, k, scores, chosen=first), 1e-7) <= 0:
+            hint = "the groups to use are the top-k by score, not the first k"
+        elif len(x) > 1 and _far(got, moe_reference(x, w1, b1, w2, groups, k, scores, chosen=batch), 1e-7) <= 0:
+            hint = "each token chooses its own k experts from its own row of scores, not one choice for the batch"
+        elif k == E:
+            hint = "with k = E every group is used: the output must be the dense FFN's, W2 relu(W1 x + b1)"
+        else:
+            hint = ("an expert is a group of neurons (indices into W1's rows, b1 and W2's columns): "
+                    "relu(W1[j] . x + b1[j]) for each neuron j of the chosen groups, times W2's column j, summed")
+        raise AssertionError(f"the MoEfied FFN's output differs from the reference ({where}): {hint}")
+
+
+def _moe_other_tie(got, x, w1, b1, w2, groups, k, scores) -> bool:
+    """Whether every token's output is that of *some* k highest-scoring groups (a tie broken another
+    way than by the lower index)."""
+    import itertools
+
+    for t, s in enumerate(scores):
+        kth = sorted(s, reverse=True)[k - 1]
+        sure = [e for e in range(len(s)) if s[e] > kth]
+        tied = [e for e in range(len(s)) if s[e] == kth]
+        ok = False
+        for pick in itertools.combinations(tied, k - len(sure)):
+            ref = moe_reference([x[t]], w1, b1, w2, groups, k, [s], chosen=[sure + list(pick)])
+            if _far([got[t]], ref, 1e-7) <= 0:
+                ok = True
+                break
+        if not ok:
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------- prefix tuning (prefix-*)
+def prefix_reference(x, Wq, Wk, Wv, Wo, Pk, Pv, heads: int, *, prefix_mask: str = "all", through_proj: bool = False):
+    """Causal self-attention of one sequence x (s x d, torch) with a learned prefix (Li & Liang 21;
+    peft's PrefixTuning hands it as past_key_values): k = [Pk; x Wk^T], v = [Pv; x Wv^T]; query i
+    sees every prefix position and the tokens 0..i. `prefix_mask` / `through_proj` build the
+    plausible mistakes the check names."""
+    import math
+
+    import torch
+
+    s, d = x.shape
+    p, dh = Pk.shape[0], d // heads
+    pk, pv = (Pk @ Wk.T, Pv @ Wv.T) if through_proj else (Pk, Pv)
+    q = (x @ Wq.T).view(s, heads, dh).transpose(0, 1)
+    k = torch.cat([pk, x @ Wk.T]).view(p + s, heads, dh).transpose(0, 1)
+    v = torch.cat([pv, x @ Wv.T]).view(p + s, heads, dh).transpose(0, 1)
+    i, j = torch.arange(s).view(s, 1), torch.arange(p + s).view(1, p + s)
+    seen = {"all": (j < p) | (j - p <= i), "top-left": j <= i, "none": torch.ones(s, p + s, dtype=torch.bool)}[prefix_mask]
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(dh)).masked_fill(~seen, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1).reshape(s, d) @ Wo.T
+
+
+def prefix_cases(seed: int, n: int):
+    """(x, Wq, Wk, Wv, Wo, Pk, Pv, heads, grad_out) as fp64 tensors: widths 2 to 48, 1 to 4 heads,
+    2 to 8 tokens, 1 to 9 prefix tokens."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(n):
+        heads = [1, 2, 4, 3][k % 4]
+        d = heads * int(torch.randint(2, 13, (1,), generator=g))
+        s, p = int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(1, 10, (1,), generator=g))
+        r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+        out.append((r(s, d), *(r(d, d) / d ** 0.5 for _ in range(4)), r(p, d), r(p, d), heads, r(s, d)))
+    return out
+
+
+def prefix_count_reference(num_layers: int, num_virtual_tokens: int, kv_width: int, hidden: int | None) -> int:
+    """peft's PrefixEncoder: an Embedding of p rows of L·2·d; with a hidden size H, the
+    reparameterisation: Embedding p·d, Linear d->H, Tanh, Linear H->L·2·d (biases)."""
+    L, p, d = num_layers, num_virtual_tokens, kv_width
+    if hidden is None:
+        return p * L * 2 * d
+    return p * d + d * hidden + hidden + hidden * L * 2 * d + L * 2 * d
+
+
+def check_prefix_attention(fn: Callable, *, seed: int = 0, n: int = 8) -> None:
+    """`fn(x, Wq, Wk, Wv, Wo, Pk, Pv, heads, grad_out)` (lists) returns (out, dPk, dPv): the layer's
+    output and the prefix's gradients for the upstream gradient `grad_out`, against
+    `prefix_reference` and torch's autograd through it."""
+    import torch
+
+    for x, Wq, Wk, Wv, Wo, Pk, Pv, heads, gout in prefix_cases(seed, n):
+        s, d = x.shape
+        p = Pk.shape[0]
+        where = f"{s} tokens, width {d}, {heads} heads, {p} prefix tokens"
+        got = fn(*(t.tolist() for t in (x, Wq, Wk, Wv, Wo, Pk, Pv)), heads, gout.tolist())
+        if not isinstance(got, (list, tuple)) or len(got) != 3:
+            raise AssertionError(f"prefix_attention must return (out, dPk, dPv) ({where})")
+        out = torch.tensor(_matrix_answer(got[0], s, d, f"prefix_attention's out ({where})"), dtype=torch.float64)
+        rk, rv = Pk.clone().requires_grad_(True), Pv.clone().requires_grad_(True)
+        want = prefix_reference(x, Wq, Wk, Wv, Wo, rk, rv, heads)
+        if not torch.allclose(out, want.detach(), rtol=1e-6, atol=1e-8):
+            hint = "it differs from the reference"
+            for mask, proj, why in (("top-left", False, "every query must see all p prefix positions, then the tokens up "
+                                     "to itself: shift the causal mask by p (key j is token j - p)"),
+                                    ("none", False, "the tokens must stay causal: token i may not see the tokens after it"),
+                                    ("all", True, "the prefix *is* the keys and values: do not pass it through Wk, Wv")):
+                if torch.allclose(out, prefix_reference(x, Wq, Wk, Wv, Wo, Pk, Pv, heads, prefix_mask=mask,
+                                                        through_proj=proj), rtol=1e-6, atol=1e-8):
+                    hint = why
+                    break
+            raise AssertionError(f"prefix_attention's out ({where}): {hint}")
+        (want * gout).sum().backward()
+        for name, i, ref in (("dPk", 1, rk.grad), ("dPv", 2, rv.grad)):
+            mine = torch.tensor(_matrix_answer(got[i], p, d, f"prefix_attention's {name} ({where})"), dtype=torch.float64)
+            if not torch.allclose(mine, ref, rtol=1e-5, atol=1e-8):
+                zero = " (all zero: does the gradient reach the prefix?)" if not mine.abs().max() else ""
+                raise AssertionError(f"prefix_attention's {name} ({where}) differs from the gradient of sum(out * grad_out) "
+                                     f"with respect to the prefix{zero}")
+
+
+def check_prefix_count(fn: Callable, cases) -> None:
+    """`fn(num_layers, num_virtual_tokens, kv_width, hidden)` against `prefix_count_reference`."""
+    for L, p, d, H in cases:
+        want = prefix_count_reference(L, p, d, H)
+        got = fn(L, p, d, H)
+        if H is not None and got == prefix_count_reference(L, p, d, None):
+            hint = "with a hidden size the prefix comes from an embedding and a two-layer MLP: count their parameters"
+        elif H is None and got == p * L * d:
+            hint = "every layer gets keys *and* values"
+        else:
+            hint = "count every parameter peft's PrefixEncoder trains, weights and biases"
+        check_int(got, want, what=f"prefix_trainable(num_layers={L}, p={p}, kv_width={d}, hidden={H})", hint=hint,
+                  unit="parameters")

@@ -114,13 +114,13 @@ def run(*, models=MODELS, plans=PLANS, batch_size: int = 2, seq_len: int = 512, 
 PROG = "python -m vramlab.measure.checkpointing"
 
 
-def _names(option: str, text: str) -> tuple[str, ...]:
+def _names(option: str, text: str, prog: str = PROG) -> tuple[str, ...]:
     """A comma-separated list given to `option`: at least one name, each once."""
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     if not names:
-        checks.fail(PROG, f"{option} must name at least one, got {text!r}")
+        checks.fail(prog, f"{option} must name at least one, got {text!r}")
     if len(set(names)) != len(names):
-        checks.fail(PROG, f"{option} names each once, got {text!r}")
+        checks.fail(prog, f"{option} names each once, got {text!r}")
     return names
 
 
@@ -197,5 +197,266 @@ def main(argv: list[str] | None = None) -> int:
     return write_results(res, "vramlab.measure.checkpointing", argv, a.out)
 
 
+
+
+# ============================================================================ what torch.compile keeps
+# `python -m vramlab.measure.checkpointing compile --out FILE`: one block of each model, eager and
+# compiled (inductor; on the CPU here), the bytes it saves for backward counted where autograd hands
+# them over: `torch.autograd.graph.saved_tensors_hooks` sees eager ops' saves and the compiled
+# function's `save_for_backward` alike (unique storages; parameters and the block's other inputs
+# (rotary tables, masks) left out: they are no activations). Fused attention (SDPA against eager) and
+# chunked cross-entropy are measured the same way, their peaks with live-tensor tracking.
+
+def _no_dropout(spec: ModelSpec) -> ModelSpec:
+    import dataclasses
+
+    return dataclasses.replace(spec, attention_dropout=0.0, hidden_dropout=0.0,
+                               name=spec.name if spec.attention_dropout == spec.hidden_dropout == 0 else f"{spec.name} (no dropout)")
+
+
+# other configurations than the lab's: a GPT-NeoX (parallel residual, partial rotary) and an OPT block
+NEOX_SMALL = {"model_type": "gpt_neox", "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "vocab_size": 1024, "max_position_embeddings": 1024, "rotary_pct": 0.25,
+              "use_parallel_residual": True, "attention_dropout": 0.0, "hidden_dropout": 0.0}
+OPT_SMALL = {"model_type": "opt", "hidden_size": 256, "ffn_dim": 1024, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "vocab_size": 1024, "max_position_embeddings": 1024, "word_embed_proj_dim": 256, "dropout": 0.0,
+             "attention_dropout": 0.0, "do_layer_norm_before": True}
+COMPILE_MODELS = ("gpt2", "llama-small", "neox-small", "opt-small")  # the lab's two, and two others
+BUDGETS = (1.0, 0.5, 0.0)
+
+
+def compile_spec(name: str) -> ModelSpec:
+    """The compile experiment's models, without dropout (its masks are random ops the estimator leaves out)."""
+    if name == "neox-small":
+        return from_config(NEOX_SMALL, name="neox-small")
+    if name == "opt-small":
+        return from_config(OPT_SMALL, name="opt-small")
+    return _no_dropout(lab_spec(name))
+
+
+def block_saved_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, compiled: bool = False,
+                      memory_budget: float = 1.0, attention: str = "sdpa") -> dict[str, Any]:
+    """The bytes block 0 of `spec` saves for backward (unique storages seen by saved_tensors_hooks),
+    run eagerly or through `torch.compile` (with `torch._functorch.config.activation_memory_budget`
+    set to `memory_budget`). The block runs on the inputs the model gives it (captured from a forward
+    of a one-block model) and its backward runs, to show the saved set is what it needs."""
+    import dataclasses
+
+    import torch
+    import torch._functorch.config as fconfig
+
+    from .memory import _block_list
+    from .models import build_model, make_batch
+
+    one = dataclasses.replace(spec, num_layers=1)
+    torch.manual_seed(0)
+    model = build_model(one, attention=attention)
+    block = _block_list(model, one)[0]
+    got: dict[str, Any] = {}
+
+    def capture(module, args, kwargs):
+        got["args"], got["kwargs"] = args, dict(kwargs)
+
+    handle = block.register_forward_pre_hook(capture, with_kwargs=True)
+    with torch.no_grad():
+        model(**make_batch(one, batch_size=batch_size, seq_len=seq_len, with_labels=False))
+    handle.remove()
+    args, kwargs = got["args"], got["kwargs"]
+    hidden = args[0] if args else kwargs.pop("hidden_states")
+    rest = args[1:] if args else ()
+    hidden = hidden.detach().clone().requires_grad_()
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for v in (*rest, *kwargs.values()):
+        for t in (v if isinstance(v, (tuple, list)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                skip.add(t.untyped_storage().data_ptr())
+    fn = block
+    if compiled:
+        torch._dynamo.reset()  # a fresh compile: the budget is read when the graph is partitioned
+        fn = torch.compile(block)
+    seen: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = (st.nbytes(), tuple(t.shape))
+        return t
+
+    t0 = time.perf_counter()
+    with fconfig.patch(activation_memory_budget=memory_budget), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(hidden, *rest, **kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    out.float().sum().backward()
+    ok = hidden.grad is not None and bool(torch.isfinite(hidden.grad).all())
+    return {"bytes": sum(n for n, _ in seen.values()), "tensors": len(seen),
+            "shapes": sorted((list(s) for _, s in seen.values()), key=lambda s: -len(s)),
+            "backward_ok": ok, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+class _LivePeak:
+    """The peak of bytes held by live tensors created inside (unique storages; a dispatch mode sees
+    every op's outputs, a weakref finalizer each storage's end)."""
+
+    def __init__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        peak = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                import torch
+
+                for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if isinstance(t, torch.Tensor):
+                        st = t.untyped_storage()
+                        key = st.data_ptr()
+                        if key and key not in peak.live:
+                            peak.live[key] = st.nbytes()
+                            peak.now += st.nbytes()
+                            peak.peak = max(peak.peak, peak.now)
+                            weakref.finalize(st, peak._free, key)
+                return out
+
+        self.mode, self.live, self.now, self.peak = Mode(), {}, 0, 0
+
+    def _free(self, key):
+        self.now -= self.live.pop(key, 0)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def cross_entropy_bytes(*, tokens: int, hidden_size: int, vocab_size: int, chunk_tokens: int | None = None) -> dict:
+    """One loss and its backward from hidden states (tokens x hidden, fp32) through an LM head
+    (vocab x hidden): `F.cross_entropy(h @ W.T, y)` whole, or chunk by chunk of `chunk_tokens` inside
+    `torch.utils.checkpoint` (the chunk's logits recomputed in the backward). Returns the bytes saved
+    for backward beyond the hidden states and the head ('saved'), the peak of tensors alive during
+    forward and backward beyond them ('peak'), and the loss and gradients' agreement with the whole
+    loss ('max_grad_diff'). The peak counts every tensor made inside (gradients included), the inputs
+    (hidden states, head, targets) not."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=g)
+    head = torch.randn(vocab_size, hidden_size, generator=g) * hidden_size ** -0.5
+    y = torch.randint(0, vocab_size, (tokens,), generator=g)
+
+    def loss_of(h, w):
+        if chunk_tokens is None:
+            return F.cross_entropy(h @ w.T, y)
+        parts = [checkpoint(lambda hc, yc: F.cross_entropy(hc @ w.T, yc, reduction="sum"), h[a:a + chunk_tokens],
+                            y[a:a + chunk_tokens], use_reentrant=False) for a in range(0, tokens, chunk_tokens)]
+        return torch.stack(parts).sum() / tokens
+
+    h, w = hidden.clone().requires_grad_(), head.clone().requires_grad_()
+    skip = {t.untyped_storage().data_ptr() for t in (h, w, y)}  # the inputs: hidden states, head, targets
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with _LivePeak() as live:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = loss_of(h, w)
+        loss.backward()
+    h0, w0 = hidden.clone().requires_grad_(), head.clone().requires_grad_()
+    ref = F.cross_entropy(h0 @ w0.T, y)
+    ref.backward()
+    diff = max(float((h.grad - h0.grad).abs().max()), float((w.grad - w0.grad).abs().max()),
+               float((loss - ref).detach().abs()))
+    return {"saved": sum(seen.values()), "peak": live.peak, "max_grad_diff": diff}
+
+
+CE_CASES = ({"tokens": 1024, "hidden_size": 64, "vocab_size": 4096}, {"tokens": 512, "hidden_size": 32, "vocab_size": 8192})
+CE_CHUNKS = (None, 256, 128)
+
+
+def run_compile(*, models=COMPILE_MODELS, budgets=BUDGETS, batch_size: int = 2, seq_len: int = 256,
+                progress=print) -> dict[str, Any]:
+    """Saved bytes of one block of each model: eager (SDPA and eager attention) and compiled at each
+    activation_memory_budget, beside `checkpointing.compiled_activations`; and cross-entropy whole
+    and chunked beside `checkpointing.loss_bytes`. Inductor compiles on the CPU: minutes in all."""
+    import torch
+
+    from .record import provenance
+
+    torch.set_num_threads(1)
+    cases = []
+    for name in models:
+        spec = compile_spec(name)
+        row: dict[str, Any] = {"model": spec.name, "family": spec.family, "batch_size": batch_size, "seq_len": seq_len,
+                               "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size}
+        for attention in ("sdpa", "eager"):
+            m = block_saved_bytes(spec, batch_size=batch_size, seq_len=seq_len, attention=attention)
+            pred = ck._act.activation_bytes(spec, batch_size=batch_size, seq_len=seq_len, attention=attention,
+                                            device="cpu")["full"][0]
+            row[f"eager_{attention}"] = {"measured": m["bytes"], "estimated": pred, "tensors": m["tensors"]}
+            progress(f"{name} eager ({attention} attention): measured {m['bytes']:,} B, ledger {pred:,} B")
+        row["compiled"] = []
+        for b in budgets:
+            m = block_saved_bytes(spec, batch_size=batch_size, seq_len=seq_len, compiled=True, memory_budget=b)
+            est = ck.compiled_activations(spec, batch_size=batch_size, seq_len=seq_len, memory_budget=b)
+            row["compiled"].append({"memory_budget": b, "measured": m["bytes"], "tensors": m["tensors"],
+                                    "shapes": m["shapes"], "backward_ok": m["backward_ok"],
+                                    "estimated_default": est["compiled"], "estimated_bound": est["budget"],
+                                    "minimum": est["minimum"], "compile_and_run_seconds": m["seconds"]})
+            progress(f"{name} compiled, budget {b}: measured {m['bytes']:,} B, predicted at most {est['budget']:,} B "
+                     f"({m['seconds']:.0f} s; {m['tensors']} tensors)")
+        cases.append(row)
+    ce = []
+    for case in CE_CASES:
+        for chunk in CE_CHUNKS:
+            m = cross_entropy_bytes(**case, chunk_tokens=chunk)
+            est = ck.loss_bytes(**case, chunk_tokens=chunk)
+            ce.append({**case, "chunk_tokens": chunk, "measured_saved": m["saved"], "measured_peak": m["peak"],
+                       "estimated_saved": est["saved"], "estimated_peak": est["peak"], "max_grad_diff": m["max_grad_diff"]})
+            progress(f"cross-entropy {case} chunk {chunk}: peak measured {m['peak']:,} B, "
+                     f"estimated {est['peak']:,} B")
+    return {"experiment": "torch.compile: saved activations, eager against compiled", "mode": "cpu-inductor",
+            "provenance": provenance(), "blocks": cases, "cross_entropy": ce,
+            "method": "saved_tensors_hooks on one block's forward (unique storages, parameters and the block's other "
+                      "inputs left out), eager and torch.compile (inductor, CPU) with "
+                      "torch._functorch.config.activation_memory_budget patched; cross-entropy: live tensors "
+                      "(a dispatch mode with weakref finalizers) over forward and backward, the inputs left out"}
+
+
+def compile_main(argv: list[str]) -> int:
+    """`python -m vramlab.measure.checkpointing compile [--models ...] [--seq-len N] [--out FILE]`."""
+    prog = f"{PROG} compile"
+    A, whole = checks.argtype, checks.whole
+    ap = checks.Parser(prog=prog, description=run_compile.__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(COMPILE_MODELS), help=f"comma-separated, of {', '.join(COMPILE_MODELS)}")
+    ap.add_argument("--batch-size", type=A(whole, int, lo=1, hi=64), default=2)
+    ap.add_argument("--seq-len", type=A(whole, int, lo=1, hi=1024), default=256)
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    try:
+        a = ap.parse_args(argv)
+        models = _names("--models", a.models, prog)
+        bad = [m for m in models if m not in COMPILE_MODELS]
+        if bad:
+            checks.fail(prog, f"--models: unknown model {bad[0]!r}; choose from {', '.join(COMPILE_MODELS)}")
+        checks.output_path(prog, a.out, make_folder=True)
+    except SystemExit as e:
+        return e.code
+    res = run_compile(models=models, batch_size=a.batch_size, seq_len=a.seq_len,
+                      progress=lambda s: print(s, file=sys.stderr, flush=True))
+    from .record import write_results
+
+    return write_results(res, "vramlab.measure.checkpointing compile", argv, a.out)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(compile_main(sys.argv[2:]) if sys.argv[1:2] == ["compile"] else main())

@@ -18,6 +18,12 @@ table the lab draws from a seed (its entropy is the best loss any model can reac
   5. prunes attention heads (structured: whole heads by the norm of their output weights) into
      the `compression.prune` spec, and measures loss and parameters, beside two controls: the
      teacher trained for the same recovery steps, and the pruned shape trained from scratch.
+
+    python -m vramlab.measure.compression --moefication --out benchmarks/results/moefication/moefication_cpu.json
+
+runs MoEfication alone (chapter 8; Zhang+22): the teacher and the same model with ReLU in the gate,
+each FFN split into experts (`balanced_kmeans`), run expert by expert (`MoEFFN`) at k = 1..E with
+three routers; the FLOPs and intermediates its forwards count beside `compression.moefication`.
 """
 
 from __future__ import annotations
@@ -385,6 +391,22 @@ def _qlora(model: torch.nn.Module, targets: str, rank: int = 8, *, autocast: boo
     return model
 
 
+PROMPT_TOKENS = 16  # the prompt / prefix probes' virtual tokens
+
+
+def _prompt_peft(model: torch.nn.Module, method: str, num_virtual_tokens: int = PROMPT_TOKENS) -> torch.nn.Module:
+    """peft's prompt tuning (Lester+21) or prefix tuning (Li & Liang 21) around the model, as
+    `compression.peft_training(method="prompt" | "prefix")` counts it."""
+    import warnings
+
+    import peft
+
+    cls = {"prompt": peft.PromptTuningConfig, "prefix": peft.PrefixTuningConfig, "p-tuning": peft.PromptEncoderConfig}[method]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return peft.get_peft_model(model, cls(task_type="CAUSAL_LM", num_virtual_tokens=num_virtual_tokens))
+
+
 def _quant_state_bytes(model: torch.nn.Module) -> int:
     """NF4 weights' quantization state (absmax codes, their fp32 second-level scales, the code
     tables): tensors held outside the module's parameters and buffers, which the CPU tracker
@@ -413,7 +435,8 @@ def _probe(cfg: dict[str, Any]) -> dict[str, Any]:
 
     def hook(m: torch.nn.Module) -> torch.nn.Module:
         held.append(_qlora(m, cfg["targets"], autocast=autocast) if method == "qlora"
-                    else m if method == "full" else _peft(m, cfg["targets"]))
+                    else m if method == "full" else _prompt_peft(m, method) if method in C.PROMPT_METHODS
+                    else _peft(m, cfg["targets"]))
         return held[-1]
 
     m = measure_training(spec, batch_size=cfg["batch_size"], seq_len=cfg["seq_len"], mode=cfg["mode"], model_hook=hook,
@@ -431,6 +454,8 @@ PROBES: tuple[dict[str, str], ...] = (
     {"method": "lora", "targets": "all-linear", "optimizer": "adamw"},
     {"method": "full", "targets": "-", "optimizer": "adamw-8bit"},  # bitsandbytes
     {"method": "qlora", "targets": "all-linear", "optimizer": "adamw"},  # bitsandbytes
+    {"method": "prompt", "targets": "-", "optimizer": "adamw"},  # 16 virtual tokens (PROMPT_TOKENS)
+    {"method": "prefix", "targets": "-", "optimizer": "adamw"},
 )
 
 
@@ -454,7 +479,8 @@ def memory_probes(mode: str, progress=None) -> list[dict[str, Any]]:
             raise RuntimeError(f"probe {probe_label(cfg)}: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
         got = json.loads(r.stdout.strip().splitlines()[-1])
         est = C.peft_training(teacher_spec(), method=cfg["method"], optimizer=cfg["optimizer"],
-                              targets=cfg["targets"] if cfg["method"] != "full" else "default",
+                              targets=cfg["targets"] if cfg["method"] not in ("full", *C.PROMPT_METHODS) else "default",
+                              num_virtual_tokens=PROMPT_TOKENS,
                               batch_size=8, seq_len=128, device="cuda" if mode == "cuda" else "cpu")
         return {**cfg, **got, "estimated_bytes": est.total, "estimated": est.to_dict(), "estimated_phase": est.phase,
                 "error_pct": 100 * (est.total - got["measured_bytes"]) / got["measured_bytes"]}
@@ -571,6 +597,267 @@ def _scratch_loss(spec: ModelSpec, steps: int, val: torch.Tensor) -> float:
     return evaluate(m, val)
 
 
+# ----------------------------------------------------------------------------- MoEfication (Zhang+22)
+MOE_EXPERTS = 8  # groups per FFN: 704 neurons -> 8 experts of 88
+MOE_ROUTERS = ("oracle", "linear", "centroid")
+
+
+def balanced_kmeans(rows: torch.Tensor, groups: int, *, iters: int = 30, seed: int = 0) -> list[list[int]]:
+    """MoEfication's parameter clustering: split the neurons (each one row of the FFN's first weight,
+    the gate's in a gated FFN) into `groups` groups of equal size by k-means on the unit-normalised
+    rows, each round assigning the (neuron, centre) pairs nearest first under a cap of n / groups a
+    group. Returns the groups, each a sorted list of neuron indices (a partition of range(n))."""
+    n = rows.shape[0]
+    groups = checks.whole("groups", groups, hi=n)
+    if n % groups:
+        raise ValueError(f"{n} neurons do not split into {groups} equal groups: choose a divisor of {n}")
+    cap = n // groups
+    x = torch.nn.functional.normalize(rows.detach().double(), dim=1)
+    g = torch.Generator().manual_seed(seed)
+    centers = x[torch.randperm(n, generator=g)[:groups]].clone()
+    assign = torch.zeros(n, dtype=torch.long)
+    for _ in range(iters):
+        order = torch.cdist(x, centers).flatten().argsort().tolist()
+        got, fill, left = [-1] * n, [0] * groups, n
+        for f in order:
+            r, c = divmod(f, groups)
+            if got[r] < 0 and fill[c] < cap:
+                got[r] = c
+                fill[c] += 1
+                left -= 1
+                if not left:
+                    break
+        new_assign = torch.tensor(got)
+        if torch.equal(new_assign, assign):
+            break
+        assign = new_assign
+        centers = torch.stack([x[assign == c].mean(0) for c in range(groups)])
+    return [sorted((assign == c).nonzero().flatten().tolist()) for c in range(groups)]
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts every tensor the operations run under it allocate (values and bytes); views of their
+    inputs (a weight's transpose) allocate nothing and are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.values = self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                self.values += t.numel()
+                self.bytes += t.numel() * t.element_size()
+        return out
+
+
+class MoEFFN(torch.nn.Module):
+    """A dense FFN computed as MoEfication's experts: for each token the `k` groups of neurons its
+    router scores highest, only their rows of the input weights and columns of the output weight
+    (expert by expert: the tokens routed to an expert gathered, their outputs added back).
+    Gated: down(act(gate x + b) * (up x + b)); plain: out(act(fc x + b)). `router(x)` gives the
+    (tokens x E) scores. With `count`, it adds each forward's matmul FLOPs (torch's FlopCounterMode)
+    and the width-m intermediates the experts' forwards allocate (a dispatch mode) to `counted`."""
+
+    def __init__(self, w_in: list[torch.Tensor], b_in: list[torch.Tensor | None], act: Callable, w_out: torch.Tensor,
+                 b_out: torch.Tensor | None, groups: list[list[int]], k: int, router: Callable):
+        super().__init__()
+        self.gated, self.act, self.k, self.router = len(w_in) == 2, act, k, router
+        self.b_out = b_out
+        idx = [torch.tensor(g) for g in groups]
+        self.experts = [([w[i].detach() for w in w_in], [None if b is None else b[i].detach() for b in b_in],
+                         w_out[:, i].detach().contiguous()) for i in idx]
+        self.count = False
+        self.counted = {"flops": 0, "intermediate_values": 0, "intermediate_bytes": 0, "tokens": 0}
+
+    @classmethod
+    def from_llama(cls, mlp: torch.nn.Module, groups: list[list[int]], k: int, router: Callable) -> "MoEFFN":
+        return cls([mlp.gate_proj.weight, mlp.up_proj.weight], [mlp.gate_proj.bias, mlp.up_proj.bias], mlp.act_fn,
+                   mlp.down_proj.weight, mlp.down_proj.bias, groups, k, router)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.count:
+            return self._forward(x, None)
+        from torch.utils.flop_counter import FlopCounterMode
+
+        allocs = _Allocations()
+        with FlopCounterMode(display=False) as fc:
+            y = self._forward(x, allocs)
+        c = self.counted
+        c["flops"] += fc.get_total_flops()
+        c["intermediate_values"] += allocs.values
+        c["intermediate_bytes"] += allocs.bytes
+        c["tokens"] += x.numel() // x.shape[-1]
+        return y
+
+    def _forward(self, x: torch.Tensor, allocs: "_Allocations | None") -> torch.Tensor:
+        import contextlib
+
+        F = torch.nn.functional
+        x2 = x.reshape(-1, x.shape[-1])  # tokens x h
+        top = self.router(x2).topk(self.k, dim=1).indices  # tokens x k: each token's experts
+        out = torch.zeros(x2.shape[0], self.experts[0][2].shape[0], dtype=x.dtype, device=x.device)
+        for e, (ws, bs, w2) in enumerate(self.experts):
+            tok = (top == e).any(dim=1).nonzero().flatten()
+            if not len(tok):
+                continue
+            xe = x2.index_select(0, tok)  # tokens routed here x h
+            with allocs if allocs is not None else contextlib.nullcontext():  # the expert's intermediates (x m)
+                if self.gated:
+                    a = self.act(F.linear(xe, ws[0], bs[0])) * F.linear(xe, ws[1], bs[1])
+                else:
+                    a = self.act(F.linear(xe, ws[0], bs[0]))
+            out.index_add_(0, tok, F.linear(a, w2))
+        if self.b_out is not None:
+            out = out + self.b_out
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _group_norms(mlp: torch.nn.Module, x: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
+    """(tokens x E): the norm of each group's slice of the dense FFN's intermediate act(gate x) * up x."""
+    with torch.no_grad():
+        a = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+        return torch.stack([a[:, g].norm(dim=1) for g in groups], dim=1)
+
+
+def _mlp_inputs(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's FFN input (tokens x h) on the batch `x`, from the dense model."""
+    got: list[torch.Tensor] = []
+    hooks = [layer.mlp.register_forward_hook(lambda m, args, out: got.append(args[0].detach().reshape(-1, args[0].shape[-1])))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=x)
+    for h in hooks:
+        h.remove()
+    return got
+
+
+def moe_routers(model: torch.nn.Module, calib: torch.Tensor, groups: list[list[list[int]]]) -> dict[str, list[Callable]]:
+    """Per layer, the three routers compared: "oracle", the groups whose true intermediate is largest
+    (computes the dense FFN: an upper bound, no saving); "centroid", MoEfication's similarity
+    selection, scores = x . (the mean of the group's gate rows), no training; "linear", a linear
+    layer h -> E (with bias) fitted by least squares on `calib`'s tokens to predict each group's
+    intermediate norm (MoEfication's learned router, one layer instead of two)."""
+    out: dict[str, list[Callable]] = {r: [] for r in MOE_ROUTERS}
+    for layer, xs, gs in zip(model.model.layers, _mlp_inputs(model, calib), groups):
+        mlp = layer.mlp
+        out["oracle"].append(lambda x, mlp=mlp, gs=gs: _group_norms(mlp, x, gs))
+        cent = torch.stack([mlp.gate_proj.weight[g].mean(0) for g in gs]).detach()
+        out["centroid"].append(lambda x, c=cent: x @ c.T)
+        target = _group_norms(mlp, xs, gs)
+        a = torch.cat([xs, torch.ones(len(xs), 1)], dim=1).double()
+        sol = torch.linalg.lstsq(a, target.double()).solution  # (h + 1) x E
+        lin = torch.nn.Linear(xs.shape[1], len(gs), dtype=xs.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(sol[:-1].T)
+            lin.bias.copy_(sol[-1])
+        out["linear"].append(lin)
+    return out
+
+
+def moefied(model: torch.nn.Module, groups: list[list[list[int]]], k: int, routers: list[Callable]) -> torch.nn.Module:
+    """A copy of the Llama-style `model` whose every FFN runs as a `MoEFFN` (top-`k` of its groups)."""
+    m = copy.deepcopy(model)
+    for layer, gs, r in zip(m.model.layers, groups, routers):
+        layer.mlp = MoEFFN.from_llama(layer.mlp, gs, k, r)
+    return m
+
+
+def relu_teacher_spec() -> ModelSpec:
+    return from_config({**TEACHER, "hidden_act": "relu"}, name="lab8-teacher-relu")
+
+
+def moefication_study(model: torch.nn.Module, spec: ModelSpec, val: torch.Tensor, calib: torch.Tensor, *,
+                      experts: int = MOE_EXPERTS, progress=None) -> dict[str, Any]:
+    """MoEfy `model` (each FFN split into `experts` groups by `balanced_kmeans` on its gate rows) and
+    measure, for k = 1..E and each router, the loss on `val`; count the linear router's FLOPs and
+    FFN intermediates in the forward against `compression.moefication`; and how concentrated the
+    FFN's activity is: the share of the intermediate's squared norm the top-k groups hold, and the
+    share of intermediate values that are exactly zero (a ReLU's sparsity)."""
+    dense = evaluate(model, val)
+    groups = [balanced_kmeans(layer.mlp.gate_proj.weight, experts) for layer in model.model.layers]
+    routers = moe_routers(model, calib, groups)
+    xs = _mlp_inputs(model, val)
+    energy, zeros = [], []
+    with torch.no_grad():
+        for layer, x, gs in zip(model.model.layers, xs, groups):
+            a = layer.mlp.act_fn(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x)
+            e = torch.stack([a[:, g].pow(2).sum(1) for g in gs], dim=1).sort(dim=1, descending=True).values
+            energy.append((e.cumsum(1) / e.sum(1, keepdim=True)).mean(0))
+            zeros.append((a == 0).float().mean().item())
+    share = torch.stack(energy).mean(0).tolist()
+    rows = []
+    tokens = val.numel()
+    for k in range(1, experts + 1):
+        pred = C.moefication(spec, experts=experts, active=k, router="linear", router_bias=True, dtype="fp32",
+                             precision="fp32", seq_len=val.shape[1], device="cpu")
+        row: dict[str, Any] = {"k": k, "active_share": k / experts, "energy_share": share[k - 1]}
+        for r in MOE_ROUTERS:
+            m = moefied(model, groups, k, routers[r])
+            if r == "linear":
+                for mod in m.modules():
+                    if isinstance(mod, MoEFFN):
+                        mod.count = True
+            row[f"loss_{r}"] = evaluate(m, val)
+            if r == "linear":
+                mods = [mod for mod in m.modules() if isinstance(mod, MoEFFN)]
+                row["counted_ffn_flops_per_token"] = sum(mod.counted["flops"] for mod in mods) / tokens
+                row["counted_intermediate_bytes_per_token"] = sum(mod.counted["intermediate_bytes"] for mod in mods) / tokens
+                row["router_params"] = sum(p.numel() for mod in mods for p in mod.router.parameters())
+        row.update(predicted_ffn_flops_per_token=pred.ffn_flops,
+                   predicted_intermediate_bytes_per_token=4 * pred.ffn_intermediate_values,
+                   predicted_router_params=pred.router_params, predicted_active_params=pred.active_params,
+                   predicted_ffn_saved_bytes_per_token=pred.ffn_saved_bytes)
+        rows.append(row)
+        if progress:
+            progress(f"  {spec.name} k={k}/{experts}: loss oracle {row['loss_oracle']:.3f}, linear {row['loss_linear']:.3f}, "
+                     f"centroid {row['loss_centroid']:.3f} (dense {dense:.3f})")
+    dense_flops = _dense_ffn_flops(model, val)
+    return {"model": spec.name, "activation": spec.activation, "experts": experts,
+            "neurons_per_expert": spec.intermediate_size // experts, "dense_loss": dense,
+            "counted_dense_ffn_flops_per_token": dense_flops,
+            "predicted_dense_ffn_flops_per_token": C.moefication(spec, experts=experts, active=experts).ffn_flops_dense,
+            "params": sum(p.numel() for p in model.parameters()), "zero_share": sum(zeros) / len(zeros), "rows": rows}
+
+
+def _dense_ffn_flops(model: torch.nn.Module, val: torch.Tensor) -> float:
+    """The dense FFNs' matmul FLOPs a token, counted by torch's FlopCounterMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    total = 0
+    with torch.no_grad():
+        for layer, x in zip(model.model.layers, _mlp_inputs(model, val)):
+            with FlopCounterMode(display=False) as fc:
+                layer.mlp(x)
+            total += fc.get_total_flops()
+    return total / val.numel()
+
+
+def moefication_run(*, steps: int = 250, progress=print) -> dict[str, Any]:
+    """`python -m vramlab.measure.compression --moefication`: the lab's SiLU teacher and the same
+    model with ReLU (ReGLU: relu(gate x) * up x, trained the same way), each MoEfied and measured."""
+    from .record import provenance
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"experiment": "moefication", "mode": "cpu", "provenance": provenance("cpu"), "steps": steps,
+                           "models": []}
+    for spec in (teacher_spec(), relu_teacher_spec()):
+        progress(f"training {spec.name} ({spec.activation}, {steps} steps)")
+        chain = Chain(seed=1)
+        model = build(spec)
+        train(model, chain, steps=steps, batch=TEACHER_BATCH, lr=TEACHER_LR, cosine=True)
+        val, calib = chain.sample(64), chain.sample(32)
+        res = moefication_study(model, spec, val, calib, progress=progress)
+        res["oracle_loss"] = chain.oracle_loss(val)
+        out["models"].append(res)
+    out["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
 def _bnb_version() -> str | None:
     """bitsandbytes' version, or None; without importing it (its import prints a warning on CPUs)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -632,7 +919,7 @@ def _probe_config(text: str) -> dict[str, Any]:
         missing = [k for k in ("method", "targets", "batch_size", "seq_len", "mode") if k not in cfg]
         if missing:
             raise ValueError(f"--probe needs {', '.join(missing)}")
-        checks.one_of("--probe method", cfg["method"], ("full", "lora", "qlora"))
+        checks.one_of("--probe method", cfg["method"], ("full", "lora", "qlora", "prompt", "prefix"))
         checks.one_of("--probe targets", cfg["targets"], ("-", "default", "all-linear"))
         checks.one_of("--probe optimizer", cfg.get("optimizer", "adamw"), ("adamw", "adamw-8bit"))
         checks.whole("--probe batch_size", cfg["batch_size"], hi=4096)
@@ -654,6 +941,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="teacher training steps, 1 to 100,000 (the others scale with it)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here (checked before the lab starts)")
     ap.add_argument("--probe", help=argparse.SUPPRESS)
+    ap.add_argument("--moefication", action="store_true",
+                    help="only MoEfication (chapter 8): the teacher and a ReLU variant split into experts, on the CPU")
     a = ap.parse_args(argv)
     try:  # refusals return 2, as a failed run does
         if a.probe is not None:
@@ -668,7 +957,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_probe(cfg)))
         return 0
     try:
-        res = run(mode=a.mode, steps=a.steps, progress=lambda s: print(s, file=sys.stderr, flush=True))
+        if a.moefication:
+            res = moefication_run(steps=a.steps, progress=lambda s: print(s, file=sys.stderr, flush=True))
+        else:
+            res = run(mode=a.mode, steps=a.steps, progress=lambda s: print(s, file=sys.stderr, flush=True))
     except (ValueError, RuntimeError) as e:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2

@@ -164,8 +164,13 @@ def measure(step: Callable[[], Any], *, model: torch.nn.Module, optimizer: torch
         sync()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
+    global _ACTIVE
     with tracker:
-        step()
+        _ACTIVE = tracker
+        try:
+            step()
+        finally:
+            _ACTIVE = None
     sync()
     seconds = time.perf_counter() - t0
     extra: dict[str, Any] = {}
@@ -191,6 +196,17 @@ def measure(step: Callable[[], Any], *, model: torch.nn.Module, optimizer: torch
         seconds = statistics.median(times)
     return Measurement(breakdown=bd, mode=mode, device=dev, seconds=seconds, step_seconds=tuple(times),
                        provenance=provenance(dev), **extra)
+
+
+_ACTIVE = None  # the tracker of the step `measure` is running
+
+
+def next_micro_batch() -> None:
+    """Inside a measured step, before the model's next forward (gradient accumulation's next
+    micro-batch): MemTracker refuses a second call of the root module in one step unless its
+    per-module statistics are cleared; the step's peak and categories are kept."""
+    if _ACTIVE is not None:
+        _ACTIVE.reset_mod_stats()
 
 
 def _tensors(inputs: Any) -> list[torch.Tensor]:
@@ -377,13 +393,21 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
                      optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
                      attention: Attention = "sdpa", recompute: Recompute = "none", mode: Mode = "auto",
                      device: str | None = None, model_hook: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
-                     warmup_steps: int | None = None, timing_steps: int | None = None) -> Measurement:
+                     warmup_steps: int | None = None, timing_steps: int | None = None,
+                     accumulation_steps: int = 1) -> Measurement:
     """Peak of one steady-state training step of `spec`: optimizer states already exist; forward,
     backward, optimizer.step(), zero_grad(set_to_none=True). Same arguments as
     `vramlab.estimate_training`, plus `mode` (auto = cuda if available, else trace).
     `model_hook` may change the model before the step (e.g. wrap it with PEFT). On CUDA one
-    warm-up step runs first and three timed steps after (see `measure`)."""
+    warm-up step runs first and three timed steps after (see `measure`).
+
+    accumulation_steps=k: gradient accumulation, the real loop: k micro-batches of `batch_size`
+    sequences, each forward and `(loss / k).backward()` (autograd adds into the gradients the first
+    one made), then one optimizer.step() and zero_grad(set_to_none=True). One micro-batch's ids are
+    on the device at a time (counted in `inputs`, like the estimate); the others wait on the host
+    (the tracker does not count them), as a data loader delivers them."""
     _check_positive(batch_size=batch_size, seq_len=seq_len)
+    k = _check_positive(accumulation_steps=accumulation_steps)[0]
     if precision in FP32_STATES:
         raise NotImplementedError(f"measuring precision {precision!r} needs an optimizer with fp32 states (or master "
                                   "weights) for 16-bit parameters, which torch.optim does not provide")
@@ -409,17 +433,25 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
         opt.step()
         opt.zero_grad(set_to_none=True)
         batch = make_batch(spec, batch_size=batch_size, seq_len=seq_len, device=dev)
+        # the other micro-batches of an accumulation step: other tokens, the same shapes
+        micro = [batch] + [{n: (t + i) % spec.vocab_size for n, t in batch.items()} for i in range(1, k)]
         amp = _AUTOCAST.get(precision)
         dev_type = torch.device(dev).type
 
         def step() -> None:
-            with torch.autocast(dev_type, dtype=amp, enabled=amp is not None):
-                loss = model(**batch).loss
-            loss.backward()
+            for i, mb in enumerate(micro):
+                if i:
+                    next_micro_batch()
+                with torch.autocast(dev_type, dtype=amp, enabled=amp is not None):
+                    loss = model(**mb).loss
+                (loss / k if k > 1 else loss).backward()  # the mean over the global batch
+                del loss
             opt.step()
             opt.zero_grad(set_to_none=True)
 
         label = f"{spec.name} train b={batch_size} s={seq_len} {precision} ({mode_})"
+        if k > 1:
+            label = f"{spec.name} train b={batch_size} x {k} micro-batches s={seq_len} {precision} ({mode_})"
         warm, timed = _defaults(mode_, warmup_steps, timing_steps)
         return measure(step, model=model, optimizer=opt, inputs=batch, label=label, mode=mode_, warmup_steps=warm,
                        timing_steps=timed, precision=precision)

@@ -15,11 +15,16 @@ allocator's peak is recorded beside it, and a leak check runs after each configu
 The GPU probes run one per process (`python -m vramlab.measure.offload --probe NAME --out F`):
 `bandwidth` (pinned and pageable host<->device copies), `baseline` and `save-on-cpu` (one GPT-2
 training step, allocator peak, step time and host RSS), `zero-offload` (DeepSpeed stage 2 with
-`offload_optimizer: cpu`, if DeepSpeed is installed).
+`offload_optimizer: cpu`, if DeepSpeed is installed), and `loader-pinned` (a pin_memory=True
+DataLoader: the pinned caching host allocator's peak; run by benchmarks/gpu_campaign.py's `pinned` step).
+Any machine (`--probe disk|out-of-core|loader`, files under `--folder`): the disk's O_DIRECT rates (the
+stand-in for NVMe), a stack streamed from disk through a forward and backward (`stream_from_disk`),
+and a real DataLoader's batches in flight (`loader_in_flight`), each beside `vramlab.offload`'s estimate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import statistics
@@ -41,6 +46,9 @@ CPU_LINK_GBps = 2.0  # the CPU mode's stand-in for PCIe: slower than the layers'
 WIDTHS = (1024, 2048, 4096, 1024, 3072, 2048, 1024, 4096)
 SHAPES = {"cpu": dict(d=1024, rows=32, dtype=torch.float32), "cuda": dict(d=4096, rows=8192, dtype=torch.bfloat16)}
 PROBES = ("bandwidth", "baseline", "save-on-cpu", "zero-offload")
+GPU_ONLY_PROBES = ("loader-pinned",)  # run by benchmarks/gpu_campaign.py's "pinned" step, not by gpu_probes
+CPU_PROBES = ("disk", "out-of-core", "loader")  # any machine: this CPU's disk and DataLoader
+LOADER_CASE = dict(images=128, num_workers=2, prefetch_factor=2, batches=12)  # 3 x 224 x 224 fp32 images
 SAVE_CASE = dict(model="gpt2", batch_size=8, seq_len=1024)
 
 
@@ -339,6 +347,319 @@ def _resident_forward(x, weights, streamed, link, *, run_layer, buffers, passes)
     return x
 
 
+# ----------------------------------------------------------------------------- pinned memory and the DataLoader
+def pinned_memory_available() -> tuple[bool, str]:
+    """Whether this machine can page-lock host memory through torch (it needs an accelerator
+    backend: on a CPU-only build `torch.empty(..., pin_memory=True)` raises), and why not."""
+    try:
+        t = torch.empty(16, pin_memory=True)
+        return bool(t.is_pinned()), "pinned"
+    except RuntimeError as e:
+        return False, str(e).splitlines()[0]
+
+
+class _CountingBatches(torch.utils.data.Dataset):
+    """Each index is one whole batch (the DataLoader runs with batch_size=None); a counter shared
+    with the workers counts the batches made."""
+
+    def __init__(self, n: int, elements: int, made):
+        self.n, self.elements, self.made = n, elements, made
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        x = torch.full((self.elements,), float(i))
+        with self.made.get_lock():
+            self.made.value += 1
+        return x
+
+
+def loader_in_flight(*, num_workers: int, prefetch_factor: int | None = None, batches: int = 24,
+                     elements: int = 1024, consumer_seconds: float = 0.03) -> dict[str, Any]:
+    """Batches a real `torch.utils.data.DataLoader` has made ahead of the loop: a slow loop
+    (`consumer_seconds` a batch) reads, after each batch it receives, how many batches the workers
+    have made (a counter they share); made - received is the number in flight. The largest over
+    the loop, once the workers have started, is what `offload.loader_memory`'s
+    `batches_in_flight` predicts. (Pinning needs an accelerator: on a CPU-only machine the
+    DataLoader ignores pin_memory=True, so the pin thread's copies are measured on a GPU only.)"""
+    import multiprocessing as mp
+
+    made = mp.get_context("fork").Value("i", 0)
+    kw = {} if num_workers == 0 else {"prefetch_factor": prefetch_factor or 2, "multiprocessing_context": "fork"}
+    loader = torch.utils.data.DataLoader(_CountingBatches(batches, elements, made), batch_size=None,
+                                         num_workers=num_workers, **kw)
+    seen = []
+    for i, batch in enumerate(loader):
+        if int(batch[0]) != i:
+            raise RuntimeError(f"batch {i} arrived out of order")
+        time.sleep(consumer_seconds)  # the training step: the workers run ahead meanwhile
+        seen.append(made.value - (i + 1))
+    steady = seen[: max(1, batches - (num_workers * (prefetch_factor or 2)) - 1)]  # before the dataset runs out
+    return {"num_workers": num_workers, "prefetch_factor": None if num_workers == 0 else prefetch_factor or 2,
+            "batches": batches, "in_flight_each_batch": seen, "in_flight_max": max(steady)}
+
+
+# ----------------------------------------------------------------------------- out of core: layers on disk
+_ALIGN = 4096  # O_DIRECT wants offsets, sizes and buffers aligned to the device's block (4 KiB is safe)
+
+
+def _aligned(nbytes: int):
+    """A page-aligned anonymous buffer (mmap) of `nbytes` rounded up to _ALIGN: what O_DIRECT needs."""
+    import mmap
+
+    return mmap.mmap(-1, -(-nbytes // _ALIGN) * _ALIGN)
+
+
+def _direct_fd(path, write: bool = False) -> tuple[int, bool]:
+    """A file descriptor with O_DIRECT (no page cache: the bytes really come from the disk, as
+    DeepSpeed's aio reads them) where the filesystem allows it; else a plain one (direct=False)."""
+    import os
+
+    flags = (os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o644), True
+    except OSError:
+        return os.open(path, flags, 0o644), False
+
+
+def _read_into(path, buf, nbytes: int) -> bool:
+    import os
+
+    fd, direct = _direct_fd(path)
+    try:
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        view = memoryview(buf)[: -(-nbytes // _ALIGN) * _ALIGN if direct else nbytes]
+        got = os.preadv(fd, [view], 0)
+        if got < nbytes:
+            raise RuntimeError(f"{path}: read {got} of {nbytes} bytes")
+        return direct
+    finally:
+        os.close(fd)
+
+
+def _write_from(path, buf, nbytes: int) -> None:
+    import os
+
+    fd, direct = _direct_fd(path, write=True)
+    try:
+        os.pwritev(fd, [memoryview(buf)[: -(-nbytes // _ALIGN) * _ALIGN if direct else nbytes]], 0)
+        if not direct:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _io_counters() -> dict[str, int]:
+    """The kernel's count of this process's bytes read from and written to storage (/proc/self/io)."""
+    out = {}
+    for line in Path("/proc/self/io").read_text().splitlines():
+        k, v = line.split(":")
+        out[k] = int(v)
+    return {"read": out["read_bytes"], "write": out["write_bytes"]}
+
+
+def _status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def disk_bandwidth(folder, nbytes: int = 256 << 20, chunk: int = 16 << 20) -> dict[str, Any]:
+    """Sequential read and write rates of the disk under `folder` (decimal GB/s), through O_DIRECT
+    where the filesystem allows it (no page cache: the stand-in on this machine for an NVMe drive
+    ZeRO-Infinity would read with DeepSpeed's aio, which is also O_DIRECT)."""
+    import os
+
+    path = Path(folder) / "vramlab_disk_probe.bin"
+    buf = _aligned(chunk)
+    buf.write(os.urandom(1 << 20) * (chunk >> 20))
+    fd, direct = _direct_fd(path, write=True)
+    try:
+        t0 = time.perf_counter()
+        for pos in range(0, nbytes, chunk):
+            os.pwritev(fd, [buf], pos)
+        os.fsync(fd)
+        wrote = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+    fd, _ = _direct_fd(path)
+    try:
+        if not direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        for pos in range(0, nbytes, chunk):
+            os.preadv(fd, [buf], pos)
+        read = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        path.unlink()
+    return {"bytes": nbytes, "o_direct": direct, "read_GBps": nbytes / read / 1e9, "write_GBps": nbytes / wrote / 1e9}
+
+
+def _stream_step(paths, grad_paths, d: int, x: torch.Tensor, buffers: int, pool, grad_buf, counts: dict) -> torch.Tensor:
+    """One forward and backward of y = relu(x W_i^T) over the layers in `paths` (d x d fp32 each),
+    each read from disk into one of `buffers` host buffers just before its turn (the next read runs
+    on a thread while this layer computes: at most `buffers` layers in memory), every layer's input
+    and output kept for the backward, each gradient of W written to `grad_paths[i]` from one buffer.
+    Returns the gradient of sum(y) with respect to x (the check against autograd)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    nbytes = d * d * 4
+    n = len(paths)
+    free = list(range(buffers))
+    weight = lambda k: torch.frombuffer(pool[k], dtype=torch.float32, count=d * d).view(d, d)  # noqa: E731
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with ThreadPoolExecutor(1) as io:
+        def fetch(order):  # reads ahead into free buffers, in the order the layers run
+            pending = []
+            for i in order:
+                while not free:  # every buffer holds a layer that has not run yet
+                    k, fut = pending.pop(0)
+                    fut.result()
+                    yield i_of[k], k
+                k = free.pop(0)
+                i_of[k] = i
+                pending.append((k, io.submit(_read_into, paths[i], pool[k], nbytes)))
+                counts["read"] += nbytes
+            for k, fut in pending:
+                fut.result()
+                yield i_of[k], k
+
+        i_of: dict[int, int] = {}
+        for i, k in fetch(range(n)):
+            y = (x @ weight(k).T).relu_()  # in place: one new tensor a layer
+            saved.append((x, y))
+            counts["live_max"] = max(counts["live_max"], buffers - len(free))
+            counts["rss_max"] = max(counts["rss_max"], _status_bytes("VmRSS"))
+            free.append(k)
+            x = y
+        g = torch.ones_like(x)
+        gw = torch.frombuffer(grad_buf, dtype=torch.float32, count=d * d).view(d, d)
+        for i, k in fetch(range(n - 1, -1, -1)):
+            xi, yi = saved.pop()
+            gz = g * (yi > 0)
+            torch.mm(gz.T, xi, out=gw)  # dL/dW_i, (d, d)
+            g = gz @ weight(k)
+            counts["rss_max"] = max(counts["rss_max"], _status_bytes("VmRSS"))
+            free.append(k)
+            _write_from(grad_paths[i], grad_buf, nbytes)
+            counts["written"] += nbytes
+    return g
+
+
+def _glibc():
+    """glibc, for mallopt and malloc_trim (None elsewhere: musl, macOS)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def stream_from_disk(folder, *, layers: int = 8, d: int = 1024, rows: int = 64, buffers: int = 2,
+                     steps: int = 2, seed: int = 0) -> dict[str, Any]:
+    """Out-of-core training's memory and traffic, measured on this CPU: `layers` fp32 layers of
+    d x d stored in files under `folder` (the "NVMe": on this machine its disk, through O_DIRECT),
+    streamed through `buffers` host buffers by `_stream_step` for `steps` forward+backward steps.
+    Reports, beside `offload.disk_streaming`'s estimate: the process's peak resident memory above
+    what it held before the step (VmHWM after resetting it, /proc/self/clear_refs, and VmRSS after
+    each layer; glibc is told to map every allocation of 64 KiB or more on its own and to give free
+    heap pages back first, so that a tensor's pages are counted when made and gone when freed,
+    rather than hidden in memory the process already held), the bytes the
+    kernel read from and wrote to storage (/proc/self/io: independent of this code's own count),
+    the time spent and the model's size on disk. The first step's gradient of the input is checked
+    against torch.autograd on the same weights held in memory (on small stacks only)."""
+    import gc
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    libc = _glibc()
+    if libc is not None:  # every tensor of 64 KiB or more its own mapping, unmapped when freed: RSS follows them
+        libc.mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD (fixed: no longer raised by frees)
+    gen = torch.Generator().manual_seed(seed)
+    nbytes = d * d * 4
+    paths = [folder / f"layer{i}.bin" for i in range(layers)]
+    grad_paths = [folder / f"grad{i}.bin" for i in range(layers)]
+    tmp = _aligned(nbytes)
+    for p in paths:  # write the model out, one layer at a time through one buffer
+        torch.frombuffer(tmp, dtype=torch.float32, count=d * d).copy_(torch.randn(d * d, generator=gen) / d ** 0.5)
+        _write_from(p, tmp, nbytes)
+    tmp.close()
+    x0 = torch.randn(rows, d, generator=gen)
+    small = layers * nbytes <= 64 << 20
+    ref = None
+    if small:  # the reference holds the whole model in memory: small stacks only
+        ws = [torch.from_file(str(p), size=d * d, dtype=torch.float32).view(d, d).clone() for p in paths]
+        xr = x0.clone().requires_grad_(True)
+        y = xr
+        for w in ws:
+            y = torch.relu(y @ w.T)
+        y.sum().backward()
+        ref = xr.grad
+        del ws, y, xr
+    fd, direct = _direct_fd(paths[0])
+    import os
+
+    os.close(fd)
+    gc.collect()
+    if libc is not None:
+        libc.malloc_trim(0)  # free heap pages back to the system: the step cannot reuse them unseen
+    # a warm-up of one layer's forward and backward on a throwaway weight: the BLAS library's packing
+    # buffers (kept per thread, as cuBLAS keeps its workspaces on a GPU) are made before the step
+    w = torch.randn(d, d, generator=gen)
+    y = (x0 @ w.T).relu_()
+    gz = torch.ones_like(y) * (y > 0)
+    _ = torch.mm(gz.T, x0), gz @ w
+    del w, y, gz, _
+    gc.collect()
+    if libc is not None:
+        libc.malloc_trim(0)
+    counts = {"read": 0, "written": 0, "live_max": 0, "rss_max": 0}
+    Path("/proc/self/clear_refs").write_text("5")  # the peak RSS starts again from here
+    base = _status_bytes("VmRSS")
+    io0 = _io_counters()
+    t0 = time.perf_counter()
+    pool = [_aligned(nbytes) for _ in range(buffers)]  # the host buffers: allocated inside what is measured
+    grad_buf = _aligned(nbytes)
+    matches = None
+    for s in range(steps):
+        g = _stream_step(paths, grad_paths, d, x0, buffers, pool, grad_buf, counts)
+        if s == 0 and ref is not None:
+            matches = bool(torch.allclose(g, ref, rtol=1e-4, atol=1e-5))
+    took = time.perf_counter() - t0
+    io1 = _io_counters()
+    # the kernel's high-water mark, and VmRSS sampled after every layer's compute (VmHWM alone can
+    # miss a peak: the kernel folds the current RSS into it only at some points, e.g. unmaps)
+    peak = max(_status_bytes("VmHWM"), counts["rss_max"])
+    est = off.disk_streaming([nbytes] * layers, activation_bytes=rows * d * 4, buffers=buffers)
+    for p in paths + grad_paths:
+        p.unlink(missing_ok=True)
+    return {"layers": layers, "d": d, "rows": rows, "buffers": buffers, "steps": steps, "o_direct": direct,
+            "model_bytes": layers * nbytes, "estimate": dataclasses.asdict(est),
+            "peak_rss_above_start_bytes": peak - base,
+            "kernel_read_bytes": io1["read"] - io0["read"], "kernel_written_bytes": io1["write"] - io0["write"],
+            "counted_read_bytes": counts["read"], "counted_written_bytes": counts["written"],
+            "most_layers_resident": counts["live_max"], "seconds": took, "gradient_matches_autograd": matches}
+
+
+def run_isolated(fn: str, **kw) -> dict[str, Any]:
+    """`fn` (a function of this module) with `kw` in a fresh Python process: its peak memory sees
+    nothing of this one's. Returns its JSON result."""
+    code = ("import json, sys, torch; torch.set_num_threads(1); from vramlab.measure import offload as m; "
+            f"print(json.dumps(m.{fn}(**json.loads(sys.argv[1]))))")
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(kw, default=str)], capture_output=True, text=True,
+                       timeout=600)
+    if r.returncode:
+        raise RuntimeError(f"{fn} failed: {(r.stderr.strip().splitlines() or ['exit %d' % r.returncode])[-1]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 # ----------------------------------------------------------------------------- GPU probes (one per process)
 def _rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -440,9 +761,93 @@ def probe_zero_offload(steps: int = 4) -> dict[str, Any]:
             "step_seconds": times, "reduce_bucket": int(engine.zero_reduce_bucket_size())}
 
 
+def _image_batches(n: int, images: int):
+    class Images(torch.utils.data.Dataset):  # each index one batch: images and int64 labels
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            return torch.full((images, 3, 224, 224), float(i)), torch.full((images,), i, dtype=torch.int64)
+
+    return Images()
+
+
+def probe_loader_pinned(images: int = LOADER_CASE["images"], num_workers: int = LOADER_CASE["num_workers"],
+                        prefetch_factor: int = LOADER_CASE["prefetch_factor"], batches: int = LOADER_CASE["batches"],
+                        step_seconds: float = 0.2) -> dict[str, Any]:
+    """A DataLoader of image batches with pin_memory=True feeding a slow loop (`step_seconds` a
+    batch, so the workers and the pin thread run ahead): the pinned caching host allocator's peak
+    (`torch.cuda.host_memory_stats`) against `offload.loader_memory`, and one batch's copy to the
+    GPU from pinned and from pageable memory (non_blocking, CUDA events, median)."""
+    torch.cuda.init()
+    if not hasattr(torch.cuda, "host_memory_stats"):
+        raise RuntimeError(f"torch {torch.__version__} has no torch.cuda.host_memory_stats (the pinned allocator's counters)")
+    base = torch.cuda.host_memory_stats()
+    loader = torch.utils.data.DataLoader(_image_batches(batches, images), batch_size=None, num_workers=num_workers,
+                                         prefetch_factor=prefetch_factor, pin_memory=True)
+    pinned_seen = []
+    for x, y in loader:
+        pinned_seen.append(bool(x.is_pinned()))
+        x.to("cuda", non_blocking=True), y.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        time.sleep(step_seconds)
+    stats = torch.cuda.host_memory_stats()
+    times: dict[str, list[float]] = {"pinned": [], "pageable": []}
+    x = torch.full((images, 3, 224, 224), 1.0)
+    xp = x.pin_memory()
+    for _ in range(6):
+        for kind, src in (("pinned", xp), ("pageable", x)):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            src.to("cuda", non_blocking=True)
+            b.record()
+            torch.cuda.synchronize()
+            times[kind].append(a.elapsed_time(b) / 1e3)
+    sizes = [images * 3 * 224 * 224 * 4, images * 8]
+    pred = off.loader_memory(sizes, num_workers=num_workers, prefetch_factor=prefetch_factor)
+    return {"probe": "loader-pinned", **LOADER_CASE, "images": images, "num_workers": num_workers,
+            "prefetch_factor": prefetch_factor, "batch_tensor_bytes": sizes, "all_pinned": all(pinned_seen),
+            "host_allocated_bytes_peak": stats.get("allocated_bytes.peak", 0) - base.get("allocated_bytes.current", 0),
+            "host_active_bytes_peak": stats.get("active_bytes.peak", 0),
+            "host_stats": {k: v for k, v in stats.items() if k.startswith(("allocated_bytes", "active_bytes", "allocations"))},
+            "predicted_pinned_bytes": pred.pinned_bytes, "predicted_pinned_batches": pred.pinned_batches,
+            "copy_seconds": {k: statistics.median(v[1:]) for k, v in times.items()},
+            "predicted_copy_seconds": {"pinned": pred.copy_seconds, "pageable": pred.pageable_copy_seconds}}
+
+
+def run_cpu_probe(name: str, folder) -> dict[str, Any]:
+    """The measurements any machine can make (no GPU): `disk` (O_DIRECT rates of the disk under
+    `folder`, the stand-in for an NVMe drive), `out-of-core` (a stack streamed from files in `folder`
+    through a forward and backward, in a fresh process, beside `offload.disk_streaming`), `loader`
+    (a DataLoader's batches in flight for a few worker settings, beside `offload.loader_memory`)."""
+    import warnings
+
+    if name == "disk":
+        return {"probe": "disk", **disk_bandwidth(folder)}
+    if name == "out-of-core":
+        disk = disk_bandwidth(folder, nbytes=128 << 20)
+        runs = [run_isolated("stream_from_disk", folder=str(folder), layers=layers, d=d, buffers=b, steps=2)
+                for layers, d, b in ((16, 1024, 2), (32, 1024, 2), (16, 1536, 3), (16, 1536, 1))]
+        return {"probe": "out-of-core", "disk": disk, "runs": runs}
+    if name == "loader":
+        rows = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for nw, pf in ((0, None), (1, 2), (2, 2), (2, 4)):
+                got = loader_in_flight(num_workers=nw, prefetch_factor=pf, batches=16, consumer_seconds=0.04)
+                pred = off.loader_memory([4096], num_workers=nw, prefetch_factor=pf)
+                rows.append({"num_workers": nw, "prefetch_factor": got["prefetch_factor"],
+                             "measured_in_flight": got["in_flight_max"], "predicted_in_flight": pred.batches_in_flight})
+        ok, why = pinned_memory_available()
+        return {"probe": "loader", "pinned_memory_available": ok, "pinned_memory_note": why, "rows": rows}
+    raise ValueError(f"probe must be one of {', '.join(CPU_PROBES)}, got {name!r}")
+
+
 def run_probe(name: str) -> dict[str, Any]:
+    if name in GPU_ONLY_PROBES and torch.cuda.is_available():
+        return probe_loader_pinned()
     if name not in PROBES:
-        raise ValueError(f"probe must be one of {', '.join(PROBES)}, got {name!r}")
+        raise ValueError(f"probe must be one of {', '.join(PROBES + GPU_ONLY_PROBES)}, got {name!r}")
     if not torch.cuda.is_available():
         raise RuntimeError(f"probe {name} needs a CUDA GPU")
     if name == "bandwidth":
@@ -481,10 +886,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
     ap = checks.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--probe", required=True, choices=PROBES)
+    ap.add_argument("--probe", required=True, choices=PROBES + GPU_ONLY_PROBES + CPU_PROBES,
+                    help=f"GPU: {', '.join(PROBES + GPU_ONLY_PROBES)}; any machine: {', '.join(CPU_PROBES)}")
     ap.add_argument("--out", type=Path, required=True, help="the probe's JSON (its folder must exist)")
+    ap.add_argument("--folder", type=Path, default=None,
+                    help="disk and out-of-core: where the files go (default: the --out file's folder)")
     a = ap.parse_args(argv)
     checks.output_path(PROG, a.out)
+    if a.probe in CPU_PROBES:
+        folder = a.folder or a.out.resolve().parent
+        if not folder.is_dir():
+            checks.fail(PROG, f"--folder {folder}: no such folder")
+        from .record import provenance
+
+        import os
+
+        res = {**run_cpu_probe(a.probe, folder), "device": "cpu (no GPU: the disk stands in for NVMe)",
+               "cpus": os.cpu_count(), "provenance": provenance("cpu"), "command": f"{PROG} --probe {a.probe}"}
+        a.out.write_text(json.dumps(res, indent=1) + "\n")
+        return 0
     if not torch.cuda.is_available():  # before the probe starts, as every other refusal
         checks.fail(PROG, f"--probe {a.probe} needs a CUDA GPU and this machine has none")
     if a.probe == "zero-offload" and importlib.util.find_spec("deepspeed") is None:

@@ -7,6 +7,8 @@
     torchrun --nproc-per-node 8 -m vramlab.measure.zero --backend nccl --setups 3
     python -m vramlab.measure.zero --model llama-gqa-wide-mlp --reduce-bucket 1e6 --allgather-bucket 1e6
     python -m vramlab.measure.zero --model opt-wide-vocab --setups 3 --prefetch-bucket 1e6 --max-live-params 2e6
+    python -m vramlab.measure.zero --model llama-gqa-wide-mlp --setups 0,2,fsdp2 --accumulation-steps 4
+    python -m vramlab.measure.zero --setups fsdp2 --accumulation-steps 4 --no-sync   # set_requires_gradient_sync(False)
     python -m vramlab.measure.zero --list-models
 
 Each setup trains the same small model (lab 4's GPT-2 unless --model names another of MODELS, built
@@ -20,7 +22,9 @@ process group per setup, and reports per rank:
   (`measure.parallel._LiveBytes`), the largest over the measured steps (all but the first two);
 - bytes communicated in the step, counted at the `torch.distributed` calls (payload per collective
   and what each rank sends on a ring, `collectives.bytes_sent_per_rank`);
-- the trained parameters against one process training the same model on all ranks' data;
+- the trained parameters against one process training the same model on all ranks' data (with
+  --accumulation-steps k, each optimizer step is k micro-batches per rank, `_micro_batches`, and the
+  one process trains on all of them at once; the memory and traffic are the whole optimizer step's);
 - `peak`: the step's peak as everything live (the storages the step starts with, found by the scan,
   plus every storage an operation creates or a storage `resize_` allocates, until it is freed), with
   the phase it happened in (forward, backward, step = optimizer step and zero_grad), what was live at
@@ -179,7 +183,8 @@ def predict(run: dict[str, Any], setup: str, *, device: str = "cpu", gpu: Any = 
               max_live_parameters=knobs.get("stage3_max_live_parameters") or zero.MAX_LIVE,
               persistence_threshold=knobs.get("stage3_param_persistence_threshold") or zero.PERSISTENCE,
               prefetch_bucket=knobs.get("stage3_prefetch_bucket_size") or zero.PREFETCH,
-              use_cache=run.get("use_cache", True), gpu=gpu)
+              use_cache=run.get("use_cache", True), gpu=gpu,
+              accumulation_steps=run.get("accumulation_steps", 1), no_sync=bool(run.get("no_sync", False)))
     stage = 3 if setup == "fsdp2" else int(setup)
     return (zero.rank_phases if phases else zero.estimate_rank)(model_spec(run["model_name"]), run["ranks"], stage, **kw)
 
@@ -219,6 +224,12 @@ def _batch(rank: int, b: int, s: int, name: str = DEFAULT_MODEL):
 
     g = torch.Generator().manual_seed(1000 + rank)
     return torch.randint(0, MODELS[name]["config"]["vocab_size"], (b, s), generator=g)
+
+
+def _micro_batches(rank: int, world: int, b: int, s: int, name: str = DEFAULT_MODEL, accumulation_steps: int = 1) -> list:
+    """A rank's micro-batches of one optimizer step: the first is `_batch(rank)` (what it trains without
+    accumulation), the j-th `_batch(rank + j * world)`: no two ranks or micro-batches alike."""
+    return [_batch(rank + j * world, b, s, name) for j in range(accumulation_steps)]
 
 
 def _blocks(model) -> list:
@@ -654,8 +665,9 @@ class _AllocatorLog:
                 if f.device.type == "cpu":
                     events.append((ev.start_time_ns, f.alloc_size, f.ptr, in_c10d, ops))
                 continue
-            if ev.name.startswith("zerolab:"):
-                marks[ev.name] = (ev.start_time_ns, ev.end_time_ns)
+            if ev.name.startswith("zerolab:"):  # once per micro-batch: from the first start to the last end
+                a, b = marks.get(ev.name, (ev.start_time_ns, ev.end_time_ns))
+                marks[ev.name] = (min(a, ev.start_time_ns), max(b, ev.end_time_ns))
             inner = in_c10d or ev.name.startswith(("c10d::", "gloo:"))  # a collective, or gloo running one
             stack.extend((c, inner, (ops + (ev.name,))[-3:]) for c in ev.children)
         events.sort(key=lambda e: e[0])
@@ -796,21 +808,26 @@ DS_KNOBS = {"reduce_bucket": "reduce_bucket_size", "allgather_bucket": "allgathe
             "persistence_threshold": "stage3_param_persistence_threshold"}
 
 
-def deepspeed_config(setup: str, micro_batch: int, precision: str = "fp32", knobs: dict | None = None) -> dict:
+def deepspeed_config(setup: str, micro_batch: int, precision: str = "fp32", knobs: dict | None = None,
+                     accumulation_steps: int = 1) -> dict:
     """The DeepSpeed config this module passes for ZeRO stage `setup`; `knobs` maps DS_KNOBS' keys to values."""
     zero: dict[str, Any] = {"stage": int(setup)}
     for k, v in (knobs or {}).items():
         if v is not None:
             zero[DS_KNOBS[k]] = v
-    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulation_steps,
             "zero_optimization": zero, "steps_per_print": 10**9,
             "gradient_clipping": 0.0,  # DeepSpeed 0.19 clips at norm 1.0 unless told not to
             "bf16": {"enabled": precision == "bf16"}}
 
 
 def _engine(setup: str, model, world: int, micro_batch: int, precision: str = "fp32", knobs: dict | None = None,
-            marks: _Marks | None = None):
-    """(module, optimizer, step(ids), description): the setup's training step, its phases marked."""
+            marks: _Marks | None = None, accumulation_steps: int = 1, no_sync: bool = False):
+    """(module, optimizer, step(batches), description): the setup's training step on a list of
+    micro-batches (one optimizer step; each micro-batch's forward and backward marked "forward" and
+    "backward"), its phases marked. FSDP2 scales each loss by 1 / len(batches) itself (DeepSpeed's engine
+    does, `gradient_accumulation_steps`); with `no_sync` it calls `set_requires_gradient_sync(False)`
+    for every micro-batch but the last."""
     import torch
 
     marks = marks or _Marks()
@@ -833,16 +850,22 @@ def _engine(setup: str, model, world: int, micro_batch: int, precision: str = "f
         fully_shard(model, mesh=mesh, **kw)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
 
-        def step(ids):
-            with marks("forward"):
-                loss = model(input_ids=ids, labels=ids).loss
-            with marks("backward"):
-                loss.backward()
+        def step(batches):
+            for j, ids in enumerate(batches):
+                if no_sync:  # reduce-scatter only in the last micro-batch's backward
+                    model.set_requires_gradient_sync(j == len(batches) - 1)
+                with marks("forward"):
+                    loss = model(input_ids=ids, labels=ids).loss / len(batches)
+                with marks("backward"):
+                    loss.backward()
+                del loss
             with marks("step"):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            return loss.detach()
         about = {"fully_shard_units": [names[u] for u in units] + ["(root)"],
+                 "accumulation": (f"{accumulation_steps} micro-batches, set_requires_gradient_sync(False) but on "
+                                  "the last" if no_sync else f"{accumulation_steps} micro-batches, reduce-scatter "
+                                  "each"),
                  "mp_policy": "param_dtype bf16, reduce_dtype fp32" if precision == "bf16" else None,
                  "optimizer": "torch.optim.AdamW(foreach=False)"}
         return model, opt, step, about
@@ -852,18 +875,23 @@ def _engine(setup: str, model, world: int, micro_batch: int, precision: str = "f
     import deepspeed
 
     deepspeed.utils.logger.setLevel(logging.ERROR)
-    config = deepspeed_config(setup, micro_batch, precision, knobs)
+    if no_sync:
+        raise ValueError("no_sync is FSDP2's (set_requires_gradient_sync); DeepSpeed decides by stage")
+    config = deepspeed_config(setup, micro_batch, precision, knobs, accumulation_steps)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     engine, zopt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
 
-    def step(ids):
-        with marks("forward"):
-            loss = engine(input_ids=ids, labels=ids).loss
-        with marks("backward"):
-            engine.backward(loss)
+    def step(batches):
+        for j, ids in enumerate(batches):
+            with marks("forward"):
+                loss = engine(input_ids=ids, labels=ids).loss
+            with marks("backward"):
+                engine.backward(loss)  # scales by 1 / gradient_accumulation_steps
+                del loss
+                if j < len(batches) - 1:
+                    engine.step()  # not a boundary: counts the micro-step, steps nothing
         with marks("step"):
             engine.step()
-        return loss.detach()
     try:
         resolved = engine._config.zero_config.model_dump(mode="json", by_alias=True)
     except Exception as e:  # noqa: BLE001 - a record, not a requirement
@@ -892,13 +920,15 @@ def _full_params(setup: str, model) -> dict[str, Any]:
             for n, p in model.named_parameters()}
 
 
-def _reference(world: int, micro_batch: int, seq: int, steps: int, name: str = DEFAULT_MODEL) -> dict[str, Any]:
-    """One process, all ranks' data at once (the ranks' mean loss = the mean over the whole batch)."""
+def _reference(world: int, micro_batch: int, seq: int, steps: int, name: str = DEFAULT_MODEL,
+               accumulation_steps: int = 1) -> dict[str, Any]:
+    """One process, all ranks' data at once, every micro-batch of theirs (`_micro_batches`) in one
+    batch (the mean of equal micro-batches' mean losses = the mean over the whole batch)."""
     import torch
 
     model = _build(name=name)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
-    ids = torch.cat([_batch(r, micro_batch, seq, name) for r in range(world)])
+    ids = torch.cat([b for r in range(world) for b in _micro_batches(r, world, micro_batch, seq, name, accumulation_steps)])
     for _ in range(steps):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
@@ -935,8 +965,9 @@ def warmup_steps(steps: int) -> int:
 
 def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, steps: int,
               precision: str = "fp32", model: str = DEFAULT_MODEL, knobs: dict | None = None,
-              allocator_check: bool = True, use_cache: bool | None = None) -> dict[str, Any]:
-    """Train `steps` steps and measure every one after the warm-up (`warmup_steps`); return this
+              allocator_check: bool = True, use_cache: bool | None = None, accumulation_steps: int = 1,
+              no_sync: bool = False) -> dict[str, Any]:
+    """Train `steps` steps (each of `accumulation_steps` micro-batches) and measure every one after the warm-up (`warmup_steps`); return this
     rank's report. The step's peak is the largest over the measured steps, as the allocator's peak
     over a run is: which buffers of the last collective are still alive at a step's worst moment
     depends on when Python frees them, and one step can miss a buffer that the next one holds."""
@@ -951,9 +982,10 @@ def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, 
         marks.profiling = alloc_log is not None
         built = _build(name=model, use_cache=use_cache)
         shape = structure(built) if rank == 0 or torch.distributed.get_backend() == "fake" else None
-        module, opt, step, about = _engine(setup, built, world, micro_batch, precision, knobs, marks)
+        module, opt, step, about = _engine(setup, built, world, micro_batch, precision, knobs, marks,
+                                           accumulation_steps=accumulation_steps, no_sync=no_sync)
         del built
-        ids = _batch(rank, micro_batch, seq, model).to(dev or "cpu")
+        ids = [x.to(dev or "cpu") for x in _micro_batches(rank, world, micro_batch, seq, model, accumulation_steps)]
         for k in range(warmup_steps(steps)):
             marks.step = k
             step(ids)
@@ -1052,7 +1084,8 @@ def _record(args, world: int, *, note: str, device: str, structure_, setups: dic
         pass
     out.update(model_name=model, model_family=MODELS[model]["family"],
                model_about=MODELS[model]["about"], structure=structure_, precision=args.precision,
-               deepspeed_knobs=knobs, use_cache=_use_cache(model) if getattr(args, "use_cache", None) is None
+               deepspeed_knobs=knobs, accumulation_steps=getattr(args, "accumulation_steps", 1),
+               no_sync=bool(getattr(args, "no_sync", False)), use_cache=_use_cache(model) if getattr(args, "use_cache", None) is None
                else args.use_cache)
     return out
 
@@ -1084,7 +1117,9 @@ def _worker(rank: int, world: int, args, port: int) -> None:
             r = run_setup(setup, rank, world, micro_batch=args.micro_batch, seq=args.seq, steps=args.steps,
                           precision=args.precision, model=model, knobs=knobs,
                           allocator_check=getattr(args, "allocator_check", True),
-                          use_cache=getattr(args, "use_cache", None))
+                          use_cache=getattr(args, "use_cache", None),
+                          accumulation_steps=getattr(args, "accumulation_steps", 1),
+                          no_sync=getattr(args, "no_sync", False))
             reports.append(r)
             dist.barrier()
             gc.collect()
@@ -1093,7 +1128,8 @@ def _worker(rank: int, world: int, args, port: int) -> None:
             if cache and Path(cache).exists():
                 ref = torch.load(cache)
             else:
-                ref = _reference(world, args.micro_batch, args.seq, args.steps, model)
+                ref = _reference(world, args.micro_batch, args.seq, args.steps, model,
+                                 getattr(args, "accumulation_steps", 1))
                 if cache:
                     torch.save(ref, cache)
         gathered = [None] * world
@@ -1153,7 +1189,7 @@ def _fake_rank(args) -> int:
         dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
         r = run_setup("fsdp2", rank, world, micro_batch=args.micro_batch, seq=args.seq, steps=args.steps,
                       precision=args.precision, model=args.model, allocator_check=False,
-                      use_cache=args.use_cache)
+                      use_cache=args.use_cache, accumulation_steps=args.accumulation_steps, no_sync=args.no_sync)
     except Exception as e:  # noqa: BLE001 - one line
         if os.environ.get("ZEROLAB_DEBUG"):
             import traceback
@@ -1237,6 +1273,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="stage3_max_live_parameters (DeepSpeed: 1e9)")
     ds.add_argument("--persistence-threshold", type=_elements(0), default=None,
                     help="stage3_param_persistence_threshold (DeepSpeed: 1e5)")
+    p.add_argument("--accumulation-steps", type=A(whole, int, lo=1, hi=64), default=1,
+                   help="micro-batches per optimizer step, 1 to 64 (each --micro-batch sequences; default 1)")
+    p.add_argument("--no-sync", action="store_true",
+                   help="FSDP2 with --accumulation-steps: set_requires_gradient_sync(False) on every micro-batch but "
+                        "the last (needs --setups fsdp2)")
     p.add_argument("--kv-cache", choices=("default", "on", "off"), default="default",
                    help="transformers' KV cache while training (default: the config's, on): changes what "
                         "fused-QKV blocks save (vramlab.memory.training_phases' use_cache)")
@@ -1267,6 +1308,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.seq > spec["max_seq"]:
         which = "the lab model's" if args.model == DEFAULT_MODEL else f"{args.model}'s"
         p.error(f"--seq must be at most {spec['max_seq']} ({which} positions)")
+    if args.no_sync and args.setups != ["fsdp2"]:
+        p.error("--no-sync is FSDP2's set_requires_gradient_sync(False): add --setups fsdp2 (DeepSpeed decides by "
+                "stage: ZeRO-0/1 reduce once per step, ZeRO-2/3 every micro-batch)")
     if args.backend == "fake":
         if args.setups != ["fsdp2"]:
             p.error("--backend fake runs FSDP2 only: add --setups fsdp2")

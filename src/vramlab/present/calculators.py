@@ -129,9 +129,11 @@ SEQ_CHOICES = (128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 def _training(*, model: str, batch_size: int, seq_len: int, precision: str, optimizer: str, attention: str,
-              recompute: str, gpu: str) -> Result:
+              recompute: str, gpu: str, accumulation_steps: int = 1) -> Result:
     spec, g = specs.preset(model), specs.gpu(gpu)
-    opts = dict(seq_len=seq_len, precision=precision, optimizer=optimizer, attention=attention, recompute=recompute)
+    # batch_size is the micro-batch; with accumulation_steps > 1 every gradient stays under the later ones
+    opts = dict(seq_len=seq_len, precision=precision, optimizer=optimizer, attention=attention, recompute=recompute,
+                accumulation_steps=accumulation_steps)
     train = memory.estimate_training(spec, batch_size=batch_size, gpu=g, **opts)
     infer_dtype = "fp32" if precision == "fp32" else "bf16"
     infer = memory.estimate_inference(spec, batch_size=batch_size, seq_len=seq_len, dtype=infer_dtype, gpu=g)
@@ -140,11 +142,14 @@ def _training(*, model: str, batch_size: int, seq_len: int, precision: str, opti
             for label, b in (("training step", train), (f"inference ({infer_dtype})", infer))]
     svg, narrow = _both(stacked_bars, bars, title=f"{spec.name}: {spec.params / 1e6:,.0f} M params, b={batch_size}, s={seq_len}",
                        line=(g.usable_bytes / GiB, f"{g.name} usable"))
-    text = "\n".join([train.table(title="training step"), "", str(verdict), verdict.explain(), "",
+    step = "training step" if accumulation_steps == 1 else \
+        f"training step: {accumulation_steps} micro-batches of {batch_size} (global batch {batch_size * accumulation_steps})"
+    text = "\n".join([train.table(title=step), "", str(verdict), verdict.explain(), "",
                       f"inference prefill: {fmt_bytes(infer.total)} (KV cache {fmt_bytes(infer.kv_cache)})"])
     return Result(text=text, svg=svg, svg_narrow=narrow, numbers={
         "train_total": (train.total, fmt_bytes(train.total)), "infer_total": (infer.total, fmt_bytes(infer.total)),
-        "max_batch": (verdict.max_batch_size, str(verdict.max_batch_size))})
+        "max_batch": (verdict.max_batch_size, str(verdict.max_batch_size)),
+        "global_batch": (batch_size * accumulation_steps, f"{batch_size * accumulation_steps:,}")})
 
 
 COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer_states": "#55A868", "activations": "#C44E52",
@@ -152,7 +157,8 @@ COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer_states": "
 
 TRAINING = Calculator(
     name="training", title="Training and inference memory", compute=_training,
-    number_labels={"train_total": "training peak", "infer_total": "inference prefill", "max_batch": "largest batch that fits"},
+    number_labels={"train_total": "training peak", "infer_total": "inference prefill",
+                   "max_batch": "largest (micro-)batch that fits", "global_batch": "global batch"},
     inputs=(Input(name="model", label="model", kind="choice", default="gpt2", choices=specs.preset_names()),
             Input(name="batch_size", label="batch size", kind="int", default=8, min=1, max=128),
             Input(name="seq_len", label="sequence length", kind="choice", default=1024, choices=SEQ_CHOICES),
@@ -160,7 +166,8 @@ TRAINING = Calculator(
             Input(name="optimizer", label="optimizer", kind="choice", default="adamw", choices=memory.OPTIMIZERS),
             Input(name="attention", label="attention", kind="choice", default="sdpa", choices=activations.ATTENTIONS),
             Input(name="recompute", label="recompute", kind="choice", default="none", choices=activations.RECOMPUTES),
-            Input(name="gpu", label="GPU", kind="choice", default="t4", choices=GPU_CHOICES)))
+            Input(name="gpu", label="GPU", kind="choice", default="t4", choices=GPU_CHOICES),
+            Input(name="accumulation_steps", label="accumulation steps", kind="int", default=1, min=1, max=64)))
 
 
 # ----------------------------------------------------------------------------- chapter 2
@@ -328,10 +335,11 @@ LAYOUTS = Calculator(
 # ----------------------------------------------------------------------------- chapter 4
 
 def _zero(*, model: str, setup: str, ranks: int, recipe: str, micro_batch_size: int, seq_len: int, gpu: str,
-          link: str) -> Result:
+          link: str, accumulation_steps: int = 1) -> Result:
     spec, g = specs.preset(model), specs.gpu(gpu)
     impl, stage = ("fsdp2", 3) if setup == "fsdp2" else ("deepspeed", int(setup))
-    kw = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, recipe=recipe, gpu=g)
+    kw = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, recipe=recipe, gpu=g,
+              accumulation_steps=accumulation_steps)
     rows = [(f"ZeRO-{s}", Z.estimate_rank(spec, ranks, s, **kw)) for s in Z.STAGES]
     rows.append(("FSDP2", Z.estimate_rank(spec, ranks, 3, implementation="fsdp2", **kw)))
     mine = Z.estimate_rank(spec, ranks, stage, implementation=impl, **kw)
@@ -339,7 +347,8 @@ def _zero(*, model: str, setup: str, ranks: int, recipe: str, micro_batch_size: 
     ok = verdict.fits
     pb, gb, k = Z.RECIPES[recipe]
     comm = Z.communication(spec.params, ranks, stage, bytes_per_value=gb, link=link,
-                           implementation="deepspeed" if impl == "deepspeed" else "paper")
+                           implementation="deepspeed" if impl == "deepspeed" else "paper",
+                           accumulation_steps=accumulation_steps)
     bars = [(label, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
             for label, b in rows]
     svg, narrow = _both(stacked_bars, bars, title=f"{spec.name} on {ranks} ranks, {recipe}: one rank's peak",
@@ -352,6 +361,14 @@ def _zero(*, model: str, setup: str, ranks: int, recipe: str, micro_batch_size: 
              f"({comm['volume_in_psi']:.0f} Psi), {comm['seconds'] * 1e3:.1f} ms over {link}",
              f"peak phase: {mine.phase} (model states between steps + the step's worst phase, "
              "checked against lab 4's measured steps)"]
+    if accumulation_steps > 1:
+        held = Z.accumulation_held(spec, ranks, stage, recipe=recipe, implementation=impl)
+        lines.append(f"{accumulation_steps} micro-batches per step: held between them {fmt_bytes(held['bytes'])} "
+                     f"({held['what']})")
+        if impl == "fsdp2":
+            ns = Z.estimate_rank(spec, ranks, 3, implementation="fsdp2", no_sync=True, **kw)
+            lines.append(f"FSDP2 with set_requires_gradient_sync(False) but on the last: peak {fmt_bytes(ns.total)} "
+                         "(the unsharded gradients kept), one reduce-scatter per step")
     return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
         "per_rank": (mine.total, fmt_bytes(mine.total)), "fits": (int(ok), "yes" if ok else "no"),
         "comm_ms": (comm["seconds"] * 1e3, f"{comm['seconds'] * 1e3:.1f} ms")})
@@ -368,7 +385,9 @@ ZERO = Calculator(
             Input(name="micro_batch_size", label="micro-batch size", kind="int", default=1, min=1, max=64),
             Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),
             Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
-            Input(name="link", label="link", kind="choice", default="nvlink4", choices=tuple(C.LINKS))))
+            Input(name="link", label="link", kind="choice", default="nvlink4", choices=tuple(C.LINKS)),
+            Input(name="accumulation_steps", label="micro-batches per step", kind="choice", default=1,
+                  choices=(1, 2, 4, 8, 16, 32))))
 
 # ----------------------------------------------------------------------------- chapter 7
 
@@ -392,7 +411,8 @@ def _checkpointing(*, model: str, plan: str, batch_size: int, seq_len: int, prec
              str(mine.fit), mine.fit.explain(),
              (f"the plan with the least recompute that fits: {_plan_name(best.plan.name)} "
               f"({fmt_bytes(best.peak.total)}, +{100 * best.recompute_fraction:.1f} % FLOPs)") if best else
-             "no plan fits, not even the one that recomputes most: fewer tokens per step, or a bigger GPU"]
+             "no plan fits, not even the one that recomputes most: fewer tokens per step, or a bigger GPU",
+             _compiled_line(spec, batch_size=batch_size, seq_len=seq_len, precision=precision)]
     return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
         "peak": (mine.peak.total, fmt_bytes(mine.peak.total)),
         "recompute": (mine.recompute_fraction, f"+{100 * mine.recompute_fraction:.1f} %"),
@@ -400,6 +420,20 @@ def _checkpointing(*, model: str, plan: str, batch_size: int, seq_len: int, prec
 
 
 NO_PLAN_FITS = "no plan fits"
+
+
+def _compiled_line(spec, *, batch_size: int, seq_len: int, precision: str) -> str:
+    """What torch.compile's partitioner keeps per block (no plan), where the compiled ledger covers the model."""
+    if spec.family not in ("gpt2", "gpt_neox", "opt", "llama") or spec.attention_dropout > 0 or spec.hidden_dropout > 0:
+        return (f"torch.compile: what its partitioner keeps is modelled for decoder blocks without dropout, "
+                f"not {spec.name}")
+    c = CK.compiled_activations(spec, batch_size=batch_size, seq_len=seq_len, precision=precision, device="cuda")
+    checked = "" if precision == "fp32" else " (checked in fp32 on CPU inductor only)"
+    if activations._math_path(spec, "sdpa", "cuda", precision):  # eager keeps the scores here; the compiled ledger does not
+        checked += " (with a fused attention kernel; here eager SDPA falls back to the math path)"
+    return (f"torch.compile, no plan: each block keeps {fmt_bytes(c['compiled'])} for backward instead of "
+            f"{fmt_bytes(c['eager'])} eager{checked}; activation_memory_budget=0 keeps only its input, "
+            f"{fmt_bytes(c['minimum'])}")
 
 
 def _plan_name(name: str) -> str:
@@ -421,8 +455,13 @@ CHECKPOINTING = Calculator(
 
 # ----------------------------------------------------------------------------- chapter 6
 
-def _offload(*, model: str, scheme: str, batch_size: int, seq_len: int, gpu: str) -> Result:
+OFFLOAD_SCHEMES = ("none", "save_on_cpu", "zero-offload", "fsdp2-cpu", "infinity-cpu", "infinity-nvme", "smallest that fits")
+HOST_RAM_GIB = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def _offload(*, model: str, scheme: str, batch_size: int, seq_len: int, gpu: str, host_ram: int = 256) -> Result:
     spec, g = specs.preset(model), specs.gpu(gpu)
+    ram = host_ram * GiB
     kw = dict(batch_size=batch_size, seq_len=seq_len)
     gpu_s = CK.evaluate(spec, "none", precision="bf16-mixed", gpu=g, **kw).step_seconds  # at CK.MFU
     act = OFF.activation_offload(spec, precision="bf16-mixed", gpu=g, baseline_seconds=gpu_s, **kw)
@@ -434,38 +473,68 @@ def _offload(*, model: str, scheme: str, batch_size: int, seq_len: int, gpu: str
             ("fsdp2-cpu", fs.gpu_peak, fs.host_bytes, fs.moved_bytes, fs.step_seconds)]
     largest = fitting.fragmentation_bytes(spec, precision="bf16-mixed", **kw)
     verdicts = {name: fitting.device_fit(b, g, largest_tensor=largest) for name, b, *_ in rows}
+    # ZeRO-Infinity (DeepSpeed stage 3, every block recomputed): parameters and optimizer on the CPU, on NVMe
+    inf = {"infinity-cpu": OFF.infinity(spec, params="cpu", optimizer="cpu", gpu=g, **kw),
+           "infinity-nvme": OFF.infinity(spec, params="nvme", optimizer="nvme", gpu=g, **kw)}
+    need = OFF.needed_placement(spec, host_ram_bytes=ram, gpu=g, **kw)
+    room = g.usable_bytes - g.context_bytes
+    ok = {name: verdicts[name].fits and h <= ram for name, b, h, *_ in rows}
+    ok.update({name: r.gpu_bytes <= room and r.host_bytes <= ram for name, r in inf.items()})
     bars = [(name, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
             for name, b, *_ in rows]
     svg, narrow = _both(stacked_bars, bars, title=f"{spec.name}, {batch_size} x {seq_len}, bf16: the GPU's peak with each offload",
                        line=(g.usable_bytes / GiB, f"{g.name} usable"))
     link = OFF.host_link_GBps(g)
-    lines = [f"{'scheme':>13}{'GPU peak':>12}{'host':>12}{'over PCIe':>12}{'step':>10}   fits",
-             *(f"{name:>13}{fmt_bytes(b.total):>12}{fmt_bytes(h):>12}{fmt_bytes(m):>12}{1e3 * t:>8.0f}ms   "
-               f"{'yes' if verdicts[name].fits else 'NO'}" for name, b, h, m, t in rows), "",
+    lines = [f"{'scheme':>13}{'GPU peak':>12}{'host':>12}{'over PCIe':>12}{'on NVMe':>12}{'step':>10}   fits (GPU, {host_ram} GiB host)",
+             *(f"{name:>13}{fmt_bytes(b.total):>12}{fmt_bytes(h):>12}{fmt_bytes(m):>12}{'-':>12}{1e3 * t:>8.0f}ms   "
+               f"{'yes' if ok[name] else 'NO'}" for name, b, h, m, t in rows),
+             *(f"{name:>13}{fmt_bytes(r.gpu_bytes):>12}{fmt_bytes(r.host_bytes):>12}{fmt_bytes(r.pcie_bytes):>12}"
+               f"{fmt_bytes(r.nvme_bytes):>12}{1e3 * r.step_seconds:>8.0f}ms   {'yes' if ok[name] else 'NO'}"
+               for name, r in inf.items()), "",
+             "smallest placement that fits: " + (f"parameters on {need.params}, optimizer states on {need.optimizer}"
+                                                 if need else "none (not even everything on NVMe)"), "",
              f"host link: PCIe {OFF.pcie_generation(g)}.0 x16, {link:.1f} GB/s each way (nominal); copies counted at "
              f"{OFF.SAVE_ON_CPU_EFFICIENCY:.2f} of it; ZeRO-Offload's gradients (fp32, as DeepSpeed copies them) hide "
              "behind the backward, nothing else overlaps",
              f"GPU step without offload: {1e3 * gpu_s:.0f} ms at {100 * CK.MFU:.0f} % of the GPU's peak; the CPU's Adam "
              f"step: {OFF.CPU_ADAM_SECONDS_PER_PARAM * 1e9:.2f} ns a parameter for FSDP2 (torch AdamW, an H100 host's "
              f"16 cores), {OFF.DS_CPU_ADAM_SECONDS_PER_PARAM * 1e9:.2f} ns for ZeRO-Offload (DeepSpeed's host step, "
-             "measured on the same host)", ""]
+             "measured on the same host)",
+             f"ZeRO-Infinity: every block recomputed, copies at {OFF.STREAM_EFFICIENCY:.1f} of the link, NVMe at "
+             f"{OFF.NVME_GBps:g} GB/s (one drive, an assumption), the overlap at its best", ""]
+    pick = need if scheme == "smallest that fits" else inf.get(scheme)
+    if scheme == "smallest that fits" and need is None:
+        pick = inf["infinity-nvme"]
+        lines += ["nothing fits: the closest is infinity-nvme", ""]
+    if pick is not None:
+        fits = pick.gpu_bytes <= room and pick.host_bytes <= ram
+        lines += [f"{pick.label}: GPU {fmt_bytes(pick.gpu_bytes)}, host {fmt_bytes(pick.host_bytes)}, NVMe "
+                  f"{fmt_bytes(pick.nvme_bytes)}; per step {fmt_bytes(pick.pcie_bytes)} over PCIe ({pick.pcie_seconds:.2f} s), "
+                  f"{fmt_bytes(pick.nvme_read_bytes + pick.nvme_write_bytes)} to and from NVMe ({pick.nvme_seconds:.2f} s), "
+                  f"compute {pick.compute_seconds:.2f} s, CPU Adam {pick.cpu_seconds:.2f} s", "",
+                  "DeepSpeed config (zero_optimization):",
+                  json.dumps(OFF.deepspeed_config(pick, batch_size=batch_size)["zero_optimization"], indent=1)]
+        return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
+            "gpu_peak": (pick.gpu_bytes, fmt_bytes(pick.gpu_bytes)), "host": (pick.host_bytes, fmt_bytes(pick.host_bytes)),
+            "step_ms": (pick.step_seconds * 1e3, f"{pick.step_seconds * 1e3:.0f} ms"), "fits": (int(fits), "yes" if fits else "no")})
     mine = dict((r[0], r) for r in rows)[scheme]
     lines += [mine[1].table(title=f"{scheme}: {mine[1].label}"), "", str(verdicts[scheme]), verdicts[scheme].explain()]
+    if mine[2] > ram:
+        lines += [f"host memory: {fmt_bytes(mine[2])} needed, {host_ram} GiB given: does NOT fit"]
     return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
         "gpu_peak": (mine[1].total, fmt_bytes(mine[1].total)), "host": (mine[2], fmt_bytes(mine[2])),
-        "step_ms": (mine[4] * 1e3, f"{mine[4] * 1e3:.0f} ms"), "fits": (int(verdicts[scheme].fits),
-                                                                       "yes" if verdicts[scheme].fits else "no")})
+        "step_ms": (mine[4] * 1e3, f"{mine[4] * 1e3:.0f} ms"), "fits": (int(ok[scheme]), "yes" if ok[scheme] else "no")})
 
 
 OFFLOAD = Calculator(
     name="offload", title="Offload in training: the GPU's peak, host memory and the step", compute=_offload,
     number_labels={"gpu_peak": "GPU peak", "host": "host memory", "step_ms": "step", "fits": "fits"},
     inputs=(Input(name="model", label="model", kind="choice", default="llama-3.2-1b", choices=DECODER_PRESETS),
-            Input(name="scheme", label="offload", kind="choice", default="save_on_cpu",
-                  choices=("none", "save_on_cpu", "zero-offload", "fsdp2-cpu")),
+            Input(name="scheme", label="offload", kind="choice", default="save_on_cpu", choices=OFFLOAD_SCHEMES),
             Input(name="batch_size", label="batch size", kind="int", default=4, min=1, max=128),
             Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),
-            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES)))
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
+            Input(name="host_ram", label="host memory", kind="choice", default=256, choices=HOST_RAM_GIB, unit="GiB")))
 
 TEN_B = "gpt-10b (48 x 4096)"
 
