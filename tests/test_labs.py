@@ -48,7 +48,8 @@ def _solution_lines(nb):
 def _exercises_only(nb):
     """Setup, solutions and tests only: grading the exercises without re-running the measurements."""
     nb = copy.deepcopy(nb)
-    keep = ("setup", "ex", "stream-", "accum-solution", "accum-test", "moe-", "prefix-")
+    keep = ("setup", "ex", "stream-", "accum-solution", "accum-test", "alloc-solution", "alloc-test", "moe-",
+            "prefix-", "chunk-solution", "chunk-test")
     nb.cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id", "").startswith(keep)]
     return nb
 
@@ -107,7 +108,7 @@ def _run_instructor(lab, points, tmp_path):
 
 
 def test_instructor_version_full_marks_and_cpu_run(tmp_path):
-    saved, executed = _run_instructor(LAB, 12, tmp_path)
+    saved, executed = _run_instructor(LAB, 15, tmp_path)
     assert saved["mode"] == "trace" and "not a GPU measurement" in saved["note"]
     assert {"date", "torch", "platform"} <= set(saved["provenance"])
     train = [r for r in saved["rows"] if r["kind"] == "train"]
@@ -118,9 +119,9 @@ def test_instructor_version_full_marks_and_cpu_run(tmp_path):
     assert "No GPU found" in out and "largest batch that fits" in out
 
 
-@pytest.mark.parametrize("lab, points", [(LAB, 12), ("lab02_collectives", 8), ("lab03_parallelism", 11),
+@pytest.mark.parametrize("lab, points", [(LAB, 15), ("lab02_collectives", 8), ("lab03_parallelism", 11),
                                          ("lab04_zero", 9), ("lab05_mixed_precision", 7),
-                                         ("lab06_offload", 11), ("lab07_checkpointing", 9), ("lab08_compression", 20)])
+                                         ("lab06_offload", 11), ("lab07_checkpointing", 12), ("lab08_compression", 20)])
 def test_student_version_scores_zero(lab, points):
     scores = tools.grade(_exercises_only(nbformat.read(released(lab), as_version=4)), lab)
     assert tools.total(scores) == (0, points), scores
@@ -217,7 +218,7 @@ def test_wrong_answers_lose_their_points():
     assert "tie" in scores["ex1-test"][2]  # the feedback explains the mistake
     # a wrong answer that passes the visible test still fails the hidden ones
     scores = tools.grade(_with_solution(base, "ex2-solution", WRONG_EX2), LAB)
-    assert scores["ex2-test"][0] == 0 and tools.total(scores) == (9, 12)
+    assert scores["ex2-test"][0] == 0 and tools.total(scores) == (12, 15)
 
 
 def test_tampered_tests_are_restored():
@@ -253,7 +254,7 @@ def test_real_nbgrader_generate_and_autograde(tmp_path):
 
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
         submission = gb.find_submission(LAB, "alice")
-        assert (submission.score, submission.max_score) == (9, 9)
+        assert (submission.score, submission.max_score) == (15, 15)
 
 
 def test_lab5_instructor_full_marks_and_cpu_run(tmp_path):
@@ -571,7 +572,7 @@ def test_lab4_stored_run():
 def test_lab7_instructor_full_marks_and_cpu_run(tmp_path):
     """Lab 7 in CPU mode: full marks, every plan's traced peak within 5 % of its prediction, and the
     timed plans measured (the CPU run times the Llama-style model's none and full)."""
-    saved, executed = _run_instructor("lab07_checkpointing", 9, tmp_path)
+    saved, executed = _run_instructor("lab07_checkpointing", 12, tmp_path)
     assert "not a GPU" in saved["note"] and {"date", "torch", "platform"} <= set(saved["provenance"])
     run = saved["run"]
     assert len(run["cases"]) == 7 and all(abs(c["error_pct"]) < 5 for c in run["cases"])
@@ -610,10 +611,18 @@ WRONG_CHOICE = '''def choose_checkpoints(full, inputs, flops, outside, budget):
     return chosen if sum(kept) + outside <= budget else None  # ignores the backward's peak
 '''
 
+WRONG_CHUNKED = '''def chunked_cross_entropy(hidden, weight, targets, chunk_size):
+    total = 0
+    for s in range(0, hidden.shape[0], chunk_size):  # autograd keeps every chunk's log-probabilities
+        total = total + F.cross_entropy(hidden[s:s + chunk_size] @ weight.T, targets[s:s + chunk_size], reduction="sum")
+    return total / hidden.shape[0]
+'''
+
 
 def test_lab7_wrong_answers_lose_their_points():
     scores = _graded_with("lab07_checkpointing", {"ex1-solution": WRONG_SEGMENTS, "ex2-solution": WRONG_POLICY,
-                                                  "ex3-solution": WRONG_CHOICE})
+                                                  "ex3-solution": WRONG_CHOICE, "chunk-solution": WRONG_CHUNKED})
+    assert scores["chunk-test"][0] == 0 and "alive at once in the backward" in scores["chunk-test"][2], scores["chunk-test"]
     assert scores["ex1-test"][0] == 0 and "11 checkpoints" in scores["ex1-test"][2]
     assert scores["ex2-test"][0] == 0 and "overload" in scores["ex2-test"][2], scores["ex2-test"]
     assert scores["ex3-test"][0] == 0 and ("peaks at" in scores["ex3-test"][2] or "recomputes" in scores["ex3-test"][2])

@@ -194,3 +194,11 @@ def test_stored_run():
         last = m["rows"][-1]
         assert all(abs(last[f"loss_{r}"] - m["dense_loss"]) < 1e-4 for r in M.MOE_ROUTERS)
         assert abs(last["energy_share"] - 1) < 1e-6
+
+
+def test_moefied_training_refuses_recompute_rather_than_a_wrong_number():
+    """Checkpointing would subtract the dense FFN's saved bytes from a block that keeps only its input:
+    the estimate refuses in one line instead of clamping the activations to zero."""
+    with pytest.raises(ValueError, match="recompute is not modelled"):
+        C.moefied_training("opt-1.3b", experts=32, active=4, batch_size=1, seq_len=128, recompute="full")
+    assert C.moefied_training("opt-1.3b", experts=32, active=4, batch_size=1, seq_len=128).total > 0

@@ -150,3 +150,14 @@ def test_lab8_probes_prompt_and_prefix_tuning():
     assert [probe_label(p) for p in PROBES if p["method"] in C.PROMPT_METHODS] == ["prompt", "prefix"]
     cfg = _probe_config('{"method": "prefix", "targets": "-", "batch_size": 8, "seq_len": 128, "mode": "cpu"}')
     assert cfg["method"] == "prefix" and PROMPT_TOKENS == 16
+
+
+@pytest.mark.parametrize("method", ["prompt", "prefix", "p-tuning"])
+def test_virtual_tokens_take_positions(method):
+    """A real peft run of GPT-2 with 1,020 tokens and 20 virtual ones fails (position ids past 1,024, for
+    prefix tuning as a KV cache's past length): the estimate refuses the same input in one line."""
+    with pytest.raises(ValueError, match="1,040 is longer"):
+        C.peft_training("gpt2", method=method, batch_size=1, seq_len=1020, num_virtual_tokens=20)
+    assert C.peft_training("gpt2", method=method, batch_size=1, seq_len=1004, num_virtual_tokens=20).total > 0
+    # T5's relative positions have no such limit
+    assert C.peft_training("t5-small", method=method, batch_size=1, seq_len=1020, num_virtual_tokens=20).total > 0

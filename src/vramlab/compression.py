@@ -516,6 +516,8 @@ def _prompt_training(spec: ModelSpec, pl: PromptLearning, *, batch_size: int, se
 
     b, s, p, n = batch_size, seq_len, pl.num_virtual_tokens, pl.trainable
     t5, method = spec.family == "t5", pl.method
+    # the virtual tokens take positions too (prefix tuning: as a KV cache's past length), as a real peft run does
+    _checks.positions(spec, s + p, name=f"seq_len + {p} virtual tokens =")
     if method == "prefix" and recompute != "none":
         raise ValueError("peft refuses prefix tuning with gradient checkpointing (its prefix is a KV cache): "
                          "use recompute='none', or prompt tuning / P-tuning")
@@ -959,6 +961,9 @@ def moefied_training(model: ModelSpec | str, *, experts: int, active: int, batch
     Known limitations: the router's own saved tensors (E scores a token) and the backward's transient
     FFN gradients are left as the dense model's."""
     s = _resolve(model)
+    if kw.get("recompute", "none") != "none":
+        raise ValueError("MoEfication with activation recompute is not modelled (which FFN tensors a checkpointed "
+                         "block keeps depends on the experts it recomputes): use recompute='none'")
     mo = moefication(s, experts=experts, active=active, router=router, router_hidden=router_hidden,
                      router_bias=router_bias, precision=precision, seq_len=seq_len, device=device)
     opt = kw.get("optimizer", "adamw")

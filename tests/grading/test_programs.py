@@ -20,7 +20,7 @@ from vramlab.grading.programs import common
 PROGRAMS = Path(run.PROGRAMS)
 MODULES = sorted(p.stem for p in PROGRAMS.glob("*.py") if p.stem != "__init__")
 RANK_HARNESSES = ("ring", "tp", "ddp", "zero1", "zero2")
-CASE_HARNESSES = ("sac", "stream", "link_rate", "accum")
+CASE_HARNESSES = ("sac", "stream", "link_rate", "accum", "chunk_ce")
 
 LINK_GBPS = '''
 import statistics
@@ -177,3 +177,28 @@ def test_the_checks_use_the_calculators_only_and_import_no_cycle():
     for name in graph:
         visit(name, ())
     assert graph["zero"] == {"parallel", "run"} and graph["__init__"] == set()
+
+
+def test_the_vocabulary_tracker_counts_live_storages():
+    """programs/chunk_ce.py's dispatch mode: a tensor of at least V elements counts while its storage
+    lives (a view as its whole storage, once), a freed one no longer; the head's shape and the inputs'
+    storages never; the largest one is named with its op and phase."""
+    import torch
+
+    from vramlab.grading.programs import chunk_ce
+
+    V, h = 50, 3
+    w = torch.randn(V, h)
+    with chunk_ce.VocabTracker(V, h, (w,)) as t:
+        a = torch.zeros(4, V)  # 200
+        view = a[:2]  # the same storage: not counted again
+        b = torch.zeros(2, V)  # 100: 300 alive
+        del a, b  # the view keeps a's storage: 200 alive
+        c = torch.zeros(1, V)  # 250
+        w2 = w.t().contiguous() + w.t()  # the head's transpose: not counted
+        flat = w.reshape(-1)[:60] * 1  # a new tensor of 60 >= V elements: counted (310)
+        t.phase = "backward"
+        small = torch.zeros(V - 1)  # under V elements: never counted
+    assert t.peak == 310 and t.peak_phase == "forward" and t.ops == 4
+    assert t.largest[:2] == [200, [4, V]] and t.largest[3] == "forward"
+    assert view.shape == (2, V) and c.numel() == V and w2.shape == (h, V) and flat.numel() == 60 and small.numel() == V - 1

@@ -277,3 +277,129 @@ def test_offload_nvme_tier_and_host_memory_are_the_librarys():
     small = C.get("offload").run(model="llama-3.1-8b", scheme="zero-offload", batch_size=1, seq_len=2048, gpu="h100-80gb",
                                  host_ram=64)
     assert small.numbers["fits"][1] == "no" and "does NOT fit" in small.text
+
+
+# issue 32: chapter 8's calculator offers prompt, prefix and P-tuning, and MoEfication
+def _chart_words(svg: str) -> str:
+    """The chart's text without spaces: its labels wrap (at spaces and hyphens) into several lines."""
+    return "".join(re.sub(r"<[^>]+>", " ", svg).split())
+
+
+def test_compression_calculator_prompt_learning_is_the_library_and_peft():
+    """Trainable counts are peft's (hand-derived from its modules: T5's prompt embedding has T=2
+    stacks' rows, prefix tuning p keys and values of d in each layer, P-tuning's MLP encoder
+    d->H->H->d with biases); peaks are peft_training's with the calculator's mapping of bits."""
+    from vramlab import compression as COMP
+
+    calc = C.get("compression")
+    d, L, p = 768, 12, 20
+    prompt = calc.run(model="mt5-base", method="prompt", bits=32, batch_size=8, seq_len=128, virtual_tokens=p)
+    assert prompt.numbers["trainable"][0] == 2 * p * d  # 30,720: PromptEmbedding(2p, d)
+    prefix = calc.run(model="gpt2", method="prefix", bits=16, batch_size=4, seq_len=512, virtual_tokens=p)
+    assert prefix.numbers["trainable"][0] == p * L * 2 * d  # 368,640: PrefixEncoder's Embedding(p, 2Ld)
+    mlp = calc.run(model="gpt2", method="p-tuning", bits=16, batch_size=4, seq_len=512, virtual_tokens=p)
+    assert mlp.numbers["trainable"][0] == p * d + 3 * (d * d + d)  # PromptEncoder, MLP with H = d (peft's default)
+    proj = calc.run(model="gpt2", method="prefix (MLP)", bits=32, batch_size=4, seq_len=512, virtual_tokens=p)
+    assert proj.numbers["trainable"][0] == p * d + d * d + d + d * L * 2 * d + L * 2 * d
+    lstm = calc.run(model="gpt2", method="p-tuning (LSTM)", bits=32, batch_size=4, seq_len=512, virtual_tokens=p)
+    assert lstm.numbers["trainable"][0] == COMP.prompt_params("gpt2", method="p-tuning", num_virtual_tokens=p,
+                                                             encoder_type="LSTM")
+    for r, kw in ((prompt, dict(model="mt5-base", method="prompt", precision="fp32", batch_size=8, seq_len=128)),
+                  (prefix, dict(model="gpt2", method="prefix", precision="bf16", batch_size=4, seq_len=512)),
+                  (mlp, dict(model="gpt2", method="p-tuning", precision="bf16", batch_size=4, seq_len=512)),
+                  (proj, dict(model="gpt2", method="prefix", precision="fp32", batch_size=4, seq_len=512,
+                              prefix_projection=True))):
+        assert not r.error and r.numbers["peak"][0] == COMP.peft_training(num_virtual_tokens=p, gpu="h100-80gb", **kw).total
+        assert "active" not in r.numbers and "flops" not in r.numbers
+    # a longer prompt lengthens every block's sequence: the peak grows with p, the count with it
+    longer = calc.run(model="mt5-base", method="prompt", bits=32, batch_size=8, seq_len=128, virtual_tokens=100)
+    assert longer.numbers["peak"][0] > prompt.numbers["peak"][0] and longer.numbers["trainable"][0] == 2 * 100 * d
+    # the chart shows the chosen method beside full, LoRA and inference
+    assert "promptp=20" in _chart_words(prompt.svg) and "full32-bit" in _chart_words(prompt.svg)
+
+
+def test_compression_calculator_moefication_is_the_library():
+    """Active parameters and FLOPs a token are moefication()'s, checked here against the paper's
+    definition written out for OPT-1.3B (ReLU FFN with biases, h=2048, i=8192, 24 layers, a linear
+    router h x E each); the peak is moefied_training's."""
+    from vramlab import compression as COMP, preset
+
+    r = C.get("compression").run(model="opt-1.3b", method="moefication", bits=16, experts=32, active=4, batch_size=8,
+                                 seq_len=2048)
+    assert not r.error
+    h, i, L, E, k = 2048, 8192, 24, 32, 4
+    m = i // E
+    dense = preset("opt-1.3b").params
+    ffn = L * (h * i + i + i * h + h)
+    active_ffn = L * (k * m * (h + 1 + h) + h)
+    routers = L * h * E
+    assert r.numbers["trainable"][0] == dense + routers  # every expert resident and trained, plus the routers
+    assert r.numbers["active"][0] == dense + routers - ffn + active_ffn
+    mo = COMP.moefication("opt-1.3b", experts=E, active=k, seq_len=2048, precision="bf16-mixed")
+    assert mo.ffn_flops_dense - mo.ffn_flops == L * (2 * i * h * 2 - (2 * k * m * h * 2 + 2 * h * E))
+    assert r.numbers["flops"][0] == mo.flops and r.numbers["flops"][1].endswith("% of dense)")
+    est = COMP.moefied_training("opt-1.3b", experts=E, active=k, batch_size=8, seq_len=2048, precision="bf16-mixed",
+                                gpu="h100-80gb")
+    assert r.numbers["peak"][0] == est.total
+    full = C.get("compression").run(model="opt-1.3b", method="full", bits=16, batch_size=8, seq_len=2048)
+    assert r.numbers["peak"][0] < full.numbers["peak"][0]  # the FFN activations shrink ...
+    assert est.parameters > COMP.peft_training("opt-1.3b", method="full", batch_size=8, seq_len=2048,
+                                                precision="bf16-mixed").parameters  # ... the weights do not
+    assert "MoE4/32" in _chart_words(r.svg) and "active parameters a token" in C.page_html(
+        "compression", model="opt-1.3b", method="moefication", bits=16)
+
+
+@pytest.mark.parametrize("method, ignored, changed", [
+    ("prompt", ("LoRA rank", "LoRA targets", "experts", "active experts"), dict(rank=64, experts=8, active=8)),
+    ("prefix", ("LoRA rank", "LoRA targets", "experts"), dict(rank=64, targets="all-linear", experts=7)),
+    ("moefication", ("LoRA rank", "virtual tokens"), dict(rank=2, virtual_tokens=500)),
+    ("lora", ("virtual tokens", "experts", "active experts"), dict(virtual_tokens=7, experts=5, active=64)),
+    ("inference", ("LoRA rank", "virtual tokens", "experts", "gradient checkpointing"), dict(virtual_tokens=3, rank=1)),
+])
+def test_compression_inputs_a_method_does_not_read_are_ignored_and_named(method, ignored, changed):
+    base = dict(model="llama-3.2-1b", method=method, bits=16, seq_len=1024)
+    r, again = C.get("compression").run(**base), C.get("compression").run(**base, **changed)
+    # the method's numbers and text do not move (the chart's LoRA bars, beside it, read the LoRA inputs)
+    assert not r.error and (r.numbers, r.text) == (again.numbers, again.text)
+    line = next(x for x in r.text.splitlines() if x.startswith("ignored for this method: "))
+    assert all(word in line for word in ignored)
+    assert "sequence length" not in line and "bits" not in line
+
+
+@pytest.mark.parametrize("values, needle, invalid", [
+    (dict(model="mt5-small", method="prefix", bits=32), "mt5-small: peft's prefix tuning cannot wrap it", "method"),
+    (dict(method="prefix", bits=16, recompute="full"), "peft refuses prefix tuning with gradient checkpointing",
+     "recompute"),
+    (dict(method="prompt", bits=4), "prompt tuning is estimated on a 32- or 16-bit base", "bits"),
+    (dict(method="p-tuning (LSTM)", bits=8), "P-tuning is estimated on a 32- or 16-bit base", "bits"),
+    (dict(model="gpt2", method="prompt", bits=16, seq_len=1024, virtual_tokens=20),
+     "the 20 virtual tokens come first and make the sequence 1,044", "virtual_tokens"),
+    (dict(model="gpt2", method="prefix", bits=16, seq_len=1024, virtual_tokens=1),  # positions start after the prefix
+     "gpt2 reads at most 1,024 positions; the 1 virtual token comes first and make the sequence 1,025", "virtual_tokens"),
+    (dict(model="gpt2", method="p-tuning", bits=16, seq_len=2048), "gpt2 reads at most 1,024 positions; seq_len 2,048 is longer",
+     "seq_len"),
+    (dict(model="mt5-base", method="moefication", bits=16, experts=7), "2,048 neurons a layer, which do not split into 7",
+     "experts"),
+    (dict(model="gpt2", method="moefication", bits=16, experts=4096, seq_len=512), "do not split into 4,096", "experts"),
+    (dict(method="moefication", bits=16, experts=8, active=9), "active experts: 9 is more than the 8 experts", "active"),
+    (dict(method="moefication", bits=4), "MoEfication trains every expert: choose 32 bits", "bits"),
+    (dict(method="moefication", bits=16, recompute="full"), "set gradient checkpointing to none", "recompute"),
+    (dict(virtual_tokens=0), "virtual tokens (prompt, prefix, P-tuning): 0 is out of range", "virtual_tokens"),
+    (dict(method="adapters"), "'adapters' is not one of", "method"),
+])
+def test_compression_bad_combinations_are_one_line_naming_the_control(values, needle, invalid):
+    r = C.get("compression").run(**values)
+    assert needle in r.error and "\n" not in r.error and not r.numbers and not r.text, r.error
+    assert r.invalid == ((invalid,) if invalid else ())
+    out = json.loads(C.run_html("compression", json.dumps(values)))
+    assert out["error"] == r.error and out["invalid"] == list(r.invalid)
+
+
+def test_compression_new_methods_answer_every_model_without_a_traceback():
+    """Every preset with every method at 16 bits: a result or one line, never an exception."""
+    from vramlab import specs
+
+    for model in specs.preset_names():
+        for method in C.COMPRESSION_METHODS:
+            r = C.get("compression").run(model=model, method=method, bits=16, seq_len=512)
+            assert (r.error and "\n" not in r.error) or (r.numbers and r.svg), (model, method)

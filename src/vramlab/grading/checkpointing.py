@@ -1,6 +1,7 @@
 """Lab 7's checks (checkpointing): which blocks to checkpoint within a budget (checked against every
-choice), and a selective-checkpointing policy run on real blocks in a process of its own
-(`programs/sac.py`)."""
+choice), a selective-checkpointing policy run on real blocks in a process of its own
+(`programs/sac.py`), and a chunked cross-entropy run there too, its vocabulary-sized tensors
+measured (`programs/chunk_ce.py`)."""
 
 from __future__ import annotations
 
@@ -165,3 +166,144 @@ def sac_measure(make_policy: Callable, case: dict | None = None, timeout: float 
     return _sac_reports(make_policy, [dict(case or SAC_CASES[0])], timeout)[0]
 
 
+
+
+# ----------------------------------------------------------------------------- chunked cross-entropy
+# The student's chunked_cross_entropy runs in a process of its own (`programs/chunk_ce.py`), on inputs
+# drawn afresh for every grading, forward and backward under a TorchDispatchMode that keeps which
+# vocabulary-sized tensors are alive; the loss and the gradients are compared here with F.cross_entropy
+# on the whole batch's logits, computed from the same seed.
+CHUNK_CASES = ((48, 6), (60, 4))  # 8 and 15 equal chunks
+CHUNK_REMAINDER = ((50, 7), (20, 32), (9, 9))  # a last chunk of one token; one chunk larger than the batch; one exactly
+CHUNK_ALIVE = 4  # the most chunks' worth (chunk_size x V elements) of vocabulary-sized tensors alive at once
+
+
+def _chunk_case(seed: int, n: int, chunk_size: int) -> dict:
+    """N tokens, a hidden size h of 3 to 6 and a vocabulary V above N x h (so that nothing of the
+    hidden states' size, N x h, counts as vocabulary-sized); h is no chunk's number of tokens (a
+    chunk's logits would be shaped like the head's transpose, which is not counted)."""
+    rows = {min(chunk_size, n), n % chunk_size, n}
+    h = next(x for x in (3 + (seed + i) % 4 for i in range(4)) if x not in rows)
+    return {"seed": seed, "n": n, "h": h, "v": n * h + 1 + seed % 41, "chunk_size": chunk_size}
+
+
+def chunk_inputs(case: dict):
+    """The case's last hidden states (N x h), LM head (V x h), both float64, and targets (N), from its
+    seed: what `programs/chunk_ce.py`'s `build` draws in the answer's process (the checks import no
+    program; a test keeps the two the same)."""
+    import torch
+
+    g = torch.Generator().manual_seed(case["seed"])
+    n, h, v = case["n"], case["h"], case["v"]
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * 0.7
+    targets = torch.randint(0, v, (n,), generator=g)
+    return hidden, weight, targets
+
+
+def _chunk_hint(case: dict, got: float, ref) -> str:
+    """Why the loss is off, from the wrong answers it equals."""
+    import torch.nn.functional as F
+
+    n, c = case["n"], case["chunk_size"]
+    hidden, weight, targets = chunk_inputs(case)
+    logits = hidden @ weight.T
+    means = [F.cross_entropy(logits[i:i + c], targets[i:i + c]) for i in range(0, n, c)]
+
+    def close(x) -> bool:
+        return abs(got - float(x)) <= 1e-9 * max(1.0, abs(float(x)))
+
+    if close(ref * n):
+        return "It is the sum over the tokens: the loss is their mean (divide the sum by N)."
+    if close(sum(means)):
+        return "It is the sum of the chunks' means: weight each chunk by its share of the N tokens."
+    if n % c and close(sum(means) / len(means)):
+        return (f"It is the mean of the chunks' means, but the last chunk has only {n % c} of the {n} tokens: weight each "
+                "chunk's mean by its tokens / N (or sum the tokens' losses and divide by N).")
+    return "Each token's loss is logsumexp of its logits minus its target's logit; return their mean over the N tokens."
+
+
+def _chunk_report_ok(rep, hidden_size: int, weight_size: int) -> bool:
+    """A report as programs/chunk_ce.py writes it (an error, or the loss, the counts and two gradients
+    of the inputs' sizes, or None)."""
+    if not isinstance(rep, dict):
+        return False
+    if "error" in rep:
+        return isinstance(rep["error"], str)
+    try:
+        size, shape, op, phase = rep["largest"]
+        return (isinstance(rep["loss"], float) and all(type(rep[k]) is int for k in ("peak", "ops"))
+                and isinstance(rep["peak_phase"], str) and type(size) is int and isinstance(shape, list)
+                and isinstance(op, str) and isinstance(phase, str)
+                and all(g is None or (isinstance(g, list) and len(g) == count and all(isinstance(x, float) for x in g))
+                        for g, count in ((rep["hidden_grad"], hidden_size), (rep["weight_grad"], weight_size))))
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def check_chunked_ce(fn: Callable, *, cases=CHUNK_CASES, timeout: float = 120.0) -> list[dict]:
+    """`fn(hidden, weight, targets, chunk_size)` returns the mean cross-entropy of the logits
+    hidden @ weight.T (N tokens, vocabulary V) against targets, and `backward()` on it leaves the
+    gradients of hidden and weight, while no more than chunk_size tokens' logits exist at once, in
+    the forward and the backward. Run in a process of its own (`programs/chunk_ce.py`) on inputs
+    drawn afresh, under a TorchDispatchMode that measures the vocabulary-sized tensors alive: none may
+    hold more than chunk_size x V elements, and together at most CHUNK_ALIVE times that. The loss and
+    the gradients are compared (float64) with F.cross_entropy on the whole batch's logits, computed
+    here. Returns, a case, its sizes and the measured peak (elements alive at once, and in which phase)."""
+    import torch
+    import torch.nn.functional as F
+
+    from .run import fresh_generator, run_program
+
+    seed = int(torch.randint(0, 2**31 - 2, (1,), generator=fresh_generator()))
+    specs = [_chunk_case(seed + i, n, c) for i, (n, c) in enumerate(cases)]
+    reports = run_program("chunk_ce", fn, specs, what="chunked cross-entropy run", timeout=timeout,
+                          on_timeout=f"the chunked cross-entropy run gave no answer within {timeout:.0f} s")
+    results = []
+    for case, rep in zip(specs, reports):
+        n, c, v, h = case["n"], case["chunk_size"], case["v"], case["h"]
+        what = f"{n} tokens, vocabulary {v}, chunks of {c}"
+        if not _chunk_report_ok(rep, n * h, v * h):
+            raise AssertionError(f"{what}: the run's report is not one the harness writes (did the answer change it?)")
+        if rep.get("error"):
+            if rep["error"].startswith("NotImplementedError"):  # the stub: say so as the other exercises do
+                raise NotImplementedError(f"{what}: {rep['error']}")
+            raise AssertionError(f"{what}: {rep['error']}")
+        hidden, weight, targets = chunk_inputs(case)
+        hidden.requires_grad_(True)
+        weight.requires_grad_(True)
+        ref = F.cross_entropy(hidden @ weight.T, targets)  # the whole batch's logits at once
+        ref.backward()
+        want = float(ref.detach())
+        if not abs(rep["loss"] - want) <= 1e-9 * max(1.0, abs(want)):
+            raise AssertionError(f"{what}: the loss is {rep['loss']:.10g}, expected {want:.10g} (F.cross_entropy "
+                                 f"on the whole batch). {_chunk_hint(case, rep['loss'], want)}")
+        for name, grad, param in (("hidden", rep["hidden_grad"], hidden), ("weight", rep["weight_grad"], weight)):
+            if grad is None:
+                raise AssertionError(f"{what}: backward() left no gradient in {name}: the loss must be computed from "
+                                     f"{name} by torch operations (or return its gradient from your "
+                                     "autograd.Function's backward)")
+            got, ref_grad = torch.tensor(grad, dtype=torch.float64), param.grad.reshape(-1)
+            if not torch.allclose(got, ref_grad, rtol=1e-9, atol=1e-12):
+                raise AssertionError(f"{what}: the gradient of {name} differs from the whole loss's (largest difference "
+                                     f"{float((got - ref_grad).abs().max()):.3g}): the loss is right, so check what the "
+                                     "backward computes (each chunk's softmax minus the one-hot target, divided by N)")
+        ce = min(c, n) * v  # a chunk's logits (the batch's, when a chunk holds it all)
+        if rep["ops"] == 0:
+            raise AssertionError(f"{what}: the check saw no logits computed (no operator made a tensor with a "
+                                 "vocabulary dimension): compute them with torch operations, chunk by chunk")
+        size, shape, op, phase = rep["largest"]
+        if size > ce:
+            raise AssertionError(f"{what}: the {phase} made a tensor of shape {tuple(shape)} ({op}): {size:,} elements, "
+                                 f"{size / v:g} tokens' worth of logits, more than one chunk's {min(c, n)} x {v}. "
+                                 "Compute the logits of one chunk at a time, in the forward and in the backward")
+        if rep["peak"] > CHUNK_ALIVE * ce:
+            raise AssertionError(f"{what}: {rep['peak']:,} elements of vocabulary-sized tensors were alive at once in the "
+                                 f"{rep['peak_phase']} ({rep['peak'] / ce:.1f} chunks' worth; at most {CHUNK_ALIVE} "
+                                 f"may be). Each chunk's logits are "
+                                 "gone after its forward, but autograd kept what their backward needs (the "
+                                 "log-probabilities, chunk x V each) for every chunk: recompute them per chunk in the "
+                                 "backward (torch.utils.checkpoint), or compute each chunk's gradients yourself "
+                                 "(a torch.autograd.Function)")
+        results.append({"n": n, "h": h, "v": v, "chunk_size": c, "peak": rep["peak"], "peak_phase": rep["peak_phase"]})
+    return results
