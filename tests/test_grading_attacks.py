@@ -377,7 +377,7 @@ def test_several_submissions_in_one_command(tmp_path):
     r = run_cli("grade", *map(str, paths), "--json", str(tmp_path / "scores.json"), "--timeout", "120")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     totals = [(Path(x["notebook"]).parent.name, x["total"]) for x in json.loads((tmp_path / "scores.json").read_text())]
-    assert totals == [("alice", [9, 9]), ("bob", [0, 9]), ("carol", [0, 9])]
+    assert totals == [("alice", [15, 15]), ("bob", [0, 15]), ("carol", [0, 15])]
     assert r.stdout.count("total ") == 3
 
 
