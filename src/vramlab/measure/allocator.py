@@ -44,8 +44,8 @@ from ..activations import Recompute
 from ..memory import Optimizer, OptimizerImpl, _check_positive
 from ..precision import Precision
 from ..specs import ModelSpec
-from .memory import _AUTOCAST, _enable_checkpointing, _fake_mode, apply_plan, make_optimizer
-from .models import Attention, build_model, make_batch
+from .memory import _AUTOCAST, _fake_mode, make_optimizer, training_model
+from .models import Attention, make_batch
 
 CUBLAS_WORKSPACE = 33554432  # bytes at the first matmul (H100, gpu-truth/overheads_h100.jsonl)
 CUBLAS_BACKWARD_EXTRA = 39063552  # bytes more at the first Linear backward (same file)
@@ -178,11 +178,7 @@ def record_training_events(spec: ModelSpec, *, batch_size: int, seq_len: int, pr
     kernels = cuda_like_kernels() if cuda_like else contextlib.nullcontext()
     with _fake_mode(mode == "trace"), kernels, rec:
         rec.mark("build")
-        model = build_model(spec, attention=attention, dtype=dtype, device="cpu")
-        if recompute == "full":
-            _enable_checkpointing(model)
-        elif recompute != "none":
-            model = apply_plan(model, spec, recompute)
+        model = training_model(spec, attention=attention, dtype=dtype, device="cpu", recompute=recompute)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(params, optimizer=optimizer, optimizer_impl=optimizer_impl)
         rec.mark("optimizer states")

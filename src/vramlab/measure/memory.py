@@ -389,6 +389,19 @@ def _defaults(mode_: str, warmup_steps: int | None, timing_steps: int | None) ->
     return (1 if cuda else 0) if warmup_steps is None else warmup_steps, (3 if cuda else 0) if timing_steps is None else timing_steps
 
 
+def training_model(spec, *, attention: str, dtype, device: str, recompute: str = "none", model_hook=None):
+    """The model a measured training step runs: built from its spec, `model_hook` applied (peft's
+    wrapping), then the recompute plan (`full`: every block checkpointed; another plan: `apply_plan`)."""
+    model = build_model(spec, attention=attention, dtype=dtype, device=device)
+    if model_hook is not None:
+        model = model_hook(model)
+    if recompute == "full":
+        _enable_checkpointing(model)
+    elif recompute != "none":
+        model = apply_plan(model, spec, recompute)
+    return model
+
+
 def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
                      optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
                      attention: Attention = "sdpa", recompute: Recompute = "none", mode: Mode = "auto",
@@ -418,13 +431,8 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     dev = device or ("cuda" if mode_ == "cuda" else "cpu")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     with _fake_mode(mode_ == "trace"):
-        model = build_model(spec, attention=attention, dtype=dtype, device=dev)
-        if model_hook is not None:
-            model = model_hook(model)
-        if recompute == "full":
-            _enable_checkpointing(model)
-        elif recompute != "none":
-            model = apply_plan(model, spec, recompute)
+        model = training_model(spec, attention=attention, dtype=dtype, device=dev, recompute=recompute,
+                               model_hook=model_hook)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(params, optimizer=optimizer, optimizer_impl=optimizer_impl)
         # steady state: create the optimizer's states with one step on zero gradients
