@@ -62,7 +62,7 @@ def _use_this_checkout() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *rest])
-STEPS = ("accuracy", "inference", "maxbatch", "fsdp2", "offload", "allocator", "pinned", "labs")
+STEPS = ("accuracy", "inference", "maxbatch", "fsdp2", "offload", "allocator", "pinned", "inplace", "labs")
 LABS = ("lab01_where_memory_goes", "lab02_collectives", "lab03_parallelism", "lab04_zero", "lab05_mixed_precision",
         "lab06_offload", "lab07_checkpointing", "lab08_compression")
 INFERENCE = [  # (preset, batch, prompt, new tokens or None for a prefill with all logits, dtype)
@@ -263,6 +263,22 @@ def allocator(dry: bool, tag: str) -> None:
             f"{res['model_on_this_trace']['peak_reserved'] / 2**30:.2f} GiB reserved")
 
 
+def inplace_ops(dry: bool, tag: str) -> None:
+    """Chapter 1's in-place probe on CUDA's kernels (python -m vramlab.measure.inplace --device cuda): the
+    dropout's saved bytes in place and out of place, which the CPU cannot show (its dropout saves the
+    noise either way), beside `activations.mlp_block_memory(device="cuda")`."""
+    import subprocess
+
+    dest = RESULTS / "inplace" / f"{tag}.json"
+    say(f"inplace: 3 feed-forward sublayers x in-place choices x fp32/bf16 on CUDA -> {dest.relative_to(ROOT)}")
+    if dry:
+        return
+    r = subprocess.run([sys.executable, "-m", "vramlab.measure.inplace", "--device", "cuda", "--out", str(dest)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    say("inplace: " + ((r.stdout.strip().splitlines() or ["done"])[-1] if r.returncode == 0 else
+                       f"failed ({r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}"))
+
+
 def gpu_tag(name: str) -> str:
     """The folder a GPU's lab runs go in: the catalogue's name for the device where it has one
     (labs/results/h100/ on any H100, t4/ on a Colab T4), else the device's name as a file name."""
@@ -344,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         allocator(args.dry_run, gpu_tag(name))
     if "pinned" in steps:
         pinned_memory(args.dry_run, gpu_tag(name))
+    if "inplace" in steps:
+        inplace_ops(args.dry_run, gpu_tag(name))
     if "labs" in steps:
         labs(args.dry_run, gpu_tag(name))
     say("done" + (" (dry run: nothing measured)" if args.dry_run else ""))

@@ -137,6 +137,8 @@ def test_chapter7_checkpointing(built):
     for plan in ("none", "full", "sac-matmuls", "sqrt", "every-2", "first-4", "segments-4"):
         assert f">{plan}<" in measured  # a cell of the measured tables
     assert 'id="vl-checkpointing"' in page or "vl-checkpointing" in page
+    longest = page.split('id="the-longest-sequence-each-plan-allows"')[1]
+    assert "longest_sequence" in longest and ">sqrt<" in longest and "computed, not measured" in longest
     assert "Traceback" not in page and "Warning" not in page
 
 
@@ -169,3 +171,38 @@ def test_chapter8_compression(built):
     measured = page.split('id="predicted-against-measured-lab-8"')[1]
     assert "not a GPU measurement" in measured and "distillation" in measured
     assert "Traceback" not in page and "Warning" not in page
+
+
+def test_issue32_sections_are_built_with_their_numbers(built):
+    """The techniques added for issue 32 are on their pages, computed at build and labelled: gradient
+    accumulation, in-place operations and the caching allocator (ch 1), accumulation under ZeRO and
+    FSDP2 (ch 4), pinned loaders and ZeRO-Infinity's NVMe tier (ch 6), what the compiler recomputes
+    (ch 7), prompt/prefix/P-tuning and MoEfication (ch 8); and the calculators' new controls."""
+    html, _ = built
+
+    def section(chapter: str, anchor: str) -> str:
+        page = (html / "book" / f"{chapter}.html").read_text()
+        assert f'id="{anchor}"' in page, (chapter, anchor)
+        assert "Traceback" not in page
+        return page.split(f'id="{anchor}"')[1]
+
+    ch1 = section("01_where_memory_goes", "gradient-accumulation")
+    assert "micro-batch" in ch1
+    inplace = section("01_where_memory_goes", "in-place-operations")
+    assert "saved: measured" in inplace and "refused" in inplace and "modified by an inplace operation" in inplace
+    alloc = section("01_where_memory_goes", "the-caching-allocator")
+    assert "expandable_segments" in alloc and "empty_cache" in alloc
+    calc = (html / "book" / "01_where_memory_goes.html").read_text()
+    assert "every allowed site" in calc and "expandable segments" in calc  # the training calculator's controls
+    ch4 = section("04_zero", "gradient-accumulation-under-zero-and-fsdp2")
+    assert "no_sync" in ch4 and "set_requires_gradient_sync" in ch4
+    pinned = section("06_offload", "pinned-memory-and-the-data-loader")
+    assert "pin_memory" in pinned
+    nvme = section("06_offload", "out-of-core-zero-infinity-s-nvme-tier")
+    assert "offload_param" in nvme and "nvme" in nvme and "not a GPU measurement" in nvme
+    ch7 = section("07_checkpointing", "what-the-compiler-recomputes-on-its-own")
+    assert "inductor" in ch7 and "TorchScript" in ch7 and "fourth exercise" in ch7
+    prompt = section("08_compression", "prompt-prefix-and-p-tuning")
+    assert "P-tuning" in prompt and "virtual tokens" in prompt and "prompt_params" in prompt
+    moe = section("08_compression", "turning-a-dense-model-into-experts")
+    assert "MoEfication" in moe

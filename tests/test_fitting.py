@@ -123,3 +123,36 @@ def test_largest_micro_batch_none_fits_and_bad_input():
             largest_micro_batch("gpt2", "t4", **{"seq_len": 128, **kw})
     with pytest.raises(ValueError, match="seq_len must be given"):
         largest_micro_batch("gpt2", "t4", global_batch=8)
+
+
+@pytest.mark.parametrize("model, gpu, kw", [
+    ("llama-3.2-1b", "h100-80gb", dict(precision="bf16-mixed", recompute="full")),
+    ("llama-3.2-3b", "h100-80gb", dict(precision="bf16", recompute="full", batch_size=2)),
+    ("t5-small", "t4", dict(precision="bf16-mixed")),
+    ("llama-3.2-1b", "a100-40gb", dict(precision="bf16-mixed", attention="eager")),  # the s² scores
+    ("mistral-7b", "h100-80gb", dict(mode="infer", batch_size=8)),
+])
+def test_longest_sequence_is_the_boundary_of_fit(model, gpu, kw):
+    """The longest sequence fits by `fit`'s own verdict (its largest batch is at least the batch asked)
+    and one token more does not: the search never answers past the estimator's boundary."""
+    from vramlab.fitting import longest_sequence
+
+    r = longest_sequence(model, gpu, **kw)
+    b, mode = kw.get("batch_size", 1), kw.get("mode", "train")
+    opts = {k: v for k, v in kw.items() if k not in ("batch_size", "mode")}
+    assert 0 < r.seq_len < r.limit and not r.capped
+    assert fit(model, gpu, batch_size=b, mode=mode, seq_len=r.seq_len, **opts).max_batch_size >= b
+    assert fit(model, gpu, batch_size=b, mode=mode, seq_len=r.seq_len + 1, **opts).max_batch_size < b
+
+
+def test_longest_sequence_capped_by_positions_and_none_fits():
+    from vramlab.fitting import longest_sequence
+
+    r = longest_sequence("gpt2", "h100-80gb", precision="bf16-mixed")
+    assert r.capped and r.seq_len == r.limit == 1024 and "positions stop it" in str(r)
+    none = longest_sequence("llama-3.1-8b", "t4", precision="bf16-mixed")
+    assert none.seq_len == 0 and "not even one token" in str(none)
+    with pytest.raises(ValueError, match="chooses seq_len itself"):
+        longest_sequence("gpt2", "t4", seq_len=8)
+    with pytest.raises(ValueError, match="does not take"):
+        longest_sequence("gpt2", "t4", colour="red")

@@ -201,3 +201,37 @@ def test_family_sites():
         assert len(into_stream) == 1 and not into_stream[0].allowed
     with pytest.raises(ValueError, match="device"):
         inplace_sites(preset("gpt2"), device="tpu")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5-small", "opt-125m"])
+def test_inplace_step_counts_the_output_dropouts_transformers_builds(name):
+    """`inplace_step` multiplies one block's sites by the blocks, and T5's decoder blocks carry one more
+    output dropout (after the cross-attention): the count of output dropouts on a projection's output is
+    read here from transformers' own model, built from the preset's config (no weights)."""
+    from vramlab.activations import inplace_step
+    from vramlab.measure.models import build_model
+
+    spec = preset(name)
+    model = build_model(spec)
+    if spec.family == "t5":  # T5LayerSelfAttention / T5LayerCrossAttention / T5LayerFF each end in .dropout
+        outputs = sum(1 for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout)
+                      and ".layer." in n and n.endswith(".dropout") and "DenseReluDense" not in n)
+    elif spec.family == "gpt2":  # attn.resid_dropout and mlp.dropout
+        outputs = sum(1 for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout)
+                      and n.endswith(("attn.resid_dropout", "mlp.dropout")))
+    else:  # OPT calls F.dropout on both sublayers' outputs: two per decoder layer
+        outputs = 2 * sum(1 for n, _ in model.named_modules() if n.count(".layers.") == 1 and n.split(".")[-1].isdigit())
+    b, s, half = 2, 64, 2
+    got = inplace_step(spec, batch_size=b, seq_len=s, precision="bf16-mixed")
+    assert got["saved"] == outputs * spec.hidden_size * (half - 1) * b * s  # each: a bf16 noise for a 1-byte mask
+    assert inplace_step(spec, batch_size=b, seq_len=s, choice="where it frees memory", precision="bf16-mixed")["saved"] == 0
+    assert inplace_step(spec, batch_size=b, seq_len=s, choice="none")["transient"] == 0
+
+
+def test_inplace_step_refuses_bad_input_in_one_line():
+    from vramlab.activations import inplace_step
+
+    with pytest.raises(ValueError, match="in-place choice"):
+        inplace_step("gpt2", batch_size=1, seq_len=8, choice="all")
+    with pytest.raises(ValueError, match="batch_size"):
+        inplace_step("gpt2", batch_size=0, seq_len=8)

@@ -1080,3 +1080,44 @@ def inplace_sites(spec: ModelSpec, *, device: str = "cuda", precision: Precision
                              why=f"overwrites the residual stream, which {saver} saved: autograd raises "
                                  "'modified by an inplace operation' in the backward"))
     return tuple(sites)
+
+
+INPLACE_CHOICES: tuple[str, ...] = ("none", "where it frees memory", "every allowed site")
+
+
+def inplace_step(spec: ModelSpec, *, batch_size: int, seq_len: int, choice: str = "every allowed site",
+                 device: str = "cuda", precision: Precision = "fp32", attention: AttentionImpl = "sdpa") -> dict:
+    """What running ops in place changes over a whole model's training step, from `inplace_sites`:
+    `choice` is "none", "where it frees memory" (the allowed sites that free a forward allocation and save no more
+    for the backward: ReLU, the residual add into the branch; not SiLU, which gains nothing) or "every allowed site" (CUDA's in-place dropouts too, which
+    save a noise tensor in the dtype instead of a 1-byte mask).
+
+    Returns saved (bytes added to what every block keeps for its backward, summed over the blocks:
+    what the step's peak at the start of the backward grows by; negative never happens: no allowed
+    in-place op frees a saved tensor), per_block (each block's share; T5's decoder blocks hold one
+    more output dropout, after the cross-attention), transient (the largest forward-only allocation
+    avoided in one block: the forward's momentary peak falls by at most this), blocks and sites (the
+    names chosen). Without recompute every block's saved tensors are alive at the backward's start;
+    with recompute they are not, and this ledger does not say which are, so the caller must not add
+    `saved` to a recomputing step's peak."""
+    spec = _resolve(spec)
+    _checks.one_of("in-place choice", choice, INPLACE_CHOICES)
+    b = _checks.whole("batch_size", batch_size, lo=1)
+    s = _checks.whole("seq_len", seq_len, lo=1)
+    sites = inplace_sites(spec, device=device, precision=precision, attention=attention)
+    if choice == "none":
+        chosen: tuple[InplaceSite, ...] = ()
+    else:
+        chosen = tuple(x for x in sites if x.allowed and (choice == "every allowed site"
+                                                           or (x.saved_change <= 0 < x.transient)))
+    tokens = b * s
+    per_block = sum(x.saved_change for x in chosen) * tokens
+    encoder_decoder = spec.family == "t5"
+    n_enc = spec.num_layers
+    n_dec = spec.num_decoder_layers if encoder_decoder else 0
+    # a T5 decoder block adds a cross-attention sublayer: one more output dropout on a projection's output
+    cross = next((x for x in chosen if x.op == "dropout" and x.name.startswith("self-attention output")), None)
+    saved = per_block * (n_enc + n_dec) + (cross.saved_change * tokens * n_dec if cross else 0)
+    transient = max((x.transient for x in chosen), default=0) * tokens
+    return {"saved": saved, "per_block": per_block, "transient": transient, "blocks": n_enc + n_dec,
+            "sites": tuple(x.name for x in chosen)}

@@ -21,7 +21,10 @@ from .units import fmt_bytes
 
 
 ESTIMATE_MARGIN = 0.03
-_PAGE = 2 * 1024 * 1024  # expandable segments map physical memory in 2 MiB pages
+# expandable segments map physical memory page by page: 20 MiB pages in the large pool, 2 MiB in the small
+# one (CUDACachingAllocator.cpp: `segment_size = pool->is_small ? kSmallBuffer : kLargeBuffer`); what is
+# mapped but unallocated is at most the last page of each pool's segment
+_PAGE = (20 + 2) * 1024 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +68,7 @@ class Fit:
         if self.max_batch_size is not None:
             largest = f"more than {self.max_batch_size:,}" if self.capped else f"{self.max_batch_size:,}"
             at += f" (the largest that fits is {largest})"
-        alloc = "expandable: 2 MiB pages" if self.expandable_segments else "the largest tensor"
+        alloc = "expandable: a 20 MiB and a 2 MiB page" if self.expandable_segments else "the largest tensor"
         rows = [("estimate (max_memory_allocated)", self.estimate, ""),
                 (f"+ estimate margin ({ESTIMATE_MARGIN:.0%})", self.margin, ""),
                 ("+ fragmentation", self.fragmentation, f"  ({alloc})"),
@@ -88,8 +91,8 @@ def device_fit(estimate: "MemoryBreakdown | int", gpu: GPUSpec | str, *, largest
                expandable_segments: bool = False, max_batch_size: int | None = None, capped: bool = False) -> Fit:
     """The one definition of "fits" that every calculator uses: the estimate (`max_memory_allocated`)
     + ESTIMATE_MARGIN of it + the caching allocator's fragmentation (`largest_tensor` bytes: the block
-    it cannot reuse for the peak's request, `fragmentation_bytes`; with expandable segments, one 2 MiB
-    page) + the CUDA
+    it cannot reuse for the peak's request, `fragmentation_bytes`; with expandable segments, the
+    last 20 MiB page of the large pool and 2 MiB page of the small one) + the CUDA
     context (`gpu.context_bytes`) <= what cudaMemGetInfo calls total (`gpu.usable_bytes`).
     `fit` searches the largest batch size with it; `parallel.fits` and `zero.fits` apply it to the
     fullest device of a layout."""
@@ -210,7 +213,8 @@ def fit(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: int = 1, mode
       largest tensor (a freed segment that cannot be reused for it: the H100's OOM at GPT-2 s512
       batch 112 had 9.94 GiB reserved but unallocated when it asked for 10.74 GiB, the logits);
       with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (`expandable_segments=True`), segments
-      grow in 2 MiB pages and the allocator's overhead all but disappears;
+      grow page by page (20 MiB pages for large blocks, 2 MiB for small) and the allocator's overhead shrinks to
+      at most those two pages' unused ends;
     - context: the CUDA context and libraries outside the allocator (`gpu.context_bytes`);
     - usable: what cudaMemGetInfo calls total (`gpu.usable_bytes`), less than nvidia-smi's total.
     Checked against bisected out-of-memory boundaries on an H100 (tests/test_gpu_truth.py)."""
@@ -314,3 +318,70 @@ def largest_micro_batch(model: ModelSpec | str, gpu: GPUSpec | str, *, global_ba
     k = -(-n // m)
     return MicroBatchFit(global_batch=n, micro_batch_size=m, accumulation_steps=k, last_micro_batch=n - (k - 1) * m,
                          fit=verdict(m))
+
+
+# how far the search for the longest sequence goes for a model with no position limit (T5's relative
+# positions): 1 M tokens
+MAX_SEQ_SEARCH = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class SequenceFit:
+    """The longest sequence whose step fits a GPU at a given batch size (`longest_sequence`).
+    `seq_len` 0: not even one token fits. `capped`: the model's positions stop the search, not the
+    memory (every sequence it can read fits). `fit` is `device_fit` at `seq_len` (or at 1 when none fits)."""
+
+    seq_len: int
+    batch_size: int
+    limit: int  # the most tokens the model reads (its positions; MAX_SEQ_SEARCH when it has no limit)
+    capped: bool
+    fit: Fit
+
+    def __str__(self) -> str:
+        g = self.fit.gpu.name
+        if not self.seq_len:
+            return f"not even one token a sequence fits on {g} at batch size {self.batch_size:,}"
+        why = " (the model's positions stop it, not the memory)" if self.capped else ""
+        return (f"longest sequence that fits on {g} at batch size {self.batch_size:,}: {self.seq_len:,} tokens{why} "
+                f"({fmt_bytes(self.fit.needed)} needed of {fmt_bytes(self.fit.available)})")
+
+
+def longest_sequence(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: int = 1,
+                     mode: Literal["train", "infer"] = "train", expandable_segments: bool = False,
+                     **options) -> SequenceFit:
+    """The longest sequence (tokens) whose training step (or inference) fits `gpu` at `batch_size`:
+    the same `device_fit` as `fit` (estimate + margin + fragmentation + CUDA context <= usable), searched
+    over the sequence length instead of the batch (memory grows with it: activations b·s, the logits
+    b·s·V, eager attention's scores b·a·s²). Up to the model's positions (`max_position_embeddings`).
+    `options` are estimate_training's / estimate_inference's, without seq_len."""
+    from .checks import positions as _positions
+
+    g = _gpu(gpu)
+    if not isinstance(mode, str) or mode not in ("train", "infer"):
+        raise ValueError(f"mode must be 'train' or 'infer', got {_checks.show(mode)}")
+    batch_size = _checks.whole("batch_size", batch_size)
+    expandable_segments = _checks.flag("expandable_segments", expandable_segments)
+    if "seq_len" in options:
+        raise ValueError("longest_sequence chooses seq_len itself: give the step's other options")
+    est = estimate_training if mode == "train" else estimate_inference
+    if options.get("device", "cuda") != "cuda":
+        raise ValueError("longest_sequence() answers for a GPU: leave device at 'cuda'")
+    options = {k: v for k, v in options.items() if k != "device"}
+    allowed = set(inspect.signature(est).parameters) - {"model", "batch_size", "gpu", "device", "seq_len"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(f"longest_sequence(mode={mode!r}) does not take {', '.join(unknown)}; it takes "
+                         f"{', '.join(sorted(allowed))}")
+    spec = _resolve(model)
+    est(spec, batch_size=batch_size, seq_len=1, gpu=g, **options)  # every option checked once
+    limit = spec.max_position_embeddings if spec.family != "t5" and spec.max_position_embeddings else MAX_SEQ_SEARCH
+    _positions(spec, limit)
+
+    def verdict(s: int) -> Fit:
+        return replace(device_fit(est(spec, batch_size=batch_size, seq_len=s, gpu=g, **options), g,
+                                  expandable_segments=expandable_segments,
+                                  largest_tensor=fragmentation_bytes(spec, batch_size=batch_size, seq_len=s, mode=mode,
+                                                                     **options)), batch_size=batch_size)
+
+    s = largest_true(lambda n: verdict(n).fits, start=min(2048, limit), limit=limit)
+    return SequenceFit(seq_len=s, batch_size=batch_size, limit=limit, capped=s >= limit, fit=verdict(max(s, 1)))

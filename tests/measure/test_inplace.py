@@ -49,3 +49,27 @@ def test_module_refuses_an_inplace_gelu_and_switches_real_modules():
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.GELU())
     assert ip.set_inplace(model, dropouts=False) == ["1"]
     assert ip.set_inplace(model) == ["1", "2"] and model[2].inplace
+
+
+def test_probe_measures_every_allowed_choice_as_predicted_on_this_machine():
+    """The probe the GPU campaign runs on CUDA, here on the CPU's kernels at a small size: the measured
+    saved bytes and forward peak equal `mlp_block_memory(device="cpu")` for every row."""
+    rows = ip.probe("cpu", batch_size=1, seq_len=8, precisions=("fp32",))
+    assert len(rows) == 10
+    for r in rows:
+        assert r["measured"] == r["predicted"], r
+
+
+def test_cuda_probe_without_a_gpu_is_one_line(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the campaign runs the probe")
+    assert ip.main(["--device", "cuda", "--out", str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err.strip() == "vramlab.measure.inplace: --device cuda needs a CUDA GPU"
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("gpu_campaign", root / "benchmarks" / "gpu_campaign.py")
+    campaign = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(campaign)
+    assert "inplace" in campaign.STEPS

@@ -403,3 +403,47 @@ def test_compression_new_methods_answer_every_model_without_a_traceback():
         for method in C.COMPRESSION_METHODS:
             r = C.get("compression").run(model=model, method=method, bits=16, seq_len=512)
             assert (r.error and "\n" not in r.error) or (r.numbers and r.svg), (model, method)
+
+
+def test_training_in_place_adds_what_the_library_prices_where_every_block_is_saved():
+    from vramlab import memory
+    from vramlab.activations import inplace_step
+
+    kw = dict(model="gpt2", batch_size=4, seq_len=512, precision="bf16-mixed", gpu="h100-80gb")
+    plain = C.get("training").run(**kw)
+    freeing = C.get("training").run(**kw, inplace="where it frees memory")
+    every = C.get("training").run(**kw, inplace="every allowed site")
+    assert not (plain.error or freeing.error or every.error)
+    # ReLU / the residual add into the branch free only forward transients: the step's peak does not move
+    assert freeing.numbers["train_total"][0] == plain.numbers["train_total"][0]
+    assert freeing.numbers["inplace_saved"][0] == 0 and freeing.numbers["inplace_transient"][0] > 0
+    # CUDA's in-place dropout saves a bf16 noise for a 1-byte mask: every block's share, at the backward's start
+    ip = inplace_step("gpt2", batch_size=4, seq_len=512, precision="bf16-mixed")
+    phases = memory.training_phases("gpt2", batch_size=4, seq_len=512, precision="bf16-mixed", gpu="h100")
+    start = next(m for m in phases if m.phase.startswith("backward start"))
+    assert max(m.total for m in phases) == start.total == plain.numbers["train_total"][0]
+    assert every.numbers["train_total"][0] == start.total + ip["saved"] > plain.numbers["train_total"][0]
+    assert "+" in every.text and "noise tensor" in every.text
+
+
+def test_training_in_place_with_recompute_is_refused_in_one_line():
+    r = C.get("training").run(model="gpt2", inplace="every allowed site", recompute="full")
+    assert r.error.startswith("in-place ops are priced for a step without recompute") and "\n" not in r.error
+
+
+def test_training_in_place_max_batch_searches_with_the_extra_bytes():
+    kw = dict(model="gpt2-large", seq_len=1024, precision="bf16-mixed", gpu="a100-40gb", inplace="every allowed site")
+    b = C.get("training").run(**kw, batch_size=1).numbers["max_batch"][0]
+    assert 1 <= b <= C.get("training").run(**{**kw, "inplace": "none"}, batch_size=1).numbers["max_batch"][0]
+    # the largest batch that fits with the in-place dropouts' bytes: it fits, and the next one does not
+    assert "\nfits on" in C.get("training").run(**kw, batch_size=b).text
+    assert "does NOT fit" in C.get("training").run(**kw, batch_size=b + 1).text
+
+
+def test_training_allocator_choice_is_fits_expandable_segments():
+    kw = dict(model="gpt2", batch_size=8, seq_len=512, precision="bf16-mixed", gpu="h100-80gb")
+    r = C.get("training").run(**kw, allocator="expandable segments")
+    f = fit("gpt2", "h100-80gb", batch_size=8, seq_len=512, precision="bf16-mixed", expandable_segments=True)
+    assert r.numbers["max_batch"][0] == f.max_batch_size
+    assert r.numbers["max_batch"][0] >= C.get("training").run(**kw).numbers["max_batch"][0]
+    assert "expandable" in r.text

@@ -90,7 +90,7 @@ def test_gpu_fit_shows_its_reserve(capsys):
     assert r["fragmentation_bytes"] == 104 * 512 * 50257 * 2  # the freed bf16 logits (half the fp32 gradient asked for next)
     assert main(args + ["--json", "--expandable-segments"]) == 0
     g2 = json.loads(capsys.readouterr().out)["gpu"]
-    assert g2["expandable_segments"] and g2["reserve"]["fragmentation_bytes"] == 2 * 2**20
+    assert g2["expandable_segments"] and g2["reserve"]["fragmentation_bytes"] == (20 + 2) * 2**20  # a large and a small page
     assert g2["max_batch_size"] > g["max_batch_size"]
 
 
@@ -290,3 +290,63 @@ def test_subcommands_bad_input_one_line_exit_2(args, needle):
     assert r.returncode == 2, r.stdout[-300:]
     assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_accumulation_steps_answers_as_estimate_training(capsys):
+    from vramlab import estimate_training, zero
+
+    assert main(["estimate", "train", "--model", "gpt2", "--batch-size", "4", "--seq-len", "512", "--precision",
+                 "bf16-mixed", "--accumulation-steps", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["total_bytes"] == estimate_training("gpt2", batch_size=4, seq_len=512, precision="bf16-mixed",
+                                                   accumulation_steps=4).total
+    assert out["total_bytes"] > estimate_training("gpt2", batch_size=4, seq_len=512, precision="bf16-mixed").total
+    assert main(["estimate", "train", "--model", "gpt2", "--batch-size", "4", "--seq-len", "512", "--precision",
+                 "bf16-mixed", "--zero", "2", "--gpus", "4", "--accumulation-steps", "4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = zero.estimate_rank("gpt2", 4, 2, micro_batch_size=4, seq_len=512, accumulation_steps=4)
+    assert out["total_bytes"] == want.total
+
+
+@pytest.mark.parametrize("method, extra", [("prompt", []), ("prefix", ["--prefix-projection"]),
+                                           ("p-tuning", ["--virtual-tokens", "8"])])
+def test_prompt_learning_answers_as_peft_training(method, extra, capsys):
+    from vramlab import compression as COMP
+
+    assert main(["lora", "--model", "mt5-base", "--method", method, "--batch-size", "8", "--seq-len", "128",
+                 "--gpu", "h100", "--json", *extra]) == 0
+    out = json.loads(capsys.readouterr().out)
+    p = 8 if "--virtual-tokens" in extra else 20
+    kw = dict(num_virtual_tokens=p, prefix_projection="--prefix-projection" in extra)
+    assert out["total_bytes"] == COMP.peft_training("mt5-base", method=method, batch_size=8, seq_len=128,
+                                                    precision="bf16", gpu="h100", **kw).total
+    assert out["trainable_params"] == COMP.prompt_learning("mt5-base", method=method, **kw).trainable
+    assert out["num_virtual_tokens"] == p and "rank" not in out
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["estimate", "infer", "--model", "gpt2", "--batch-size", "1", "--seq-len", "8", "--accumulation-steps", "2"],
+     "--accumulation-steps does not apply to 'estimate infer'"),
+    (["lora", "--model", "gpt2", "--method", "prompt", "--prefix-projection", "--batch-size", "1", "--seq-len", "8",
+      "--gpu", "t4"], "--prefix-projection is prefix tuning's"),
+    (["lora", "--model", "gpt2", "--method", "lora", "--virtual-tokens", "4", "--batch-size", "1", "--seq-len", "8",
+      "--gpu", "t4"], "are for prompt, prefix and p-tuning"),
+    (["lora", "--model", "gpt2", "--method", "prompt", "--virtual-tokens", "2000", "--batch-size", "1", "--seq-len",
+      "8", "--gpu", "t4"], "virtual tokens"),
+])
+def test_new_flags_bad_input_one_line_exit_2(args, needle):
+    r = run(*args)
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_estimate_with_a_gpu_says_the_longest_sequence_as_fitting_does(capsys):
+    from vramlab import fitting
+
+    assert main(["estimate", "train", "--model", "llama-3.2-1b", "--batch-size", "2", "--seq-len", "4096",
+                 "--precision", "bf16-mixed", "--recompute", "full", "--gpu", "h100", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = fitting.longest_sequence("llama-3.2-1b", "h100", batch_size=2, precision="bf16-mixed", recompute="full")
+    assert out["gpu"]["longest_seq_len"] == want.seq_len > 4096 and not out["gpu"]["longest_seq_len_capped_by_positions"]
+    assert main(["estimate", "train", "--model", "llama-3.2-1b", "--batch-size", "2", "--seq-len", "4096",
+                 "--precision", "bf16-mixed", "--recompute", "full", "--gpu", "h100"]) == 0
+    assert f"longest sequence that fits on h100-80gb at batch size 2: {want.seq_len:,} tokens" in capsys.readouterr().out

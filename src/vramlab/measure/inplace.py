@@ -148,12 +148,13 @@ def measure_forward(module: torch.nn.Module, x: torch.Tensor) -> BlockMemory:
 
 
 def measure_mlp_block(block: MLPBlock, *, batch_size: int, seq_len: int, precision: str = "fp32",
-                      inplace: Iterable[str] = (), seed: int = 0) -> BlockMemory:
-    """Build `block` in torch (CPU) and measure one forward's saved bytes and peak."""
+                      inplace: Iterable[str] = (), seed: int = 0, device: str = "cpu") -> BlockMemory:
+    """Build `block` in torch (on the CPU, or "cuda" for CUDA's kernels) and measure one forward's saved
+    bytes and peak."""
     torch.manual_seed(seed)
     dtype = _DTYPES[precision]
-    module = MLPBlockModule(block, inplace, dtype=dtype)
-    x = torch.randn(batch_size, seq_len, block.hidden_size, dtype=dtype, requires_grad=True)
+    module = MLPBlockModule(block, inplace, dtype=dtype).to(device)
+    x = torch.randn(batch_size, seq_len, block.hidden_size, dtype=dtype, requires_grad=True, device=device)
     return measure_forward(module, x * 1)  # a non-leaf input, as inside a model
 
 
@@ -178,3 +179,75 @@ def set_inplace(model: torch.nn.Module, *, activations: bool = True, dropouts: b
             m.inplace = True
             names.append(name)
     return names
+
+
+# The blocks the campaign measures on a GPU (where CUDA's dropout differs from the CPU's: a 1-byte mask
+# out of place, a noise tensor in the dtype in place): GPT-2's and OPT's feed-forward sublayers with
+# their output dropout, T5's with its inner one.
+PROBE_BLOCKS = {
+    "gpt2-like (gelu, output dropout)": MLPBlock(hidden_size=768, intermediate_size=3072, activation="gelu",
+                                                 norm="layernorm", outer_dropout=0.1),
+    "opt-like (relu, output dropout)": MLPBlock(hidden_size=768, intermediate_size=3072, activation="relu",
+                                                norm="layernorm", outer_dropout=0.1),
+    "t5-like (relu, inner and output dropout)": MLPBlock(hidden_size=512, intermediate_size=2048, activation="relu",
+                                                         norm="rmsnorm", inner_dropout=0.1, outer_dropout=0.1,
+                                                         branch_ref=True),
+}
+PROBE_CHOICES = ((), ("activation",), ("outer_dropout",), ("activation", "outer_dropout", "residual"))
+
+
+def probe(device: str = "cpu", *, batch_size: int = 4, seq_len: int = 256,
+          precisions: Iterable[str] = ("fp32", "bf16")) -> list[dict]:
+    """Every probe block x allowed in-place choice x precision on `device`: measured beside
+    `mlp_block_memory`'s prediction for that device's kernels."""
+    from ..activations import inplace_refusal, mlp_block_memory
+
+    torch.set_num_threads(1)
+    rows = []
+    for name, block in PROBE_BLOCKS.items():
+        for ops in PROBE_CHOICES:
+            if inplace_refusal(block, ops) or ("activation" in ops and block.activation == "gelu"):
+                continue
+            for precision in precisions:
+                pred = mlp_block_memory(block, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                                        device=device, inplace=ops)
+                meas = measure_mlp_block(block, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                                         inplace=ops, device=device)
+                rows.append({"block": name, "inplace": list(ops), "precision": precision, "batch_size": batch_size,
+                             "seq_len": seq_len, "predicted": {k: pred[k] for k in ("saved", "forward_peak", "end")},
+                             "measured": {"saved": meas.saved, "forward_peak": meas.forward_peak, "end": meas.end}})
+    return rows
+
+
+def main(argv=None) -> int:
+    """`python -m vramlab.measure.inplace [--device cuda] --out FILE`: the probe blocks measured on this
+    machine's kernels, with provenance (the GPU campaign's `inplace` step runs it on CUDA)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from .. import checks
+    from .record import provenance
+
+    ap = checks.Parser(prog="python -m vramlab.measure.inplace",
+                       description="in-place ops measured on one block: saved bytes and forward peak")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--out", required=True, help="the JSON file to write")
+    ns = ap.parse_args(argv)
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        print("vramlab.measure.inplace: --device cuda needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = probe(ns.device)
+    out = {"what": "in-place ops on one feed-forward sublayer: measured saved bytes and forward peak beside "
+                   "vramlab.activations.mlp_block_memory", "device": ns.device,
+           "provenance": provenance(ns.device),
+           "command": f"python -m vramlab.measure.inplace --device {ns.device} --out {ns.out}", "rows": rows}
+    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(ns.out).write_text(json.dumps(out, indent=1) + "\n")
+    bad = [r for r in rows if r["predicted"]["saved"] != r["measured"]["saved"]]
+    print(f"{len(rows)} rows, {len(rows) - len(bad)} with saved bytes as predicted -> {ns.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,6 +10,7 @@ widget, the book the HTML.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -128,28 +129,81 @@ GPU_CHOICES = tuple(specs.GPUS)
 SEQ_CHOICES = (128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+ALLOCATORS = ("default", "expandable segments")
+# the phases of a step without recompute at which every block's saved tensors are alive (the last
+# block's backward has begun to free its own)
+_ALL_SAVED = ("forward end", "backward start", "LM head backward")
+
+
+def _inplace_phases(phases, ip: dict) -> list:
+    """The step's phases with what the in-place ops add to the saved tensors (`activations.inplace_step`)."""
+    out = []
+    for m in phases:
+        name = m.phase.split(": ")[-1]
+        add = ip["saved"] if name.startswith(_ALL_SAVED) else \
+            max(ip["saved"] - ip["per_block"], 0) if name.startswith("backward of the last block") else 0
+        out.append(dataclasses.replace(m, activations=m.activations + add))
+    return out
+
+
 def _training(*, model: str, batch_size: int, seq_len: int, precision: str, optimizer: str, attention: str,
-              recompute: str, gpu: str, accumulation_steps: int = 1) -> Result:
+              recompute: str, gpu: str, accumulation_steps: int = 1, inplace: str = "none",
+              allocator: str = "default") -> Result:
     spec, g = specs.preset(model), specs.gpu(gpu)
+    expandable = allocator == "expandable segments"
+    if inplace != "none" and recompute != "none":
+        raise ValueError("in-place ops are priced for a step without recompute (with recompute, which blocks' saved "
+                         "tensors are alive at the peak is the plan's): set recompute to none, or in-place to none")
     # batch_size is the micro-batch; with accumulation_steps > 1 every gradient stays under the later ones
     opts = dict(seq_len=seq_len, precision=precision, optimizer=optimizer, attention=attention, recompute=recompute,
                 accumulation_steps=accumulation_steps)
-    train = memory.estimate_training(spec, batch_size=batch_size, gpu=g, **opts)
+
+    def inplace_at(bs: int) -> dict:
+        return activations.inplace_step(spec, batch_size=bs, seq_len=seq_len, choice=inplace, device="cuda",
+                                        precision=precision, attention=attention)
+
+    def train_at(bs: int):
+        phases = memory.training_phases(spec, batch_size=bs, gpu=g, **opts)
+        if inplace != "none":
+            phases = _inplace_phases(phases, inplace_at(bs))
+        return max(phases, key=lambda m: m.total)
+
+    train = train_at(batch_size)
+    ip = inplace_at(batch_size) if inplace != "none" else None
     infer_dtype = "fp32" if precision == "fp32" else "bf16"
     infer = memory.estimate_inference(spec, batch_size=batch_size, seq_len=seq_len, dtype=infer_dtype, gpu=g)
-    verdict = fitting.fit(spec, g, batch_size=batch_size, **opts)
+    if ip is None or not ip["saved"]:
+        verdict = fitting.fit(spec, g, batch_size=batch_size, expandable_segments=expandable, **opts)
+    else:  # the in-place ops change the step's bytes at every batch size: search with them
+        def at(bs: int, **found) -> fitting.Fit:
+            return fitting.device_fit(train_at(bs), g, expandable_segments=expandable, **found,
+                                      largest_tensor=fitting.fragmentation_bytes(spec, batch_size=bs, **opts))
+        lo = fitting.largest_true(lambda bs: at(bs).fits, limit=1 << 12)
+        verdict = dataclasses.replace(at(batch_size, max_batch_size=lo, capped=lo >= 1 << 12), batch_size=batch_size)
     bars = [(label, [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
             for label, b in (("training step", train), (f"inference ({infer_dtype})", infer))]
     svg, narrow = _both(stacked_bars, bars, title=f"{spec.name}: {spec.params / 1e6:,.0f} M params, b={batch_size}, s={seq_len}",
                        line=(g.usable_bytes / GiB, f"{g.name} usable"))
     step = "training step" if accumulation_steps == 1 else \
         f"training step: {accumulation_steps} micro-batches of {batch_size} (global batch {batch_size * accumulation_steps})"
-    text = "\n".join([train.table(title=step), "", str(verdict), verdict.explain(), "",
-                      f"inference prefill: {fmt_bytes(infer.total)} (KV cache {fmt_bytes(infer.kv_cache)})"])
-    return Result(text=text, svg=svg, svg_narrow=narrow, numbers={
-        "train_total": (train.total, fmt_bytes(train.total)), "infer_total": (infer.total, fmt_bytes(infer.total)),
-        "max_batch": (verdict.max_batch_size, str(verdict.max_batch_size)),
-        "global_batch": (batch_size * accumulation_steps, f"{batch_size * accumulation_steps:,}")})
+    if ip is not None:
+        step += f", in place: {inplace}"
+    lines = [train.table(title=step), "", str(verdict), verdict.explain()]
+    numbers = {"train_total": (train.total, fmt_bytes(train.total)), "infer_total": (infer.total, fmt_bytes(infer.total)),
+               "max_batch": (verdict.max_batch_size, str(verdict.max_batch_size)),
+               "global_batch": (batch_size * accumulation_steps, f"{batch_size * accumulation_steps:,}")}
+    if ip is not None:
+        names = "; ".join(ip["sites"]) or "none allowed in this model's blocks"
+        lines += ["", f"in place ({inplace}), per block: {names}",
+                  f"  saved for the backward: {'+' if ip['saved'] else ''}{fmt_bytes(ip['saved'])} over {ip['blocks']} "
+                  "blocks" + (" (CUDA's in-place dropout saves a noise tensor in the dtype, its fused form a 1-byte "
+                              "mask)" if ip["saved"] else " (no allowed in-place op frees a saved tensor)"),
+                  f"  forward's momentary peak: at most {fmt_bytes(ip['transient'])} lower (one block's largest "
+                  "allocation avoided; the step's peak is at the backward's start and does not move)"]
+        numbers["inplace_saved"] = (ip["saved"], fmt_bytes(ip["saved"]))
+        numbers["inplace_transient"] = (ip["transient"], fmt_bytes(ip["transient"]))
+    lines += ["", f"inference prefill: {fmt_bytes(infer.total)} (KV cache {fmt_bytes(infer.kv_cache)})"]
+    return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers=numbers)
 
 
 COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer_states": "#55A868", "activations": "#C44E52",
@@ -158,7 +212,9 @@ COLORS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer_states": "
 TRAINING = Calculator(
     name="training", title="Training and inference memory", compute=_training,
     number_labels={"train_total": "training peak", "infer_total": "inference prefill",
-                   "max_batch": "largest (micro-)batch that fits", "global_batch": "global batch"},
+                   "max_batch": "largest (micro-)batch that fits", "global_batch": "global batch",
+                   "inplace_saved": "in place: added to the saved tensors",
+                   "inplace_transient": "in place: forward transient avoided"},
     inputs=(Input(name="model", label="model", kind="choice", default="gpt2", choices=specs.preset_names()),
             Input(name="batch_size", label="batch size", kind="int", default=8, min=1, max=128),
             Input(name="seq_len", label="sequence length", kind="choice", default=1024, choices=SEQ_CHOICES),
@@ -167,7 +223,9 @@ TRAINING = Calculator(
             Input(name="attention", label="attention", kind="choice", default="sdpa", choices=activations.ATTENTIONS),
             Input(name="recompute", label="recompute", kind="choice", default="none", choices=activations.RECOMPUTES),
             Input(name="gpu", label="GPU", kind="choice", default="t4", choices=GPU_CHOICES),
-            Input(name="accumulation_steps", label="accumulation steps", kind="int", default=1, min=1, max=64)))
+            Input(name="accumulation_steps", label="accumulation steps", kind="int", default=1, min=1, max=64),
+            Input(name="inplace", label="in-place ops", kind="choice", default="none", choices=activations.INPLACE_CHOICES),
+            Input(name="allocator", label="allocator", kind="choice", default="default", choices=ALLOCATORS)))
 
 
 # ----------------------------------------------------------------------------- chapter 2

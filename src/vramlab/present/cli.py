@@ -35,13 +35,15 @@ from .tables import Cell, Table
 
 INFER_DTYPES: tuple[str, ...] = tuple(memory._INFER_BYTES)
 OFFLOAD_SCHEMES: tuple[str, ...] = ("save-on-cpu", "zero-offload", "fsdp2-cpu")
-LORA_METHODS: tuple[str, ...] = ("lora", "qlora", "lora-int8", "full")
+LORA_METHODS: tuple[str, ...] = ("lora", "qlora", "lora-int8", "full", "prompt", "prefix", "p-tuning")
+PROMPT_METHODS: tuple[str, ...] = ("prompt", "prefix", "p-tuning")
 # a ZeRO rank's recipe (zero.RECIPES) for each --precision: DeepSpeed and FSDP keep fp32 master weights
 # and Adam's fp32 moments beside a 16-bit model; pure bf16 (bf16 optimizer states) is not one of theirs
 ZERO_RECIPE = {"fp32": "fp32-adam", "bf16-mixed": "mixed-adam", "fp16-mixed": "mixed-adam",
                "bf16-fp32-states": "mixed-adam", "fp16-fp32-master": "mixed-adam"}
 # the base's precision of each fine-tuning method, as the compression calculator chooses it
-LORA_PRECISION = {"full": "bf16-mixed", "lora": "bf16", "lora-int8": "bf16", "qlora": "bf16"}
+LORA_PRECISION = {"full": "bf16-mixed", "lora": "bf16", "lora-int8": "bf16", "qlora": "bf16", "prompt": "bf16",
+                  "prefix": "bf16", "p-tuning": "bf16"}
 MAX_GPUS = 1024  # the most GPUs a lever tries (the plan command's own --gpus may be more)
 
 
@@ -95,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--recompute", default=None, metavar="PLAN",
                      help=f"train only (default none): {', '.join(activations.RECOMPUTES)}, every-K, first-N or segments-K")
     est.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="whose kernels run (default cuda)")
+    est.add_argument("--accumulation-steps", type=_COUNT, default=None, metavar="K",
+                     help="train: micro-batches per optimizer step (gradient accumulation; --batch-size is the "
+                          "micro-batch; default 1)")
     est.add_argument("--new-tokens", type=checks.argtype(_count, int, lo=0), default=None,
                      help="infer: model.generate() with this many new tokens (default: one prefill, all logits)")
     _gpu_arg(est, required=False)
@@ -121,11 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=_COUNT, default=10, metavar="K", help="show K layouts (default 10)")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
 
-    lora = commands["lora"] = sub.add_parser("lora", help="fine-tuning memory: full, LoRA, LoRA on INT8, QLoRA")
+    lora = commands["lora"] = sub.add_parser("lora", help="fine-tuning memory: full, LoRA, LoRA on INT8, QLoRA, "
+                                                           "prompt, prefix and P-tuning")
     _model_source(lora)
     lora.add_argument("--method", default="lora", choices=LORA_METHODS, help="default lora")
     _sizes(lora)
     lora.add_argument("--rank", type=_COUNT, default=16, help="LoRA rank (default 16)")
+    lora.add_argument("--virtual-tokens", type=_COUNT, default=None, metavar="P",
+                      help="prompt, prefix, p-tuning: peft's num_virtual_tokens (default 20)")
+    lora.add_argument("--prefix-projection", action="store_true",
+                      help="prefix: the reparameterisation MLP (peft's prefix_projection=True)")
     lora.add_argument("--targets", default="default", choices=("default", "all-linear"),
                       help="default: peft's default target modules for the architecture")
     lora.add_argument("--precision", default=None, choices=P.PRECISIONS,
@@ -264,7 +274,8 @@ def _is_sharded(ns) -> bool:
 def _estimate_options(ns) -> tuple[dict, argparse.Namespace]:
     """estimate's options for the library, after every check that spans flags."""
     spec, gpu = _spec(ns), _gpu(ns)
-    only = {"train": ("optimizer", "optimizer_impl", "recompute", "zero", "gpus", "recipe"), "infer": ("new_tokens",)}
+    only = {"train": ("optimizer", "optimizer_impl", "recompute", "zero", "gpus", "recipe", "accumulation_steps"),
+            "infer": ("new_tokens",)}
     for mode, flags in only.items():
         given = [f for f in flags if getattr(ns, f) is not None] + (["fsdp2"] if mode == "train" and ns.fsdp2 else [])
         if mode != ns.mode and given:
@@ -286,7 +297,8 @@ def _estimate_options(ns) -> tuple[dict, argparse.Namespace]:
                                  "(tensor and pipeline parallelism: `vramlab plan`)")
         return dict(seq_len=ns.seq_len, precision=ns.precision or "fp32", optimizer=ns.optimizer or "adamw",
                     optimizer_impl=ns.optimizer_impl or "foreach", attention=ns.attention,
-                    recompute=ns.recompute or "none", device=ns.device), ns
+                    recompute=ns.recompute or "none", device=ns.device,
+                    accumulation_steps=ns.accumulation_steps or 1), ns
     if ns.fsdp2 and ns.zero not in (None, 3):
         raise ValueError(f"--fsdp2 shards like ZeRO-3: leave --zero out (or give --zero 3), not --zero {ns.zero}")
     if ns.recompute is not None:
@@ -308,7 +320,7 @@ def _estimate_options(ns) -> tuple[dict, argparse.Namespace]:
                              "FSDP keep fp32 master weights and Adam states; use --precision bf16-mixed")
         recipe = ZERO_RECIPE[precision]
     return dict(recipe=recipe, implementation="fsdp2" if ns.fsdp2 else "deepspeed", attention=ns.attention,
-                optimizer_impl=ns.optimizer_impl or "fused"), ns
+                optimizer_impl=ns.optimizer_impl or "fused", accumulation_steps=ns.accumulation_steps or 1), ns
 
 
 def _stage(ns) -> int:
@@ -340,6 +352,17 @@ def _largest(fits: Callable[[int], bool], start: int, search: bool, limit: int =
     return lo, lo >= limit
 
 
+def _prompt_options(ns) -> dict:
+    """peft_training's prompt-learning options, refusing the flags that belong to another method."""
+    if ns.method in PROMPT_METHODS:
+        if ns.prefix_projection and ns.method != "prefix":
+            raise ValueError(f"--prefix-projection is prefix tuning's reparameterisation MLP, not {ns.method}'s")
+        return dict(num_virtual_tokens=ns.virtual_tokens or 20, prefix_projection=ns.prefix_projection)
+    if ns.virtual_tokens is not None or ns.prefix_projection:
+        raise ValueError(f"--virtual-tokens and --prefix-projection are for prompt, prefix and p-tuning, not {ns.method}")
+    return {}
+
+
 def _lora_precision(ns) -> str:
     if ns.method in ("qlora", "lora-int8") and ns.precision not in (None, "bf16"):
         raise ValueError(f"--precision {ns.precision} does not apply to {ns.method}: its quantized base computes in "
@@ -353,7 +376,7 @@ def _lora_fit(ns, batch_size: int) -> tuple[memory.MemoryBreakdown, fitting.Fit]
     spec, g, precision = _spec(ns), _gpu(ns), _lora_precision(ns)
     peak = COMP.peft_training(spec, method=ns.method, rank=ns.rank, targets=ns.targets, batch_size=batch_size,
                               seq_len=ns.seq_len, precision=precision, optimizer=ns.optimizer, recompute=ns.recompute,
-                              gpu=g)
+                              gpu=g, **_prompt_options(ns))
     frag = fitting.fragmentation_bytes(spec, batch_size=batch_size, seq_len=ns.seq_len, mode="train",
                                        precision="fp32" if precision == "fp32" else "bf16-mixed")
     return peak, fitting.device_fit(peak, g, largest_tensor=frag)
@@ -627,7 +650,7 @@ def _levers(ns, here: Answer) -> list[Lever]:
         return L
     if ns.command == "lora":
         heavy_first = ("full", "lora", "lora-int8", "qlora")
-        lighter = heavy_first[heavy_first.index(ns.method) + 1:]
+        lighter = heavy_first[heavy_first.index(ns.method) + 1:] if ns.method in heavy_first else ()
         if ns.recompute != "full":
             L.append(Lever(({"recompute": "full"},)))
         if ns.method == "full" and ns.optimizer in ("adam", "adamw"):
@@ -754,14 +777,22 @@ def _estimate(ns) -> int:
     out = {"model": spec.name, "model_type": spec.model_type, "mode": ns.mode, "params": spec.params,
            "batch_size": ns.batch_size, "seq_len": ns.seq_len, "options": options,
            "total_bytes": est.total, "breakdown": est.to_dict(), "peak_phase": est.phase}
+    longest = None
+    if verdict:  # the other question a GPU answers: the longest sequence at this batch size
+        longest = fitting.longest_sequence(spec, gpu, batch_size=ns.batch_size, mode=ns.mode,
+                                           expandable_segments=ns.expandable_segments,
+                                           **{k: v for k, v in options.items() if k not in ("seq_len", "device")})
     if not ns.json:
         print(f"{spec.name}: {spec.params:,} parameters ({spec.model_type})")
         print(est.table())
         if verdict:
             print(verdict)
             print(verdict.explain())
+            print(longest)
     if verdict:
         out["gpu"] = _fit_json(verdict)
+        out["gpu"]["longest_seq_len"] = longest.seq_len
+        out["gpu"]["longest_seq_len_capped_by_positions"] = longest.capped
         if not verdict.fits:
             out["suggestions"] = _print_suggestions(ns, here)
     if ns.json:
@@ -861,14 +892,23 @@ def _lora(ns) -> int:
     here, verdict = _answer_lora(ns)
     peak, _ = _lora_fit(ns, ns.batch_size)
     precision = _lora_precision(ns)
-    n = COMP.lora_params(spec, rank=ns.rank, targets=ns.targets) if ns.method != "full" else spec.params
-    trainable = (f"trainable: {n:,} of {spec.params:,} parameters ({100 * n / spec.params:.3f} %; LoRA r={ns.rank} on "
-                 f"{len(COMP.lora_targets(spec, ns.targets))} matrices, as peft counts)" if ns.method != "full"
-                 else f"trainable: all {spec.params:,} parameters")
+    if ns.method in PROMPT_METHODS:
+        pl = COMP.prompt_learning(spec, method=ns.method, **_prompt_options(ns))
+        n = pl.trainable
+        trainable = (f"trainable: {n:,} of {spec.params + n:,} parameters ({100 * n / (spec.params + n):.3f} %; "
+                     f"{ns.method} with {ns.virtual_tokens or 20} virtual tokens, as peft counts)")
+    else:
+        n = COMP.lora_params(spec, rank=ns.rank, targets=ns.targets) if ns.method != "full" else spec.params
+        trainable = (f"trainable: {n:,} of {spec.params:,} parameters ({100 * n / spec.params:.3f} %; LoRA r={ns.rank} "
+                     f"on {len(COMP.lora_targets(spec, ns.targets))} matrices, as peft counts)" if ns.method != "full"
+                     else f"trainable: all {spec.params:,} parameters")
     out = {"model": spec.name, "method": ns.method, "rank": ns.rank, "targets": ns.targets, "precision": precision,
            "optimizer": ns.optimizer, "recompute": ns.recompute, "batch_size": ns.batch_size, "seq_len": ns.seq_len,
            "trainable_params": n, "params": spec.params, "total_bytes": peak.total, "breakdown": peak.to_dict(),
            "peak_phase": peak.phase, "gpu": _fit_json(verdict)}
+    if ns.method in PROMPT_METHODS:
+        out.update(_prompt_options(ns))
+        del out["rank"], out["targets"]
     if peak.warning:
         out["warning"] = peak.warning
     if not ns.json:
