@@ -3,7 +3,11 @@
 A `ModelSpec` names every weight tensor a transformers model of a supported family holds, so that
 `spec.params` equals `sum(p.numel() for p in model.parameters())` of the real model exactly.
 Families: GPT-2, GPT-NeoX, OPT, Llama / Mistral / Qwen2 (grouped-query attention, gated MLP),
-BERT (masked-LM head) and T5 / mT5 (encoder-decoder).
+BERT (masked-LM head) and T5 / mT5 (encoder-decoder); mixture-of-experts decoders (Mixtral, Qwen2-
+and Qwen3-MoE, OLMoE, DeepSeek-V2/V3 with multi-head latent attention) as the family "moe", whose
+`active_params` counts what one token's forward uses (issue 33). The calculators do not model MoE
+training memory yet: `resolve` refuses an MoE spec, and `preset_names` lists the dense presets only
+(`moe_preset_names` the others); `vramlab.moe` prices an MoE model's parameters and KV cache.
 
 Build one with `from_config` (a transformers config object, a config dict, or a `config.json` path)
 or `preset("gpt2")`. What-if questions: `dataclasses.replace(spec, num_layers=48)`.
@@ -18,7 +22,7 @@ import numbers as _numbers
 import os
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cache
 from importlib import resources
 from typing import Any, Literal, Mapping
@@ -26,7 +30,8 @@ from typing import Any, Literal, Mapping
 from . import checks as _checks
 from .units import GB, GiB, MiB
 
-Family = Literal["gpt2", "gpt_neox", "opt", "llama", "bert", "t5"]
+Family = Literal["gpt2", "gpt_neox", "opt", "llama", "bert", "t5", "moe"]
+QKNorm = Literal["", "head", "proj"]
 Norm = Literal["layernorm", "rmsnorm"]
 
 # transformers model_type -> the family whose layer layout it shares
@@ -40,7 +45,19 @@ MODEL_TYPES: dict[str, Family] = {
     "bert": "bert",
     "t5": "t5",
     "mt5": "t5",
+    # mixture of experts: one family, its variants told apart by the fields below (and model_type)
+    "mixtral": "moe",
+    "qwen2_moe": "moe",
+    "qwen3_moe": "moe",
+    "olmoe": "moe",
+    "deepseek_v2": "moe",
+    "deepseek_v3": "moe",
 }
+MOE_MODEL_TYPES = tuple(t for t, f in MODEL_TYPES.items() if f == "moe")
+# every layer of these is a mixture of experts whose expert width is the config's intermediate_size
+_ALL_MOE_TYPES = ("mixtral", "olmoe")
+_MLA_TYPES = ("deepseek_v2", "deepseek_v3")
+MOE_NOT_MODELLED = "mixture-of-experts training memory is not modelled yet (issue 33)"
 
 
 class SpecError(ValueError):
@@ -106,6 +123,25 @@ class ModelSpec:
     final_norm: bool = True  # OPT can drop its final LayerNorm
     parallel_residual: bool = False  # GPT-NeoX
     rotary_fraction: float = 0.0  # GPT-NeoX partial rotary; 1.0 for Llama-style
+    # mixture of experts (family "moe"; the defaults describe a dense model and must stay so there)
+    num_experts: int = 0  # routed experts in each MoE layer
+    num_experts_per_tok: int = 0  # top-k: routed experts each token goes through
+    moe_intermediate_size: int = 0  # each routed expert's gated-MLP width
+    num_shared_experts: int = 0  # experts every token goes through (one MLP, num x width wide)
+    shared_expert_intermediate_size: int = 0  # each shared expert's width (0: moe_intermediate_size)
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(Linear(h, 1)) scales the shared expert
+    first_dense_layers: int = 0  # DeepSeek's first_k_dense_replace: leading layers with a dense MLP
+    moe_layer_step: int = 1  # Qwen's decoder_sparse_step: layer i is MoE when (i + 1) % step == 0
+    dense_layer_ids: tuple[int, ...] = ()  # Qwen's mlp_only_layers: layers kept dense
+    num_expert_groups: int = 1  # DeepSeek's n_group (device-limited routing)
+    topk_expert_groups: int = 1  # DeepSeek's topk_group: groups a token may route to
+    qk_norm: QKNorm = ""  # RMSNorm on q and k: per head (Qwen3-MoE) or over the projection (OLMoE)
+    # multi-head latent attention (DeepSeek-V2/V3; 0 = ordinary attention). head_dim is then the
+    # query/key head width, qk_nope_head_dim + qk_rope_head_dim
+    q_lora_rank: int = 0  # queries through a rank-q_lora_rank bottleneck (0: one q_proj)
+    kv_lora_rank: int = 0  # the compressed latent keys and values are made from
+    qk_rope_head_dim: int = 0  # the rotary part of each query/key head (one key part shared by all heads)
+    v_head_dim: int = 0  # each value head's width
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_type, str) or self.model_type not in MODEL_TYPES:
@@ -145,10 +181,50 @@ class ModelSpec:
             raise SpecError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.family == "t5" and self.num_decoder_layers <= 0:
             raise SpecError("a T5 model needs num_decoder_layers > 0")
+        _check_moe(self, put)
 
     @property
     def family(self) -> Family:
         return MODEL_TYPES[self.model_type]
+
+    @property
+    def is_moe(self) -> bool:
+        """A mixture of experts: some layers route each token to num_experts_per_tok of num_experts MLPs."""
+        return self.family == "moe"
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3): keys and values are made from a small latent."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_nope_head_dim(self) -> int:  # MLA: the part of each query/key head without rotary embedding
+        return self.head_dim - self.qk_rope_head_dim
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts (the others have a dense MLP of
+        intermediate_size): after DeepSeek's first dense layers, every moe_layer_step-th layer
+        that Qwen's mlp_only_layers does not keep dense. Empty for a dense model."""
+        if not self.is_moe:
+            return ()
+        dense = set(self.dense_layer_ids)
+        return tuple(i for i in range(self.first_dense_layers, self.num_layers)
+                     if (i + 1) % self.moe_layer_step == 0 and i not in dense)
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert's parameters: a gated MLP of moe_intermediate_size, without bias (0 if dense)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward uses: everything but the routed experts, plus the
+        num_experts_per_tok experts the router picks in each MoE layer (shared experts, routers,
+        attention, dense layers, embeddings and head count whole, as the models' authors count
+        "activated parameters"). Equals `params` for a dense model."""
+        idle = (self.num_experts - self.num_experts_per_tok) * self.expert_params
+        return self.params - len(self.moe_layer_ids) * idle
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -184,6 +260,102 @@ class ModelSpec:
     def to_hf_config(self) -> dict[str, Any]:
         """The transformers config dict that builds this model (inverse of `from_config`)."""
         return _TO_HF[self.family](self)
+
+
+# Bounds on what a config may say (well beyond any real model; they keep the calculators finite and fast)
+MAX_WIDTH = 1 << 24  # hidden sizes, vocabularies, MLP widths, heads
+MAX_LAYERS = 10_000
+MAX_POSITIONS = 1 << 26
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+
+_MOE_COUNTS = {  # field: (lo, hi) for a mixture of experts; a dense model keeps every one at its default
+    "num_experts": (1, MAX_WIDTH), "num_experts_per_tok": (1, MAX_WIDTH),
+    "moe_intermediate_size": (1, MAX_WIDTH), "num_shared_experts": (0, MAX_WIDTH),
+    "shared_expert_intermediate_size": (0, MAX_WIDTH), "first_dense_layers": (0, MAX_LAYERS),
+    "moe_layer_step": (1, MAX_LAYERS), "num_expert_groups": (1, MAX_WIDTH), "topk_expert_groups": (1, MAX_WIDTH),
+    "q_lora_rank": (0, MAX_WIDTH), "kv_lora_rank": (0, MAX_WIDTH), "qk_rope_head_dim": (0, MAX_WIDTH),
+    "v_head_dim": (0, MAX_WIDTH)}
+_MOE_FIELDS = (*_MOE_COUNTS, "shared_expert_gate", "dense_layer_ids", "qk_norm")
+_MOE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(ModelSpec) if f.name in _MOE_FIELDS}
+_NO_MLA = {"q_lora_rank": 0, "kv_lora_rank": 0, "qk_rope_head_dim": 0, "v_head_dim": 0}
+_UNGROUPED = {"num_expert_groups": 1, "topk_expert_groups": 1}
+_EVERY_LAYER = {"first_dense_layers": 0, "moe_layer_step": 1, "dense_layer_ids": ()}
+_NO_SHARED = {"num_shared_experts": 0, "shared_expert_intermediate_size": 0, "shared_expert_gate": False}
+# What each model type's transformers code builds whatever its config says: a spec that says otherwise
+# describes a model no config of that type can build (and `to_hf_config` could not write).
+_MOE_FIXED: dict[str, dict[str, Any]] = {
+    "mixtral": {**_NO_MLA, **_UNGROUPED, **_EVERY_LAYER, **_NO_SHARED, "qk_norm": "", "qkv_bias": False,
+                "out_bias": False, "mlp_bias": False},
+    "olmoe": {**_NO_MLA, **_UNGROUPED, **_EVERY_LAYER, **_NO_SHARED, "qk_norm": "proj", "mlp_bias": False},
+    "qwen2_moe": {**_NO_MLA, **_UNGROUPED, "first_dense_layers": 0, "num_shared_experts": 1,
+                  "shared_expert_gate": True, "qk_norm": "", "out_bias": False, "mlp_bias": False},
+    "qwen3_moe": {**_NO_MLA, **_UNGROUPED, **_NO_SHARED, "first_dense_layers": 0, "qk_norm": "head",
+                  "mlp_bias": False},
+    "deepseek_v2": {"moe_layer_step": 1, "dense_layer_ids": (), "shared_expert_intermediate_size": 0,
+                    "shared_expert_gate": False, "qk_norm": ""},
+    "deepseek_v3": {"moe_layer_step": 1, "dense_layer_ids": (), "shared_expert_intermediate_size": 0,
+                    "shared_expert_gate": False, "qk_norm": "", "mlp_bias": False},
+}
+
+
+def _check_moe(s: "ModelSpec", put) -> None:
+    """The mixture-of-experts and latent-attention fields: whole numbers in range, and only what
+    the model type's transformers code can build (a dense model keeps every one at its default)."""
+    for field, (lo, hi) in _MOE_COUNTS.items():
+        v, lo = _checks.index(getattr(s, field)), min(lo, _MOE_DEFAULTS[field])  # a dense model's 0s are fine
+        if v is None or not lo <= v <= hi:
+            raise SpecError(f"{field} must be a whole number from {lo} to {hi:,}, "
+                            f"got {_checks.show(getattr(s, field))}")
+        put(field, v)
+    put("shared_expert_gate", _spec_check(_checks.flag, "shared_expert_gate", s.shared_expert_gate))
+    ids = s.dense_layer_ids
+    if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__iter__"):
+        raise SpecError(f"dense_layer_ids must be a list of layer indices, got {_checks.show(ids)}")
+    put("dense_layer_ids", tuple(sorted(set(_spec_check(_checks.wholes, "dense_layer_ids", ids, lo=0,
+                                                           hi=MAX_LAYERS, empty=True)))))
+    if not isinstance(s.qk_norm, str) or s.qk_norm not in ("", "head", "proj"):
+        raise SpecError(f"unknown qk_norm {_checks.show(s.qk_norm)}; choose from '' (none), head, proj")
+    if not s.is_moe:
+        for field, default in _MOE_DEFAULTS.items():
+            if getattr(s, field) != default:
+                raise SpecError(f"{field} describes a mixture of experts, which a {s.model_type} model is not "
+                                f"(model types with experts: {', '.join(MOE_MODEL_TYPES)})")
+        return
+    for field, (lo, _) in _MOE_COUNTS.items():
+        if field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size") and getattr(s, field) < lo:
+            raise SpecError(f"a {s.model_type} model needs {field} >= {lo}, got {getattr(s, field)}")
+    if s.num_experts_per_tok > s.num_experts:
+        raise SpecError(f"num_experts_per_tok ({s.num_experts_per_tok}) cannot exceed num_experts ({s.num_experts})")
+    fixed = {**_MOE_FIXED[s.model_type], "gated_mlp": True, "norm": "rmsnorm", "norm_bias": False,
+             "norm_affine": True, "final_norm": True, "parallel_residual": False}
+    if s.model_type in ("olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3"):  # one attention_bias switch
+        fixed.setdefault("out_bias", s.qkv_bias)
+    for field, want in fixed.items():
+        if getattr(s, field) != want:
+            raise SpecError(f"a {s.model_type} model always has {field}={want!r}, got {getattr(s, field)!r}")
+    if s.model_type in _ALL_MOE_TYPES and s.moe_intermediate_size != s.intermediate_size:
+        raise SpecError(f"every {s.model_type} layer is a mixture of experts of the config's intermediate_size: "
+                        f"moe_intermediate_size ({s.moe_intermediate_size}) must equal intermediate_size "
+                        f"({s.intermediate_size}); replace them together")
+    if s.model_type == "olmoe" and s.num_heads * s.head_dim != s.hidden_size:
+        raise SpecError(f"olmoe: num_heads x head_dim must equal hidden_size (its q_norm is hidden_size wide), "
+                        f"got {s.num_heads} x {s.head_dim} vs {s.hidden_size}")
+    if s.model_type == "qwen2_moe" and s.shared_expert_intermediate_size < 1:
+        raise SpecError("a qwen2_moe model needs shared_expert_intermediate_size >= 1")
+    if s.model_type in _MLA_TYPES:
+        if s.num_shared_experts < 1:
+            raise SpecError(f"a {s.model_type} model needs num_shared_experts >= 1")
+        if s.kv_lora_rank < 1 or s.qk_rope_head_dim < 1 or s.v_head_dim < 1:
+            raise SpecError(f"{s.model_type} uses multi-head latent attention: kv_lora_rank, qk_rope_head_dim and "
+                            f"v_head_dim must be positive, got {s.kv_lora_rank}, {s.qk_rope_head_dim}, {s.v_head_dim}")
+        if s.head_dim <= s.qk_rope_head_dim:
+            raise SpecError(f"head_dim ({s.head_dim}) is qk_nope_head_dim + qk_rope_head_dim and must exceed "
+                            f"qk_rope_head_dim ({s.qk_rope_head_dim})")
+        if s.num_experts % s.num_expert_groups or s.topk_expert_groups > s.num_expert_groups:
+            raise SpecError(f"num_expert_groups ({s.num_expert_groups}) must divide num_experts ({s.num_experts}) "
+                            f"and be at least topk_expert_groups ({s.topk_expert_groups})")
 
 
 # ----------------------------------------------------------------------------- parameter counts
@@ -269,8 +441,45 @@ def _count_t5(s: ModelSpec) -> dict[str, int]:
             "head": 2 * _norm(s, h) + _lm_head(s, h)}  # encoder and decoder final norms
 
 
+def _moe_attention(s: ModelSpec) -> int:
+    """An MoE model's attention: grouped-query (with Qwen3's per-head or OLMoE's whole-projection
+    q/k norms) or DeepSeek's multi-head latent attention."""
+    h, a = s.hidden_size, s.num_heads
+    if not s.is_mla:
+        norms = {"": 0, "head": 2 * s.head_dim, "proj": s.q_dim + s.kv_dim}[s.qk_norm]
+        return _attention(s) + norms
+    if s.q_lora_rank:  # q_a_proj (bias: attention_bias), q_a_layernorm, q_b_proj
+        q = _linear(h, s.q_lora_rank, s.qkv_bias) + s.q_lora_rank + s.q_lora_rank * a * s.head_dim
+    else:
+        q = h * a * s.head_dim  # q_proj, never a bias
+    kv = (_linear(h, s.kv_lora_rank + s.qk_rope_head_dim, s.qkv_bias) + s.kv_lora_rank  # kv_a_proj_with_mqa, its norm
+          + s.kv_lora_rank * a * (s.qk_nope_head_dim + s.v_head_dim))  # kv_b_proj
+    return q + kv + _linear(a * s.v_head_dim, h, s.out_bias)
+
+
+def _shared_width(s: ModelSpec) -> int:
+    """The shared experts' MLP width: they run as one MLP (DeepSeek: n_shared x moe_intermediate_size)."""
+    return s.num_shared_experts * (s.shared_expert_intermediate_size or s.moe_intermediate_size)
+
+
+def _moe_mlp(s: ModelSpec) -> int:
+    """An MoE layer's MLP: the router (num_experts x h, no bias), the routed experts (fused gate_up
+    and down tensors, no bias), the shared experts and Qwen2-MoE's shared-expert gate."""
+    h, w = s.hidden_size, _shared_width(s)
+    shared = (2 * _linear(h, w, s.mlp_bias) + _linear(w, h, s.mlp_bias)) if w else 0
+    return s.num_experts * h + s.num_experts * s.expert_params + shared + (h if s.shared_expert_gate else 0)
+
+
+def _count_moe(s: ModelSpec) -> dict[str, int]:
+    h = s.hidden_size
+    n_moe = len(s.moe_layer_ids)
+    common = _moe_attention(s) + 2 * _norm(s, h)
+    layers = s.num_layers * common + n_moe * _moe_mlp(s) + (s.num_layers - n_moe) * _mlp(s)
+    return {"embeddings": s.vocab_size * h, "layers": layers, "head": _norm(s, h) + _lm_head(s, h)}
+
+
 _COUNTERS = {"gpt2": _count_gpt2, "gpt_neox": _count_gpt_neox, "opt": _count_opt,
-             "llama": _count_llama, "bert": _count_bert, "t5": _count_t5}
+             "llama": _count_llama, "bert": _count_bert, "t5": _count_t5, "moe": _count_moe}
 
 
 # ----------------------------------------------------------------------------- tensors, in order
@@ -380,18 +589,57 @@ def _t_t5(s: ModelSpec) -> list[tuple[str, int]]:
     return out + _head_tensor(s, h)
 
 
-_TENSORS = {"gpt2": _t_gpt2, "gpt_neox": _t_gpt_neox, "opt": _t_opt, "llama": _t_llama, "bert": _t_bert, "t5": _t_t5}
+def _t_moe(s: ModelSpec) -> list[tuple[str, int]]:
+    h, a, E = s.hidden_size, s.num_heads, s.num_experts
+    moe_layers = set(s.moe_layer_ids)
+    out = [("embed_tokens.weight", s.vocab_size * h)]
+    for i in range(s.num_layers):
+        p = f"layers.{i}."
+        at = p + "self_attn."
+        if s.is_mla:
+            if s.q_lora_rank:
+                out += (_lin(at + "q_a_proj", h, s.q_lora_rank, s.qkv_bias) + [(at + "q_a_layernorm.weight", s.q_lora_rank)]
+                        + _lin(at + "q_b_proj", s.q_lora_rank, a * s.head_dim, False))
+            else:
+                out += _lin(at + "q_proj", h, a * s.head_dim, False)
+            out += (_lin(at + "kv_a_proj_with_mqa", h, s.kv_lora_rank + s.qk_rope_head_dim, s.qkv_bias)
+                    + [(at + "kv_a_layernorm.weight", s.kv_lora_rank)]
+                    + _lin(at + "kv_b_proj", s.kv_lora_rank, a * (s.qk_nope_head_dim + s.v_head_dim), False)
+                    + _lin(at + "o_proj", a * s.v_head_dim, h, s.out_bias))
+        else:
+            out += (_lin(at + "q_proj", h, s.q_dim, s.qkv_bias) + _lin(at + "k_proj", h, s.kv_dim, s.qkv_bias)
+                    + _lin(at + "v_proj", h, s.kv_dim, s.qkv_bias) + _lin(at + "o_proj", s.q_dim, h, s.out_bias))
+            if s.qk_norm:
+                q, k = (s.head_dim, s.head_dim) if s.qk_norm == "head" else (s.q_dim, s.kv_dim)
+                out += [(at + "q_norm.weight", q), (at + "k_norm.weight", k)]
+        m = p + "mlp."
+        if i in moe_layers:
+            router = [(m + "gate.weight", E * h)]
+            experts = [(m + "experts.gate_up_proj", E * 2 * s.moe_intermediate_size * h),
+                       (m + "experts.down_proj", E * h * s.moe_intermediate_size)]
+            # registration order: Mixtral, OLMoE and Qwen2-MoE make the router first; Qwen3-MoE and DeepSeek the experts
+            out += experts + router if s.model_type in ("qwen3_moe", *_MLA_TYPES) else router + experts
+            if s.num_shared_experts:
+                w, shared = _shared_width(s), m + ("shared_experts." if s.is_mla else "shared_expert.")
+                out += (_lin(shared + "gate_proj", h, w, s.mlp_bias) + _lin(shared + "up_proj", h, w, s.mlp_bias)
+                        + _lin(shared + "down_proj", w, h, s.mlp_bias))
+            if s.shared_expert_gate:
+                out += [(m + "shared_expert_gate.weight", h)]
+        else:
+            out += _mlp_tensors(s, (m + "gate_proj", m + "up_proj", m + "down_proj"))
+        out += _nrm(s, p + "input_layernorm", h) + _nrm(s, p + "post_attention_layernorm", h)
+    return out + _nrm(s, "norm", h) + _head_tensor(s, h)
+
+
+_TENSORS = {"gpt2": _t_gpt2, "gpt_neox": _t_gpt_neox, "opt": _t_opt, "llama": _t_llama, "bert": _t_bert, "t5": _t_t5,
+            "moe": _t_moe}
 
 
 # ----------------------------------------------------------------------------- config parsing
 
-# Bounds on what a config may say (well beyond any real model; they keep the calculators finite and fast)
-MAX_WIDTH = 1 << 24  # hidden sizes, vocabularies, MLP widths, heads
-MAX_LAYERS = 10_000
-MAX_POSITIONS = 1 << 26
 _LAYER_KEYS = {"n_layer", "num_hidden_layers", "num_layers", "num_decoder_layers"}
 _POSITION_KEYS = {"n_positions", "max_position_embeddings"}
-_ZERO_OK = {"type_vocab_size"}  # counts that may be 0
+_ZERO_OK = {"type_vocab_size", "first_k_dense_replace"}  # counts that may be 0
 _FRACTION_KEYS = {"partial_rotary_factor", "rotary_pct"}  # (0, 1]; other float fields are dropout probabilities [0, 1)
 
 
@@ -545,8 +793,85 @@ def _from_t5(cfg: Mapping[str, Any], name: str) -> ModelSpec:
         relative_attention_num_buckets=_get(cfg, "relative_attention_num_buckets", 32))
 
 
+# transformers' defaults for what a mixture-of-experts config may leave out:
+# (vocab, hidden, MLP width, layers, heads, kv heads (None: heads), positions, experts, top-k)
+_MOE_CONFIG_DEFAULTS = {
+    "mixtral": (32000, 4096, 14336, 32, 32, 8, 131072, 8, 2),
+    "qwen2_moe": (151936, 2048, 5632, 24, 16, 16, 32768, 60, 4),
+    "qwen3_moe": (151936, 2048, 6144, 24, 32, 4, 32768, 128, 8),
+    "olmoe": (50304, 2048, 2048, 16, 16, None, 4096, 64, 8),
+    "deepseek_v2": (102400, 4096, 11008, 32, 32, None, 2048, 64, None),
+    "deepseek_v3": (129280, 7168, 18432, 61, 128, 128, 4096, 256, 8),
+}
+# the key naming the routed experts, as each model's published config.json spells it, then its aliases
+_EXPERT_KEYS = {"mixtral": ("num_local_experts", "num_experts"), "qwen2_moe": ("num_experts",),
+                "qwen3_moe": ("num_experts", "num_local_experts"), "olmoe": ("num_experts", "num_local_experts"),
+                "deepseek_v2": ("n_routed_experts", "num_experts"),
+                "deepseek_v3": ("n_routed_experts", "num_local_experts")}
+
+
+def _from_moe(cfg: Mapping[str, Any], name: str) -> ModelSpec:
+    """Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2 and DeepSeek-V3, read as transformers 5.x
+    builds them (its defaults fill what the config leaves out)."""
+    mt = cfg["model_type"]
+    V, H, I, L, A, KV, P, E, K = _MOE_CONFIG_DEFAULTS[mt]
+    h, a = _get(cfg, "hidden_size", H), _get(cfg, "num_attention_heads", A)
+    experts = next((_get(cfg, k, E) for k in _EXPERT_KEYS[mt] if cfg.get(k) is not None), E)
+    if K is None and cfg.get("num_experts_per_tok") is None:  # DeepSeek-V2's default is None: no routing
+        raise SpecError(f"num_experts_per_tok: a {mt} config must say how many experts each token uses")
+    top_k = _get(cfg, "num_experts_per_tok", K)
+    width = _get(cfg, "intermediate_size", I)
+    kw: dict[str, Any] = dict(
+        name=name, model_type=mt, vocab_size=_get(cfg, "vocab_size", V), hidden_size=h,
+        num_layers=_get(cfg, "num_hidden_layers", L), num_heads=a,
+        num_kv_heads=_get(cfg, "num_key_value_heads", KV or a), intermediate_size=width,
+        max_position_embeddings=_get(cfg, "max_position_embeddings", P), activation=_get(cfg, "hidden_act", "silu"),
+        gated_mlp=True, tie_word_embeddings=_get(cfg, "tie_word_embeddings", False),
+        norm="rmsnorm", norm_bias=False, attention_dropout=_get(cfg, "attention_dropout", 0.0), rotary_fraction=1.0,
+        num_experts=experts, num_experts_per_tok=top_k)
+    bias = _get(cfg, "attention_bias", False)
+    if mt in _MLA_TYPES:
+        v2 = mt == "deepseek_v2"
+        nope, rope = _get(cfg, "qk_nope_head_dim", 128), _get(cfg, "qk_rope_head_dim", 64)
+        grouped = not v2 or _get(cfg, "topk_method", "greedy") == "group_limited_greedy"
+        # kv_b_proj makes keys and values for every head: num_key_value_heads shapes no tensor (the
+        # published configs set it to num_attention_heads)
+        kw.update(head_dim=nope + rope, qk_rope_head_dim=rope, v_head_dim=_get(cfg, "v_head_dim", 128), num_kv_heads=a,
+                  kv_lora_rank=_get(cfg, "kv_lora_rank", 512),
+                  # null means no query compression; absent means transformers' default rank
+                  q_lora_rank=0 if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None
+                  else _get(cfg, "q_lora_rank", 1536),
+                  moe_intermediate_size=_get(cfg, "moe_intermediate_size", 1407 if v2 else 2048),
+                  num_shared_experts=_get(cfg, "n_shared_experts", 2 if v2 else 1),
+                  first_dense_layers=_get(cfg, "first_k_dense_replace", 0 if v2 else 3),
+                  num_expert_groups=_get(cfg, "n_group", 1 if v2 else 8) if grouped else 1,
+                  topk_expert_groups=_get(cfg, "topk_group", 1 if v2 else 4) if grouped else 1,
+                  qkv_bias=bias, out_bias=bias, mlp_bias=_get(cfg, "mlp_bias", False) if v2 else False)
+        return ModelSpec(**kw)
+    head_dim = _opt_int(cfg, "head_dim")
+    if head_dim is None:
+        _divides(h, a, "hidden_size", "num_attention_heads")
+        head_dim = h // a
+    kw["head_dim"] = head_dim
+    if mt in _ALL_MOE_TYPES:
+        kw.update(moe_intermediate_size=width, qk_norm="proj" if mt == "olmoe" else "",
+                  qkv_bias=bias and mt == "olmoe", out_bias=bias and mt == "olmoe")
+        return ModelSpec(**kw)
+    only = cfg.get("mlp_only_layers") or []
+    if isinstance(only, (str, bytes, Mapping)) or not isinstance(only, (list, tuple)):
+        raise SpecError(f"mlp_only_layers: expected a list of layer indices, got {_checks.show(only)}")
+    kw.update(moe_intermediate_size=_get(cfg, "moe_intermediate_size", 1408 if mt == "qwen2_moe" else 768),
+              moe_layer_step=_get(cfg, "decoder_sparse_step", 1), dense_layer_ids=tuple(only))
+    if mt == "qwen2_moe":  # q, k, v carry a bias (qkv_bias), o never does; one gated shared expert
+        kw.update(qkv_bias=_get(cfg, "qkv_bias", True), num_shared_experts=1, shared_expert_gate=True,
+                  shared_expert_intermediate_size=_get(cfg, "shared_expert_intermediate_size", 5632))
+    else:
+        kw.update(qkv_bias=bias, out_bias=bias, qk_norm="head")
+    return ModelSpec(**kw)
+
+
 _PARSERS = {"gpt2": _from_gpt2, "gpt_neox": _from_gpt_neox, "opt": _from_opt, "llama": _from_llama,
-            "bert": _from_bert, "t5": _from_t5}
+            "bert": _from_bert, "t5": _from_t5, "moe": _from_moe}
 
 
 def _divides(h: int, a: int, h_name: str, a_name: str) -> None:
@@ -613,8 +938,34 @@ def _to_t5(s: ModelSpec) -> dict[str, Any]:
             "relative_attention_num_buckets": s.relative_attention_num_buckets, "dropout_rate": s.hidden_dropout}
 
 
+def _to_moe(s: ModelSpec) -> dict[str, Any]:
+    mt = s.model_type
+    d = {**_hf_standard(s), "num_key_value_heads": s.num_kv_heads, "intermediate_size": s.intermediate_size,
+         "hidden_act": s.activation, "attention_dropout": s.attention_dropout,
+         _EXPERT_KEYS[mt][0]: s.num_experts, "num_experts_per_tok": s.num_experts_per_tok}
+    if mt in _MLA_TYPES:
+        d.update(moe_intermediate_size=s.moe_intermediate_size, n_shared_experts=s.num_shared_experts,
+                 first_k_dense_replace=s.first_dense_layers, kv_lora_rank=s.kv_lora_rank,
+                 q_lora_rank=s.q_lora_rank or None, qk_nope_head_dim=s.qk_nope_head_dim,
+                 qk_rope_head_dim=s.qk_rope_head_dim, v_head_dim=s.v_head_dim, n_group=s.num_expert_groups,
+                 topk_group=s.topk_expert_groups, attention_bias=s.qkv_bias)
+        if mt == "deepseek_v2":
+            d.update(mlp_bias=s.mlp_bias, topk_method="group_limited_greedy" if s.num_expert_groups > 1 else "greedy")
+        return d
+    d["head_dim"] = s.head_dim
+    if mt == "mixtral":
+        return d
+    if mt == "olmoe":
+        return {**d, "attention_bias": s.qkv_bias}
+    d.update(moe_intermediate_size=s.moe_intermediate_size, decoder_sparse_step=s.moe_layer_step,
+             mlp_only_layers=list(s.dense_layer_ids))
+    if mt == "qwen2_moe":
+        return {**d, "qkv_bias": s.qkv_bias, "shared_expert_intermediate_size": s.shared_expert_intermediate_size}
+    return {**d, "attention_bias": s.qkv_bias}
+
+
 _TO_HF = {"gpt2": _to_gpt2, "gpt_neox": _to_gpt_neox, "opt": _to_opt, "llama": _to_llama,
-          "bert": _to_bert, "t5": _to_t5}
+          "bert": _to_bert, "t5": _to_t5, "moe": _to_moe}
 
 
 # ----------------------------------------------------------------------------- public constructors
@@ -698,29 +1049,53 @@ def _preset_dir():
 
 
 @cache
+def _preset_types() -> dict[str, str]:
+    """Every stored preset's name and model_type (read once)."""
+    out = {}
+    for p in _preset_dir().iterdir():
+        if p.name.endswith(".json"):
+            out[p.name[:-5]] = json.loads(p.read_text(encoding="utf-8")).get("model_type")
+    return out
+
+
+@cache
 def preset_names() -> tuple[str, ...]:
-    return tuple(sorted(p.name[:-5] for p in _preset_dir().iterdir() if p.name.endswith(".json")))
+    """The dense presets: every calculator answers for each of them. The mixture-of-experts presets,
+    whose training memory the calculators do not model yet, are `moe_preset_names()`."""
+    return tuple(sorted(n for n, t in _preset_types().items() if MODEL_TYPES.get(t) != "moe"))
+
+
+@cache
+def moe_preset_names() -> tuple[str, ...]:
+    """The mixture-of-experts presets (Mixtral, Qwen-MoE, OLMoE, DeepSeek): `preset` builds them and
+    `vramlab.moe` prices them; `resolve`, and so every training calculator, refuses them (issue 33)."""
+    return tuple(sorted(n for n, t in _preset_types().items() if MODEL_TYPES.get(t) == "moe"))
 
 
 def preset(name: str) -> ModelSpec:
     """A built-in model (configs stored in the package; nothing is downloaded)."""
+    known = ", ".join(preset_names() + moe_preset_names())
     if not isinstance(name, str):
-        raise SpecError(f"a model preset is named by a string ({', '.join(preset_names())}), got {_checks.show(name)}")
+        raise SpecError(f"a model preset is named by a string ({known}), got {_checks.show(name)}")
     key = name.strip().lower()
-    if key not in preset_names():
-        raise SpecError(f"unknown model preset {name!r}; known: {', '.join(preset_names())}")
+    if key not in _preset_types():
+        raise SpecError(f"unknown model preset {name!r}; known: {known}")
     cfg = json.loads((_preset_dir() / f"{key}.json").read_text(encoding="utf-8"))
     return from_config(cfg, name=key)
 
 
-
 def resolve(model: "ModelSpec | str") -> ModelSpec:
-    """A model as every calculator takes it: a `ModelSpec` as it is, a string as a preset's name."""
-    if isinstance(model, ModelSpec):
-        return model
+    """A model as every calculator takes it: a `ModelSpec` as it is, a string as a preset's name.
+    A mixture of experts is refused with one line: no calculator models its training memory yet
+    (`vramlab.moe` counts its parameters and prices its KV cache)."""
     if isinstance(model, str):
-        return preset(model)
-    raise ValueError(f"model must be a ModelSpec or a preset name, got {model!r}")
+        model = preset(model)
+    elif not isinstance(model, ModelSpec):
+        raise ValueError(f"model must be a ModelSpec or a preset name, got {model!r}")
+    if model.is_moe:
+        raise ValueError(f"{model.name}: {MOE_NOT_MODELLED}; vramlab.moe counts its parameters and KV cache")
+    return model
+
 
 # ----------------------------------------------------------------------------- GPUs
 
@@ -872,5 +1247,5 @@ def custom_gpu(memory: int, *, name: str = "custom", context_bytes: int | None =
                    measured_usable_bytes=int(memory), measured_context_bytes=context_bytes)
 
 
-__all__ = ["ModelSpec", "GPUSpec", "SpecError", "from_config", "preset", "preset_names", "gpu", "custom_gpu", "gpu_for_device",
-           "GPUS", "MODEL_TYPES", "GB", "GiB"]
+__all__ = ["ModelSpec", "GPUSpec", "SpecError", "from_config", "preset", "preset_names", "moe_preset_names", "gpu",
+           "custom_gpu", "gpu_for_device", "GPUS", "MODEL_TYPES", "MOE_MODEL_TYPES", "GB", "GiB"]

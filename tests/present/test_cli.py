@@ -350,3 +350,14 @@ def test_estimate_with_a_gpu_says_the_longest_sequence_as_fitting_does(capsys):
     assert main(["estimate", "train", "--model", "llama-3.2-1b", "--batch-size", "2", "--seq-len", "4096",
                  "--precision", "bf16-mixed", "--recompute", "full", "--gpu", "h100"]) == 0
     assert f"longest sequence that fits on h100-80gb at batch size 2: {want.seq_len:,} tokens" in capsys.readouterr().out
+
+
+def test_presets_lists_the_mixture_of_experts_with_their_active_parameters():
+    from vramlab import moe, specs
+
+    r = run("presets")
+    assert r.returncode == 0
+    for name in specs.moe_preset_names():
+        assert f"{moe.active_params(specs.preset(name)):>15,d} active a token" in r.stdout, name
+    bad = run("estimate", "infer", "--model", "mixtral-8x7b", "--batch-size", "1", "--seq-len", "8")
+    assert bad.returncode == 2 and "not modelled yet" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -1,0 +1,129 @@
+"""Mixture-of-experts models as far as their size goes: where the parameters sit, how many one
+token uses, and what the KV cache holds per token. Pure Python: no torch import.
+
+The ModelSpec fields and the exact counts live in `specs` (family "moe": Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE, DeepSeek-V2/V3); this module reads them. A token goes through every dense tensor
+and the num_experts_per_tok routed experts its router picks in each MoE layer, so its compute and
+its activations follow `active_params`, while memory for weights, gradients and optimizer states
+follows `params`. Training memory is not modelled yet (issue 33): `specs.resolve` refuses an MoE
+spec, and this module takes one through `resolve_moe`.
+
+The KV cache of multi-head latent attention (DeepSeek) is the reason MLA exists: keys and values
+are rebuilt from a kv_lora_rank latent plus one shared rotary key of qk_rope_head_dim, so that is
+what needs caching, not 2 * heads * head_dim per layer. `kv_cache_bytes` names each layout.
+"""
+
+from __future__ import annotations
+
+from . import checks as _checks
+from . import specs as _specs
+from .specs import ModelSpec
+from .units import fmt_bytes
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+
+# What a cache entry holds per token and layer:
+#   transformers: what transformers' DynamicCache holds (the installed 5.x): for MLA the latent
+#                 (kv_lora_rank, after kv_a_layernorm) and the rotated shared key (qk_rope_head_dim),
+#                 stored in its key and value slots as one-head tensors; else K and V of the kv heads.
+#   latent:       MLA's compressed latent, kv_lora_rank + qk_rope_head_dim: what serving engines with
+#                 MLA kernels cache (vLLM's and SGLang's MLA backends; DeepSeek-V2, arXiv:2405.04434).
+#                 Only for MLA models; the same numbers as "transformers" in transformers 5.x.
+#   expanded:     keys and values per attention head after kv_b_proj, heads * (qk_head_dim + v_head_dim):
+#                 what transformers 4.x cached for DeepSeek and what a cache without MLA would hold.
+KV_LAYOUTS = ("transformers", "latent", "expanded")
+
+
+def resolve_moe(model: "ModelSpec | str") -> ModelSpec:
+    """A model as this module takes it: a ModelSpec as it is, a string as any preset's name (the
+    mixture-of-experts presets included). A dense model is allowed: it has no experts."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, str):
+        return _specs.preset(model)
+    raise ValueError(f"model must be a ModelSpec or a preset name, got {_checks.show(model)}")
+
+
+def param_breakdown(model: "ModelSpec | str") -> dict[str, int]:
+    """Parameters by role, summing to `spec.params`: embeddings, attention (projections and their
+    norms), norms (the two per layer and the final one), dense_mlp (dense layers' MLPs), router
+    (each MoE layer's num_experts x hidden gate), routed_experts, shared_experts (with Qwen2-MoE's
+    shared-expert gate) and head (an untied LM head)."""
+    s = resolve_moe(model)
+    if not s.is_moe:
+        raise ValueError(f"{s.name} is a dense {s.model_type} model: it has no experts to break down "
+                         f"(spec.param_groups() splits it)")
+    h, n_moe = s.hidden_size, len(s.moe_layer_ids)
+    n_dense = s.num_layers - n_moe
+
+    def mlp(width: int) -> int:  # a gated MLP: gate and up (h -> width), down (width -> h)
+        return 3 * h * width + (2 * width + h if s.mlp_bias else 0) if width else 0
+
+    shared_width = s.num_shared_experts * (s.shared_expert_intermediate_size or s.moe_intermediate_size)
+    out = {
+        "embeddings": s.vocab_size * h,
+        "attention": 0,  # what the layers hold besides the rest, below
+        "norms": (2 * s.num_layers + 1) * h,
+        "dense_mlp": n_dense * mlp(s.intermediate_size),
+        "router": n_moe * s.num_experts * h,
+        "routed_experts": n_moe * s.num_experts * s.expert_params,
+        "shared_experts": n_moe * (mlp(shared_width) + (h if s.shared_expert_gate else 0)),
+        "head": 0 if s.tie_word_embeddings else s.vocab_size * h,
+    }
+    out["attention"] = s.params - sum(out.values())
+    return out
+
+
+def active_params(model: "ModelSpec | str") -> int:
+    """Parameters one token's forward uses (`ModelSpec.active_params`): all but the routed experts,
+    plus num_experts_per_tok of them in each MoE layer. Embedding and head count whole, as the
+    models' authors count: Mixtral-8x7B 12.9B of 46.7B, DeepSeek-V3 37.6B of 671B."""
+    return resolve_moe(model).active_params
+
+
+def kv_cache_elements_per_token(model: "ModelSpec | str", layout: str = "transformers") -> int:
+    """Numbers the KV cache holds per token, all layers together, in the named layout (KV_LAYOUTS)."""
+    s = resolve_moe(model)
+    _checks.one_of("layout", layout, KV_LAYOUTS)
+    if not s.is_causal_lm:
+        raise ValueError(f"{s.name} is a {s.model_type} model; this counts a decoder-only model's cache "
+                         f"(memory.kv_cache_bytes prices T5's)")
+    if not s.is_mla:
+        if layout == "latent":
+            raise ValueError(f"layout 'latent' is multi-head latent attention's (DeepSeek); {s.name} caches "
+                             f"K and V of its {s.num_kv_heads} kv heads: use 'transformers'")
+        return 2 * s.num_layers * s.num_kv_heads * s.head_dim
+    if layout == "expanded":
+        return s.num_layers * s.num_heads * (s.head_dim + s.v_head_dim)
+    return s.num_layers * (s.kv_lora_rank + s.qk_rope_head_dim)
+
+
+def kv_cache_bytes(model: "ModelSpec | str", *, batch_size: int, seq_len: int, dtype: str = "bf16",
+                   layout: str = "transformers") -> int:
+    """The KV cache of batch_size sequences of seq_len tokens: elements per token (in `layout`) x
+    tokens x bytes. Full attention is assumed (a sliding-window config caches at most its window).
+    DeepSeek-V3 in bf16: 70,272 bytes a token as a latent, 4,997,120 expanded (71x)."""
+    s = resolve_moe(model)
+    batch_size = _checks.whole("batch_size", batch_size)
+    seq_len = _checks.positions(s, _checks.whole("seq_len", seq_len))
+    _checks.one_of("dtype", dtype, tuple(DTYPE_BYTES))
+    return kv_cache_elements_per_token(s, layout) * DTYPE_BYTES[dtype] * batch_size * seq_len
+
+
+def describe(model: "ModelSpec | str") -> str:
+    """A few lines for a person: total and active parameters, where they sit, the KV cache per token."""
+    s = resolve_moe(model)
+    parts = param_breakdown(s)
+    lines = [f"{s.name} ({s.model_type}): {s.params:,} parameters, {s.active_params:,} active per token "
+             f"({s.num_experts_per_tok} of {s.num_experts} routed experts in {len(s.moe_layer_ids)} of "
+             f"{s.num_layers} layers" + (f", {s.num_shared_experts} shared" if s.num_shared_experts else "") + ")"]
+    lines += [f"  {k:<15} {v:>18,}" for k, v in parts.items() if v]
+    layouts = ("transformers", "latent", "expanded") if s.is_mla else ("transformers",)
+    for layout in layouts:
+        per_token = kv_cache_bytes(s, batch_size=1, seq_len=1, layout=layout)
+        lines.append(f"  KV cache per token ({layout}, bf16): {fmt_bytes(per_token)}")
+    return "\n".join(lines)
+
+
+__all__ = ["DTYPE_BYTES", "KV_LAYOUTS", "active_params", "describe", "kv_cache_bytes", "kv_cache_elements_per_token",
+           "param_breakdown", "resolve_moe"]
