@@ -25,7 +25,11 @@ from .units import fmt_bytes
 Optimizer = Literal["adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit"]
 OptimizerImpl = Literal["for-loop", "foreach", "fused"]
 
+Loss = Literal["whole", "chunked", "fused"]
+
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit")
+LOSSES: tuple[str, ...] = ("whole", "chunked", "fused")
+TORCHTUNE_CHUNKS = 8  # torchtune's default num_output_chunks (CEWithChunkedOutputLoss)
 OPTIMIZER_IMPLS: tuple[str, ...] = ("for-loop", "foreach", "fused")
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_states", "activations", "temporaries",
                                "kv_cache", "inputs", "other")
@@ -229,18 +233,41 @@ def _check_positions(spec: ModelSpec, seq_len: int, name: str = "seq_len") -> No
     _checks.positions(spec, seq_len, name=name)
 
 
+def loss_chunk_size(model: ModelSpec | str, *, tokens: int, loss: Loss = "whole",
+                    loss_chunk_tokens: int | None = None) -> int:
+    """Tokens per chunk of the loss over `tokens` = batch x sequence positions: all of them for the
+    whole loss; `loss_chunk_tokens` (at most `tokens`) for the chunked and fused ones, or by default
+    torchtune's (the tokens in 8 chunks) and Liger-Kernel's (logits no larger than the head's input:
+    the next power of two above tokens / ceil(V / h), `fused_linear_cross_entropy_forward`)."""
+    spec = _resolve(model)
+    tokens = _checks.whole("tokens", tokens)
+    _check_choice(loss, LOSSES, "loss")
+    if loss_chunk_tokens is not None:
+        loss_chunk_tokens = _checks.whole("loss_chunk_tokens", loss_chunk_tokens)
+        if loss == "whole":
+            raise ValueError("loss_chunk_tokens applies to loss='chunked' or 'fused', not to the whole loss")
+        return min(loss_chunk_tokens, tokens)
+    if loss == "whole":
+        return tokens
+    if loss == "chunked":
+        return -(-tokens // TORCHTUNE_CHUNKS)
+    grow = -(-spec.vocab_size // (spec.word_embed_proj_dim or spec.hidden_size))
+    return min(1 << (-(-tokens // grow) - 1).bit_length(), tokens)
+
+
 def estimate_training(model: ModelSpec | str, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
                       optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
                       attention: AttentionImpl = "sdpa", recompute: Recompute = "none",
                       device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None,
                       gpu: GPUSpec | str | None = None, use_cache: bool = False,
-                      accumulation_steps: int = 1) -> MemoryBreakdown:
+                      accumulation_steps: int = 1, loss: Loss = "whole",
+                      loss_chunk_tokens: int | None = None) -> MemoryBreakdown:
     """Peak memory of one steady-state training step: the largest of `training_phases(...)`, whose
     docstring describes the arguments."""
     phases = training_phases(model, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
                              optimizer_impl=optimizer_impl, attention=attention, recompute=recompute, device=device,
                              trainable_params=trainable_params, gpu=gpu, use_cache=use_cache,
-                             accumulation_steps=accumulation_steps)
+                             accumulation_steps=accumulation_steps, loss=loss, loss_chunk_tokens=loss_chunk_tokens)
     return max(phases, key=lambda m: m.total)
 
 
@@ -249,7 +276,8 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
                     attention: AttentionImpl = "sdpa", recompute: Recompute = "none",
                     device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None,
                     gpu: GPUSpec | str | None = None, share: DeviceShare = WHOLE_MODEL,
-                    use_cache: bool = False, accumulation_steps: int = 1) -> list[MemoryBreakdown]:
+                    use_cache: bool = False, accumulation_steps: int = 1, loss: Loss = "whole",
+                    loss_chunk_tokens: int | None = None) -> list[MemoryBreakdown]:
     """Memory, in bytes, at each candidate peak of one steady-state training step, in step order
     (`.phase` names each); `estimate_training` returns the largest.
 
@@ -272,6 +300,14 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
                 until the step, so micro-batches 2..k ("micro-batch 2-k: ..." phases) run their
                 forward and backward over all of them (`_later_micro_batches`); the peak is the same
                 for every k > 1. Checked against traces of the real loop (tests/test_accumulation.py)
+    loss        whole | chunked | fused (causal LMs on one device): the model's own cross-entropy
+                (b s V fp32 log-softmax saved, and under AMP an fp32 copy of the logits; the backward
+                holds two more b s V fp32 tensors); torchtune's chunked loss (`CEWithChunkedOutputLoss`:
+                the head per chunk, each chunk upcast to fp32 alone); Liger-Kernel's fused linear
+                cross-entropy (`LigerFusedLinearCrossEntropyFunction`: loss and gradients computed in
+                the forward chunk by chunk, no b s V tensor). `loss_chunk_tokens` tokens per chunk, by
+                default torchtune's 8 chunks and Liger's rule (`loss_chunk_size`); the phases are in
+                `_loss_phases`. Checked against traces of the real step (tests/test_loss_memory.py)
     use_cache   the model trains with transformers' KV cache on: a config that says use_cache=True
                 (the default of most) without gradient checkpointing. The cache's torch.cat copies
                 every block's k and v, which attention then saves: a fused-QKV block keeps 2h per
@@ -307,6 +343,11 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     _check_choice(device, ("cuda", "cpu"), "device")
     use_cache = _checks.flag("use_cache", use_cache)
     k_acc = _checks.whole("accumulation_steps", accumulation_steps, hi=MAX_ACCUMULATION)
+    chunk = loss_chunk_size(spec, tokens=batch_size * seq_len, loss=loss, loss_chunk_tokens=loss_chunk_tokens)
+    if loss != "whole" and not spec.is_causal_lm:
+        raise ValueError(f"loss={loss!r} is modelled for causal LMs (decoder-only), not {spec.family}; use loss='whole'")
+    if loss != "whole" and not share.whole:
+        raise ValueError(f"loss={loss!r} is modelled on one device only (no parallel layout); use loss='whole'")
     gpu = _gpu_or_none(gpu)
     if not isinstance(share, DeviceShare):
         raise ValueError(f"share must be a vramlab.memory.DeviceShare, got {_checks.show(share)}")
@@ -385,9 +426,14 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
 
     base = dict(parameters=P, optimizer_states=O, inputs=inputs, other=workspaces + share.buffers, precision=precision, device=device,
                 label=f"{spec.name} train b={b} s={s} {precision}")
-    phases = [MemoryBreakdown(**base, activations=others + A + (0 if last else boundary) + logits_alive, gradients=grads(0),
-                              phase="forward end (loss computed)" if last else "forward end (micro-batches in flight)")]
-    if last:
+    if loss != "whole":
+        phases = _loss_phases(base, loss=loss, A=A, tokens=b * s, chunk=chunk, vocab=V, e=e, nb=nb, pb=pb,
+                              trained=trained, amp=amp, device=device, grads=grads)
+    else:
+        phases = [MemoryBreakdown(**base, activations=others + A + (0 if last else boundary) + logits_alive,
+                                  gradients=grads(0),
+                                  phase="forward end (loss computed)" if last else "forward end (micro-batches in flight)")]
+    if last and loss == "whole":
         phases += [
             # nll_loss backward makes d(log_softmax) (fp32) and log_softmax backward makes d(logits)
             MemoryBreakdown(**base, activations=others + A + boundary,
@@ -444,6 +490,53 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
                                        tied=bool(spec.tie_word_embeddings and first and last))
     phases.append(MemoryBreakdown(**base, gradients=buckets + G, temporaries=T_opt, phase="optimizer.step()"))
     return phases
+
+
+def _loss_phases(base: dict, *, loss: str, A: int, tokens: int, chunk: int, vocab: int, e: int, nb: dict[str, int],
+                 pb: int, trained: bool, amp: bool, device: str, grads) -> list[MemoryBreakdown]:
+    """The loss's phases of a causal LM on one device, chunked or fused (`training_phases`' `loss`),
+    in place of the whole loss's forward end, backward start and LM head backward. `A` is the whole
+    step's saved activations, which count the loss's log-softmax (N x V fp32), the head's input
+    (N x e, in the compute dtype) and the shifted labels (N int64). N tokens in chunks of c; the
+    logits' dtype is the compute dtype (`half`), the final hidden states' the residual's (`x`).
+
+    chunked (torchtune's `CEWithChunkedOutputLoss`: the head on every chunk first, then each
+    chunk's logits upcast to fp32 and reduced): every chunk's log-softmax is saved, N x V fp32 as
+    for the whole loss, but the fp32 copy exists one chunk at a time. Forward end: the logits' chunks
+    (N x V, compute dtype) and one chunk's fp32 copy (none in fp32). The backward runs every chunk's
+    loss backward first (later autograd nodes first): one chunk's d(log-softmax) and d(logits) in
+    fp32 beside the saved log-softmax; then the head's backward over the chunks' logits gradients (now
+    in the compute dtype), the head's gradient summed chunk by chunk: autograd cannot add into the
+    transposed view mm's backward returns, so the sum so far, the next chunk's and their sum coexist.
+    fused (Liger-Kernel's `LigerFusedLinearCrossEntropyFunction`): the forward computes the loss and
+    both gradients chunk by chunk and saves them (the input's, N x e, in the hidden states' dtype;
+    the weight's, V x e, in the weight's); nothing N x V is saved or made. Its peak is inside the
+    forward: the final hidden states, the two gradients and one chunk's logits (overwritten by their
+    gradient) with the chunk's c x e input gradient; under autocast on the CPU, which has no
+    fp32-output addmm (`out_dtype`, CUDA), the chunk's gradient is copied to fp32 for the weight's.
+    The blocks' backward phases that follow are the whole loss's (`training_phases`)."""
+    N, c, V = tokens, chunk, vocab
+    half, x = nb["half"], nb["x"]
+    head = V * e * half if trained else 0  # one chunk's head gradient, in the compute dtype
+    if loss == "chunked":
+        upcast = c * V * 4 if half != 4 else 0  # one chunk's logits.float()
+        several = c < N
+        return [
+            MemoryBreakdown(**base, activations=A + N * V * half + upcast, gradients=grads(0),
+                            phase="forward end (chunked loss: every chunk's logits, one chunk upcast)"),
+            MemoryBreakdown(**base, activations=A, temporaries=2 * c * V * 4, gradients=grads(0),
+                            phase="backward start (one chunk's logits gradient)"),
+            MemoryBreakdown(**base, activations=A - N * V * 4, temporaries=max(
+                N * V * half + head + c * e * half,  # the first chunk's head backward
+                # the second's: its head gradient added to the first's, out of place (a transposed view)
+                max(N - 2 * c, 0) * V * half + 3 * head + 2 * c * e * half if several else 0),
+                gradients=grads(0), phase="LM head backward (chunked loss)"),
+        ]
+    grad_weight = V * e * pb if trained else 0
+    within = c * V * 4 if amp and device == "cpu" else c * e * half
+    return [MemoryBreakdown(**base, activations=A - N * V * 4 - N * e * half + N * e * x,
+                            temporaries=N * e * x + grad_weight + c * V * half + within, gradients=grads(0),
+                            phase="loss forward (fused: gradients and one chunk's logits)")]
 
 
 def _later_micro_batches(first: list[MemoryBreakdown], k: int, *, held: int, head_grad: int,

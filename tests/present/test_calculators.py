@@ -447,3 +447,16 @@ def test_training_allocator_choice_is_fits_expandable_segments():
     assert r.numbers["max_batch"][0] == f.max_batch_size
     assert r.numbers["max_batch"][0] >= C.get("training").run(**kw).numbers["max_batch"][0]
     assert "expandable" in r.text
+
+
+@pytest.mark.parametrize("loss", ["whole", "chunked", "fused"])
+def test_training_loss_choice_is_estimate_trainings(loss):
+    kw = dict(batch_size=1, seq_len=8192, precision="bf16-mixed")
+    r = C.get("training").run(model="llama-3.2-1b", gpu="h100-80gb", loss=loss, **kw)
+    assert r.numbers["train_total"][0] == estimate_training("llama-3.2-1b", gpu="h100", loss=loss, **kw).total
+    assert r.numbers["max_batch"][0] == fit("llama-3.2-1b", "h100-80gb", loss=loss, **kw).max_batch_size
+
+
+def test_training_loss_refuses_an_encoder_in_one_line():
+    r = C.get("training").run(model="bert-base", seq_len=512, loss="fused")
+    assert "causal LMs" in r.error and "\n" not in r.error

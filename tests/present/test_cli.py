@@ -361,3 +361,20 @@ def test_presets_lists_the_mixture_of_experts_with_their_active_parameters():
         assert f"{moe.active_params(specs.preset(name)):>15,d} active a token" in r.stdout, name
     bad = run("estimate", "infer", "--model", "mixtral-8x7b", "--batch-size", "1", "--seq-len", "8")
     assert bad.returncode == 2 and "not modelled yet" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_loss_flag_and_its_lever(capsys):
+    from vramlab import estimate_training
+
+    args = ["estimate", "train", "--model", "llama-3.2-1b", "--batch-size", "1", "--seq-len", "65536", "--precision",
+            "bf16-mixed", "--recompute", "full", "--gpu", "h100"]
+    assert main([*args, "--loss", "fused", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["total_bytes"] == estimate_training("llama-3.2-1b", batch_size=1, seq_len=65536, precision="bf16-mixed",
+                                                   recompute="full", gpu="h100", loss="fused").total
+    assert main([*args, "--json"]) == 0  # the whole loss does not fit: the fused loss is the first lever
+    argvs = [s["argv"] for s in json.loads(capsys.readouterr().out)["suggestions"]]
+    assert any("--loss" in a and "fused" in a for a in argvs), argvs
+    r = run("estimate", "train", "--model", "gpt2", "--batch-size", "1", "--seq-len", "16", "--zero", "2", "--loss",
+            "chunked")
+    assert r.returncode == 2 and "--loss prices one GPU's step" in r.stderr

@@ -34,7 +34,7 @@ from typing import Any, Callable, Literal
 import torch
 
 from ..activations import Recompute
-from ..memory import MemoryBreakdown, Optimizer, OptimizerImpl, _check_positive
+from ..memory import Loss, MemoryBreakdown, Optimizer, OptimizerImpl, _check_positive, loss_chunk_size
 from ..precision import FP32_STATES, Precision
 from .models import Attention, build_model, make_batch
 from .record import Mode, provenance, resolve_mode
@@ -402,12 +402,108 @@ def training_model(spec, *, attention: str, dtype, device: str, recompute: str =
     return model
 
 
+# ----------------------------------------------------------------------------- the loss, chunked or fused
+
+IGNORE_INDEX = -100
+
+
+def _shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM shift (`ForCausalLMLoss`): pad with the ignore index, drop the first
+    position; one new (b, s) int64 tensor, flattened to N = b * s targets."""
+    return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous().view(-1)
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """torchtune's chunked loss (`CEWithChunkedOutputLoss` with a model whose output projection
+    returns a list of chunks): the LM head runs on each chunk of `chunk` tokens (all chunks first,
+    as torchtune's `TransformerDecoder` returns them), then each chunk's logits are upcast to fp32 and
+    reduced by cross-entropy with reduction="sum"; the sums are added and divided by the number of
+    targets. No N x V fp32 copy of the logits exists at once; each chunk's log-softmax is kept for
+    the backward, as autograd keeps the whole loss's."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    targets = _shifted_labels(labels)
+    # the head's function, not its module: MemTracker refuses a module called twice in one step
+    logits = [torch.nn.functional.linear(h, head.weight, head.bias) for h in flat.split(chunk)]
+    total = 0.0
+    for z, y in zip(logits, targets.split(chunk)):
+        total = total + torch.nn.functional.cross_entropy(z.float(), y, ignore_index=IGNORE_INDEX, reduction="sum")
+    del logits  # the training loop drops the logits before the backward (torchtune's recipes: `del logits`)
+    return total / (targets != IGNORE_INDEX).sum()
+
+
+class FusedLinearCrossEntropy(torch.autograd.Function):
+    """Liger-Kernel's fused linear cross-entropy (`LigerFusedLinearCrossEntropyFunction`), in plain
+    torch: the forward computes the loss AND the gradients chunk by chunk. For each chunk of c tokens:
+    its logits (c x V, in the matmul's dtype), overwritten in place by their gradient (Liger's Triton
+    kernel; here in-place torch ops, with one fp32 value per row), the input's gradient written into
+    `grad_input` (N x h, the input's dtype) and the weight's added into `grad_weight` (V x h, the
+    weight's dtype). Both are saved for the backward, which only scales them by the incoming gradient
+    (in place). No N x V tensor ever exists. The matmuls take the weight itself (`F.linear(x, W)`,
+    `z @ W`), never a view of it, so that autocast reuses its cached 16-bit copy of the weight."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        F = torch.nn.functional
+        grad_input = torch.zeros_like(x)
+        grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
+        valid = targets != IGNORE_INDEX
+        count = valid.sum()
+        acc = torch.promote_types(x.dtype, torch.float32)  # Liger's kernel works in fp32 (fp64 stays fp64)
+        total = torch.zeros((), dtype=acc, device=x.device)
+        for start in range(0, x.shape[0], chunk):
+            xc, yc, vc = x[start:start + chunk], targets[start:start + chunk], valid[start:start + chunk]
+            z = F.linear(xc, weight)  # (c, V): the chunk's logits
+            idx = yc.clamp(min=0).unsqueeze(1)
+            m = z.amax(-1, keepdim=True)
+            picked = z.gather(1, idx).to(acc)
+            z.sub_(m).exp_()
+            sums = z.sum(-1, keepdim=True, dtype=acc)
+            total = total + ((sums.log() + m.to(acc) - picked).squeeze(1) * vc).sum()
+            z.div_(sums.to(z.dtype)).scatter_add_(1, idx, torch.full_like(idx, -1, dtype=z.dtype))  # softmax - onehot
+            z.mul_((vc.to(acc) / count).unsqueeze(1).to(z.dtype))  # the mean's gradient; ignored targets get none
+            grad_input[start:start + chunk] = z @ weight  # (weight itself, not a view: autocast's cached copy)
+            if grad_weight is not None:  # added in place (Liger: addmm with out=grad_weight)
+                if z.dtype == grad_weight.dtype:
+                    grad_weight.addmm_(z.t(), xc.to(z.dtype))
+                else:  # autocast: Liger's CUDA addmm(out_dtype=fp32) has no CPU kernel: an fp32 copy of the chunk
+                    grad_weight.addmm_(z.t().to(grad_weight.dtype), xc.to(grad_weight.dtype))
+            del z
+        ctx.save_for_backward(grad_input, grad_weight)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input, grad_weight = ctx.saved_tensors
+        grad_input.mul_(grad_output)  # Liger's element_mul_kernel: in place
+        if grad_weight is not None:
+            grad_weight.mul_(grad_output)
+        return grad_input, grad_weight, None, None
+
+
+def fused_cross_entropy(hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The fused loss on the final hidden states: Liger's `LigerFusedLinearCrossEntropyLoss` in place
+    of the LM head and the loss (the head has no bias in any model here)."""
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError("the fused loss is measured for LM heads without a bias")
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return FusedLinearCrossEntropy.apply(flat, head.weight, _shifted_labels(labels), chunk)
+
+
+def _loss_step(model: torch.nn.Module, batch: dict, *, loss: str, chunk: int) -> torch.Tensor:
+    """A causal LM's forward with its loss replaced: the base model's final hidden states, then the
+    chunked or fused loss through the LM head."""
+    hidden = model.base_model(input_ids=batch["input_ids"])[0]
+    fn = chunked_cross_entropy if loss == "chunked" else fused_cross_entropy
+    return fn(hidden, model.get_output_embeddings(), batch["labels"], chunk)
+
+
 def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
                      optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
                      attention: Attention = "sdpa", recompute: Recompute = "none", mode: Mode = "auto",
                      device: str | None = None, model_hook: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
                      warmup_steps: int | None = None, timing_steps: int | None = None,
-                     accumulation_steps: int = 1) -> Measurement:
+                     accumulation_steps: int = 1, loss: Loss = "whole",
+                     loss_chunk_tokens: int | None = None) -> Measurement:
     """Peak of one steady-state training step of `spec`: optimizer states already exist; forward,
     backward, optimizer.step(), zero_grad(set_to_none=True). Same arguments as
     `vramlab.estimate_training`, plus `mode` (auto = cuda if available, else trace).
@@ -418,9 +514,17 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     sequences, each forward and `(loss / k).backward()` (autograd adds into the gradients the first
     one made), then one optimizer.step() and zero_grad(set_to_none=True). One micro-batch's ids are
     on the device at a time (counted in `inputs`, like the estimate); the others wait on the host
-    (the tracker does not count them), as a data loader delivers them."""
+    (the tracker does not count them), as a data loader delivers them.
+
+    loss: "whole" is the model's own (`model(**batch).loss`); "chunked" and "fused" run the base
+    model to its final hidden states and then `chunked_cross_entropy` (torchtune's way) or
+    `fused_cross_entropy` (Liger's algorithm in plain torch), in chunks of `loss_chunk_tokens`
+    tokens (None: each method's own default, `vramlab.memory.loss_chunk_size`). Causal LMs only."""
     _check_positive(batch_size=batch_size, seq_len=seq_len)
     k = _check_positive(accumulation_steps=accumulation_steps)[0]
+    chunk = loss_chunk_size(spec, tokens=batch_size * seq_len, loss=loss, loss_chunk_tokens=loss_chunk_tokens)
+    if loss != "whole" and not spec.is_causal_lm:
+        raise NotImplementedError(f"the {loss} loss is measured on causal LMs, not {spec.family}")
     if precision in FP32_STATES:
         raise NotImplementedError(f"measuring precision {precision!r} needs an optimizer with fp32 states (or master "
                                   "weights) for 16-bit parameters, which torch.optim does not provide")
@@ -451,15 +555,17 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
                 if i:
                     next_micro_batch()
                 with torch.autocast(dev_type, dtype=amp, enabled=amp is not None):
-                    loss = model(**mb).loss
-                (loss / k if k > 1 else loss).backward()  # the mean over the global batch
-                del loss
+                    value = model(**mb).loss if loss == "whole" else _loss_step(model, mb, loss=loss, chunk=chunk)
+                (value / k if k > 1 else value).backward()  # the mean over the global batch
+                del value
             opt.step()
             opt.zero_grad(set_to_none=True)
 
         label = f"{spec.name} train b={batch_size} s={seq_len} {precision} ({mode_})"
         if k > 1:
             label = f"{spec.name} train b={batch_size} x {k} micro-batches s={seq_len} {precision} ({mode_})"
+        if loss != "whole":
+            label += f" {loss} loss, chunks of {chunk} tokens"
         warm, timed = _defaults(mode_, warmup_steps, timing_steps)
         return measure(step, model=model, optimizer=opt, inputs=batch, label=label, mode=mode_, warmup_steps=warm,
                        timing_steps=timed, precision=precision)

@@ -148,7 +148,7 @@ def _inplace_phases(phases, ip: dict) -> list:
 
 def _training(*, model: str, batch_size: int, seq_len: int, precision: str, optimizer: str, attention: str,
               recompute: str, gpu: str, accumulation_steps: int = 1, inplace: str = "none",
-              allocator: str = "default") -> Result:
+              allocator: str = "default", loss: str = "whole") -> Result:
     spec, g = specs.preset(model), specs.gpu(gpu)
     expandable = allocator == "expandable segments"
     if inplace != "none" and recompute != "none":
@@ -156,7 +156,7 @@ def _training(*, model: str, batch_size: int, seq_len: int, precision: str, opti
                          "tensors are alive at the peak is the plan's): set recompute to none, or in-place to none")
     # batch_size is the micro-batch; with accumulation_steps > 1 every gradient stays under the later ones
     opts = dict(seq_len=seq_len, precision=precision, optimizer=optimizer, attention=attention, recompute=recompute,
-                accumulation_steps=accumulation_steps)
+                accumulation_steps=accumulation_steps, loss=loss)
 
     def inplace_at(bs: int) -> dict:
         return activations.inplace_step(spec, batch_size=bs, seq_len=seq_len, choice=inplace, device="cuda",
@@ -225,7 +225,8 @@ TRAINING = Calculator(
             Input(name="gpu", label="GPU", kind="choice", default="t4", choices=GPU_CHOICES),
             Input(name="accumulation_steps", label="accumulation steps", kind="int", default=1, min=1, max=64),
             Input(name="inplace", label="in-place ops", kind="choice", default="none", choices=activations.INPLACE_CHOICES),
-            Input(name="allocator", label="allocator", kind="choice", default="default", choices=ALLOCATORS)))
+            Input(name="allocator", label="allocator", kind="choice", default="default", choices=ALLOCATORS),
+            Input(name="loss", label="loss", kind="choice", default="whole", choices=memory.LOSSES)))
 
 
 # ----------------------------------------------------------------------------- chapter 2

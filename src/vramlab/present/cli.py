@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--accumulation-steps", type=_COUNT, default=None, metavar="K",
                      help="train: micro-batches per optimizer step (gradient accumulation; --batch-size is the "
                           "micro-batch; default 1)")
+    est.add_argument("--loss", default=None, choices=memory.LOSSES,
+                     help="train: the loss's implementation (default whole; chunked: torchtune's chunked cross-entropy; "
+                          "fused: Liger's fused linear cross-entropy)")
+    est.add_argument("--loss-chunk-tokens", type=_COUNT, default=None, metavar="N",
+                     help="train, with --loss chunked or fused: tokens a chunk (default: torchtune's 8 chunks, Liger's rule)")
     est.add_argument("--new-tokens", type=checks.argtype(_count, int, lo=0), default=None,
                      help="infer: model.generate() with this many new tokens (default: one prefill, all logits)")
     _gpu_arg(est, required=False)
@@ -274,7 +279,8 @@ def _is_sharded(ns) -> bool:
 def _estimate_options(ns) -> tuple[dict, argparse.Namespace]:
     """estimate's options for the library, after every check that spans flags."""
     spec, gpu = _spec(ns), _gpu(ns)
-    only = {"train": ("optimizer", "optimizer_impl", "recompute", "zero", "gpus", "recipe", "accumulation_steps"),
+    only = {"train": ("optimizer", "optimizer_impl", "recompute", "zero", "gpus", "recipe", "accumulation_steps", "loss",
+                      "loss_chunk_tokens"),
             "infer": ("new_tokens",)}
     for mode, flags in only.items():
         given = [f for f in flags if getattr(ns, f) is not None] + (["fsdp2"] if mode == "train" and ns.fsdp2 else [])
@@ -298,7 +304,11 @@ def _estimate_options(ns) -> tuple[dict, argparse.Namespace]:
         return dict(seq_len=ns.seq_len, precision=ns.precision or "fp32", optimizer=ns.optimizer or "adamw",
                     optimizer_impl=ns.optimizer_impl or "foreach", attention=ns.attention,
                     recompute=ns.recompute or "none", device=ns.device,
-                    accumulation_steps=ns.accumulation_steps or 1), ns
+                    accumulation_steps=ns.accumulation_steps or 1, loss=ns.loss or "whole",
+                    loss_chunk_tokens=ns.loss_chunk_tokens), ns
+    if ns.loss is not None or ns.loss_chunk_tokens is not None:
+        raise ValueError("--loss prices one GPU's step: leave it out with --zero/--fsdp2 (zero.estimate_rank models the "
+                         "whole loss)")
     if ns.fsdp2 and ns.zero not in (None, 3):
         raise ValueError(f"--fsdp2 shards like ZeRO-3: leave --zero out (or give --zero 3), not --zero {ns.zero}")
     if ns.recompute is not None:
@@ -633,6 +643,9 @@ def _levers(ns, here: Answer) -> list[Lever]:
             L.append(Lever(({"expandable_segments": True},)))
         if (ns.optimizer_impl or "foreach") != "fused":
             L.append(Lever(({"optimizer_impl": "fused"},)))
+        if spec.is_causal_lm and (ns.loss or "whole") != "fused":  # the logits, b·s·V in fp32: chunk or fuse the loss
+            L.append(Lever(tuple({"loss": x, "loss_chunk_tokens": None} for x in ("chunked", "fused")
+                                 if x != ns.loss)))
         order = ("bf16-mixed", "bf16-fp32-states", "bf16")
         p = ns.precision or "fp32"
         lighter = order if p == "fp32" else order[order.index(p) + 1:] if p in order else \
@@ -642,8 +655,9 @@ def _levers(ns, here: Answer) -> list[Lever]:
         if (ns.optimizer or "adamw") in ("adam", "adamw"):
             L.append(Lever(({"optimizer": "adamw-8bit"},)))
             zero_p = p if p in ZERO_RECIPE else "bf16-mixed"
-            L.append(Lever(tuple({"zero": 3, "gpus": k, "recompute": None, "optimizer_impl": None,
-                                  "precision": zero_p} for k in (2, 4, 8, 16, 32, 64, 128, 256)), monotone=True))
+            L.append(Lever(tuple({"zero": 3, "gpus": k, "recompute": None, "optimizer_impl": None, "loss": None,
+                                  "loss_chunk_tokens": None, "precision": zero_p}
+                                 for k in (2, 4, 8, 16, 32, 64, 128, 256)), monotone=True))
         L.append(Lever(_seq_lens(ns.seq_len), monotone=True))
         L.append(Lever(({"command": "lora", "method": "qlora", "recompute": ns.recompute or "none", **same},)))
         L.append(Lever(tuple({"command": "offload", "scheme": s, **same} for s in OFFLOAD_SCHEMES)))
