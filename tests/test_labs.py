@@ -49,7 +49,7 @@ def _exercises_only(nb):
     """Setup, solutions and tests only: grading the exercises without re-running the measurements."""
     nb = copy.deepcopy(nb)
     keep = ("setup", "ex", "stream-", "accum-solution", "accum-test", "alloc-solution", "alloc-test", "moe-",
-            "prefix-", "chunk-solution", "chunk-test")
+            "prefix-", "chunk-solution", "chunk-test", "inplace-solution", "inplace-test", "disk-solution", "disk-test")
     nb.cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id", "").startswith(keep)]
     return nb
 
@@ -108,7 +108,7 @@ def _run_instructor(lab, points, tmp_path):
 
 
 def test_instructor_version_full_marks_and_cpu_run(tmp_path):
-    saved, executed = _run_instructor(LAB, 15, tmp_path)
+    saved, executed = _run_instructor(LAB, 18, tmp_path)
     assert saved["mode"] == "trace" and "not a GPU measurement" in saved["note"]
     assert {"date", "torch", "platform"} <= set(saved["provenance"])
     train = [r for r in saved["rows"] if r["kind"] == "train"]
@@ -119,9 +119,9 @@ def test_instructor_version_full_marks_and_cpu_run(tmp_path):
     assert "No GPU found" in out and "largest batch that fits" in out
 
 
-@pytest.mark.parametrize("lab, points", [(LAB, 15), ("lab02_collectives", 8), ("lab03_parallelism", 11),
-                                         ("lab04_zero", 9), ("lab05_mixed_precision", 7),
-                                         ("lab06_offload", 11), ("lab07_checkpointing", 12), ("lab08_compression", 20)])
+@pytest.mark.parametrize("lab, points", [(LAB, 18), ("lab02_collectives", 8), ("lab03_parallelism", 11),
+                                         ("lab04_zero", 13), ("lab05_mixed_precision", 7),
+                                         ("lab06_offload", 14), ("lab07_checkpointing", 12), ("lab08_compression", 20)])
 def test_student_version_scores_zero(lab, points):
     scores = tools.grade(_exercises_only(nbformat.read(released(lab), as_version=4)), lab)
     assert tools.total(scores) == (0, points), scores
@@ -218,7 +218,7 @@ def test_wrong_answers_lose_their_points():
     assert "tie" in scores["ex1-test"][2]  # the feedback explains the mistake
     # a wrong answer that passes the visible test still fails the hidden ones
     scores = tools.grade(_with_solution(base, "ex2-solution", WRONG_EX2), LAB)
-    assert scores["ex2-test"][0] == 0 and tools.total(scores) == (12, 15)
+    assert scores["ex2-test"][0] == 0 and tools.total(scores) == (15, 18)
 
 
 def test_tampered_tests_are_restored():
@@ -254,7 +254,7 @@ def test_real_nbgrader_generate_and_autograde(tmp_path):
 
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
         submission = gb.find_submission(LAB, "alice")
-        assert (submission.score, submission.max_score) == (15, 15)
+        assert (submission.score, submission.max_score) == (18, 18)
 
 
 def test_lab5_instructor_full_marks_and_cpu_run(tmp_path):
@@ -489,7 +489,7 @@ def test_lab3_wrong_answers_lose_their_points():
 
 def test_lab4_instructor_full_marks_and_cpu_run(tmp_path):
     """Lab 4 in CPU mode: full marks, and its own run of every setup trains what one process trains."""
-    saved, executed = _run_instructor("lab04_zero", 9, tmp_path)
+    saved, executed = _run_instructor("lab04_zero", 13, tmp_path)
     assert "not a GPU measurement" in saved["note"] and {"date", "torch", "platform"} <= set(saved["provenance"])
     assert set(saved["run"]["setups"]) == {"0", "1", "2", "3", "fsdp2"}
     assert all(s["max_abs_diff_vs_one_process"] < 1e-5 * saved["run"]["steps"] for s in saved["run"]["setups"].values())
@@ -650,7 +650,7 @@ def test_lab6_instructor_full_marks_and_cpu_run(tmp_path):
     prediction from the measured per-layer times; no GPU probe is claimed. How close the times come is
     speed, not behaviour (a busy 2-core machine put the median 12 % off where a quiet one is within
     10 %): the stored run's agreement is checked in test_lab6_stored_run."""
-    saved, executed = _run_instructor("lab06_offload", 11, tmp_path)
+    saved, executed = _run_instructor("lab06_offload", 14, tmp_path)
     assert "not a GPU measurement" in saved["note"] and saved["probes"] is None
     st = saved["streaming"]
     assert st["mode"] == "cpu" and len(st["configs"]) >= 5

@@ -19,8 +19,8 @@ from vramlab.grading.programs import common
 
 PROGRAMS = Path(run.PROGRAMS)
 MODULES = sorted(p.stem for p in PROGRAMS.glob("*.py") if p.stem != "__init__")
-RANK_HARNESSES = ("ring", "tp", "ddp", "zero1", "zero2")
-CASE_HARNESSES = ("sac", "stream", "link_rate", "accum", "chunk_ce")
+RANK_HARNESSES = ("ring", "tp", "ddp", "zero1", "zero2", "ddp_accum")
+CASE_HARNESSES = ("sac", "stream", "link_rate", "accum", "chunk_ce", "inplace", "disk")
 
 LINK_GBPS = '''
 import statistics

@@ -3,11 +3,12 @@ that says what is wrong and why, so that the autograder's feedback teaches.
 
 One module a chapter, named like the course's calculator modules:
 
-- `memory` (lab 1): check_int, diagnose_param_count, check_accumulate, check_reserved_after;
+- `memory` (lab 1): check_int, diagnose_param_count, check_accumulate, check_reserved_after, check_inplace_mlp;
 - `collectives` (lab 2): check_ring_all_reduce;
 - `parallel` (lab 3): check_one_f_one_b, check_tp_mlp, check_bucketed_ddp;
-- `zero` (lab 4): check_zero1, check_zero2;
-- `offload` (lab 6): check_stream_pass, check_fewest_resident, check_stream_forward, check_link_GBps;
+- `zero` (lab 4): check_zero1, check_zero2, check_accumulate_ddp;
+- `offload` (lab 6): check_stream_pass, check_fewest_resident, check_stream_forward, check_link_GBps,
+  check_forward_from_disk;
 - `checkpointing` (lab 7): check_checkpoint_choice, check_sac_policy, sac_measure, check_chunked_ce;
 - `compression` (lab 8): check_row_int8, check_lora_layer, check_distill_loss, check_mask_2_4,
   check_int8_decomposition, check_qlora_bytes, check_moe_ffn, check_prefix_attention, check_prefix_count.

@@ -334,3 +334,329 @@ def check_reserved_after(fn: Callable, *, cases=ALLOC_EXAMPLES, n: int = 6, seed
             raise AssertionError(f"{where}. {why}")
     raise AssertionError(f"{where}. Check each rule in turn on this program: rounding, the pool, best fit, the "
                          "split, the new segment's size, merging on free.")
+
+
+# ----------------------------------------------------------------------------- in-place operations
+# The student's mlp_forward(x, w1, b1, w2, b2, *, act, drop1, drop2) is the residual MLP sublayer
+# x + drop2 * fc2(drop1 * act(fc1(x))) in training mode (fc = F.linear; the dropouts' scaled keep masks
+# given, so that the answer and the reference draw nothing), with every in-place op autograd allows.
+# Its values and gradients are checked against plain out-of-place torch, its forward counted as
+# `vramlab.measure.inplace` counts (COUNTING: the source of its LiveBytes and saved_bytes, run here and sent
+# to the answer's process, which cannot import vramlab) against the check's own in-place-where-allowed forward.
+
+INPLACE_ACTS = ("relu", "gelu", "silu")
+_DROP_P = (0.1, 0.2, 0.25, 0.5)
+
+
+def inplace_cases(seed: int, n: int = 3) -> list[dict]:
+    """`n` cases drawn from `seed`: the first three are the three activations (in a random order) with
+    both dropouts on; the others a random activation, each dropout on or off; every one its own sizes
+    (tokens, hidden, inner = 2-4 x hidden), float32 or bfloat16, and seed for its tensors."""
+    import random
+
+    rng = random.Random(seed)
+    acts = list(INPLACE_ACTS)
+    rng.shuffle(acts)
+    cases = []
+    for k in range(n):
+        first = k < len(acts)
+        h = rng.choice((16, 24, 32, 48))
+        cases.append({"act": acts[k] if first else rng.choice(INPLACE_ACTS),
+                      "p1": rng.choice(_DROP_P) if first or rng.random() < 0.6 else 0.0,
+                      "p2": rng.choice(_DROP_P) if first or rng.random() < 0.6 else 0.0,
+                      "tokens": rng.randint(4, 40), "hidden": h, "inner": h * rng.choice((2, 3, 4)),
+                      "dtype": rng.choice(("float32", "float32", "bfloat16")), "seed": rng.randrange(2**31)})
+    return cases
+
+
+def _inplace_build(case):
+    """The case's x, [w1, b1, w2, b2], [drop1, drop2] and output gradient, as `programs/inplace.py`'s
+    `build` draws them in the answer's process (the programs are copied beside the answer, never
+    imported; tests hold the two equal)."""
+    import torch
+
+    g = torch.Generator().manual_seed(case["seed"])
+    dtype = getattr(torch, case["dtype"])
+    t, h, i = case["tokens"], case["hidden"], case["inner"]
+
+    def draw(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    def mask(shape, p):
+        keep = torch.rand(*shape, generator=g, dtype=torch.float64) >= p
+        return (keep.double() / (1 - p)).to(dtype) if p > 0 else None
+
+    x = draw(t, h)
+    params = [draw(i, h, scale=h ** -0.5), draw(i, scale=0.1), draw(h, i, scale=i ** -0.5), draw(h, scale=0.1)]
+    drops = [mask((t, i), case["p1"]), mask((t, h), case["p2"])]
+    return x, params, drops, draw(t, h)
+
+
+# How the in-place check counts a forward: `vramlab.measure.inplace`'s LiveBytes and saved_bytes, as
+# source (the grading package never imports vramlab.measure, and the answer's process cannot import
+# vramlab at all: the same text runs here and there; tests/grading/test_inplace_exercise.py holds its
+# counts equal to measure.inplace's).
+COUNTING = """
+class LiveBytes(TorchDispatchMode):
+    \"\"\"Bytes of the storages kernels create while the mode is on, alive at once: now, peak. Storages
+    alive before (the `existing` tensors) are not counted.\"\"\"
+
+    def __init__(self, existing=()):
+        super().__init__()
+        self.known = {t.untyped_storage().data_ptr() for t in existing}
+        self.live = {}
+        self.now = self.peak = 0
+
+    def _free(self, key):
+        self.now -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key and key not in self.known and key not in self.live:
+                    self.live[key] = st.nbytes()
+                    self.now += st.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(st, self._free, key)
+        return out
+
+
+def saved_bytes(fn, *, exclude=()):
+    \"\"\"Run fn(); its result and the bytes of the distinct storages autograd saved for backward (those
+    of `exclude`, the parameters, left out).\"\"\"
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+"""
+
+
+def counting() -> tuple[type, Callable]:
+    """(LiveBytes, saved_bytes) from COUNTING, for this process."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    ns = {"torch": torch, "weakref": weakref, "TorchDispatchMode": TorchDispatchMode, "tree_leaves": tree_leaves}
+    exec(compile(COUNTING, "<counting>", "exec"), ns)  # noqa: S102
+    return ns["LiveBytes"], ns["saved_bytes"]
+
+
+def op_log(live_bytes: type) -> type:
+    """`live_bytes` (COUNTING's LiveBytes) that also logs every kernel: its name and the
+    bytes of the storages it created that are still alive after it (0 for an in-place kernel). The
+    same class counts the check's forward here and, from this source, the answer's in its process."""
+
+    class OpLog(live_bytes):
+        def __init__(self, existing=()):
+            super().__init__(existing)
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before = set(self.live)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.ops.append([func.overloadpacket.__name__, sum(n for k, n in self.live.items() if k not in before)])
+            return out
+
+    return OpLog
+
+
+def _inplace_reference(x, w1, b1, w2, b2, *, act, drop1=None, drop2=None):
+    """The check's own forward, in place wherever autograd allows it: what the answer's is held to."""
+    import torch.nn.functional as F
+
+    h = F.linear(x, w1, b1)
+    h = F.gelu(h) if act == "gelu" else getattr(F, act)(h, inplace=True)  # no in-place GELU in torch
+    if drop1 is not None:
+        h = h * drop1 if act == "relu" else h.mul_(drop1)  # relu saved its output: leave it as it is
+    h = F.linear(h, w2, b2)
+    if drop2 is not None:
+        h.mul_(drop2)
+    return h.add_(x)
+
+
+def _inplace_plain(case):
+    """The reference values, out of place in plain torch: the output and the gradients of x, w1, b1, w2,
+    b2 for the case's output gradient."""
+    import torch.nn.functional as F
+
+    x, params, (d1, d2), grad_out = _inplace_build(case)
+    for t in (x, *params):
+        t.requires_grad_(True)
+    w1, b1, w2, b2 = params
+    a = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[case["act"]](F.linear(x, w1, b1))
+    y = F.linear(a * d1 if d1 is not None else a, w2, b2)
+    out = (y * d2 if d2 is not None else y) + x
+    out.backward(grad_out)
+    return out.detach().double(), [t.grad.double() for t in (x, *params)]
+
+
+def _inplace_counted(case, counting) -> dict:
+    """The check's own in-place forward counted as the answer's is (`counting`: the per-kernel logging
+    LiveBytes and saved_bytes): saved, peak and the kernels' log."""
+    tracker_cls, saved_bytes = counting
+    x0, params, drops, _ = _inplace_build(case)
+    for t in (x0, *params):
+        t.requires_grad_(True)
+    x = x0.clone()
+    masks = [d for d in drops if d is not None]
+    tracker = tracker_cls(existing=[x, *params, *masks])
+    with tracker:
+        out, saved = saved_bytes(lambda: _inplace_reference(x, *params, act=case["act"], drop1=drops[0],
+                                                            drop2=drops[1]), exclude=[*params, *masks])
+    del out
+    return {"saved": saved, "peak": tracker.peak, "ops": tracker.ops}
+
+
+def _inplace_what(case: dict) -> str:
+    drops = ", ".join(f"{k} p={case[p]:g}" if case[p] else f"{k} None" for k, p in (("drop1", "p1"), ("drop2", "p2")))
+    return (f"mlp_forward(act={case['act']!r}, {drops}) on x {case['tokens']} x {case['hidden']} {case['dtype']}, "
+            f"inner {case['inner']}")
+
+
+_SAVES_OUTPUT = ("relu", "threshold", "sigmoid", "tanh")  # their backward reads their output
+
+
+def _inplace_refusal(case: dict, msg: str) -> str:
+    """Which in-place write autograd refuses and why, from its message: the shape of the tensor
+    overwritten, and the op that made it."""
+    import re
+
+    if msg == "detached":
+        return ("the output does not require grad: it is not connected to x and the weights (no .detach(), no "
+                "torch.no_grad() around the forward)")
+    said = f"autograd refuses the backward ({msg})"
+    m = re.search(r"\[torch\.\w+ \[([\d, ]*)\]\], which is output \d+ of (\w+)", msg)
+    if not m:
+        return f"{said}: an op may write in place only into a tensor no earlier op saved for its backward"
+    shape = tuple(int(v) for v in m.group(1).split(",") if v.strip())
+    made_by = re.sub(r"Backward\d*$", "", m.group(2)).lower()
+    t, h, i = case["tokens"], case["hidden"], case["inner"]
+    if shape == (t, h):  # of the block's x-sized tensors only x is saved (by fc1)
+        return (f"{said}: the residual sum was written into the block's input x (x.add_ / x +=), which fc1 "
+                "(F.linear) saved for w1's gradient; write it into the branch's output instead (h.add_(x))")
+    if made_by in _SAVES_OUTPUT:
+        op = "relu" if made_by == "threshold" else made_by
+        by = " (the dropout's h.mul_(drop1))" if shape == (t, i) and case["p1"] else ""
+        return (f"{said}: an in-place op{by} overwrote {op}'s output, which {op} saved for its backward (its "
+                f"derivative is read off its output); run the op after {op} out of place")
+    saver = {"addmm": f"{case['act']}, which saved it as its input", "mul": "fc2, which saved it as its input (for "
+             "w2's gradient)"}.get(made_by, "a later op, which saved it for its backward")
+    return (f"{said}: an in-place op overwrote the {'x'.join(map(str, shape))} output of {made_by}, read by {saver}; "
+            "an op may write in place only into a tensor no earlier op saved")
+
+
+def _inplace_memory(case: dict, got: dict, ref: dict) -> str | None:
+    """Why the answer's forward holds more than the in-place-where-allowed one, or None: the in-place op
+    it ran out of place and the bytes that frees, else the extra kernels, the peak or the saved bytes."""
+    from collections import Counter
+
+    import torch
+
+    nb = torch.empty((), dtype=getattr(torch, case["dtype"])).element_size()
+    t, h, i = case["tokens"], case["hidden"], case["inner"]
+    big, small = t * i * nb, t * h * nb  # fc1-sized and x-sized outputs
+    alloc = lambda ops: sum(n for _, n in ops)  # noqa: E731
+    extra = Counter((k, n) for k, n in got["ops"] if n) - Counter((k, n) for k, n in ref["ops"] if n)
+    if alloc(got["ops"]) > alloc(ref["ops"]):
+        act = case["act"]
+        sites = []
+        if act == "relu":
+            sites.append((("relu", big), "the activation could run in place (F.relu(h, inplace=True): relu saves its "
+                                         "output, and nothing saved fc1's output)"))
+        if case["p1"] and act != "relu":
+            sites.append((("mul", big), f"the first dropout could run in place (h.mul_(drop1): {act} saved its "
+                                        "input, not its output, and the multiply saves only the mask)"))
+        if case["p2"]:
+            sites.append((("mul", small), "the second dropout could run in place (h.mul_(drop2): nothing saved "
+                                          "fc2's output, and the multiply saves only the mask)"))
+        sites.append((("add", small), "the residual add could run in place (h.add_(x): the sum written into the "
+                                      "branch's output, which nothing saved; x itself was saved by fc1)"))
+        for key, why in sites:
+            if extra[key]:
+                return f"{why}: it would free {fmt_bytes(key[1])}, the output it allocates ({key[1]:,} B)"
+        names = {k for k, _ in extra}
+        if names & {"mm", "matmul", "bmm"}:
+            return ("compute fc1 and fc2 with F.linear(h, w, b), one kernel: h @ w.T + b allocates the product and "
+                    "then the sum")
+        shown = ", ".join(f"aten.{k} {fmt_bytes(n)}" for (k, n) in extra.elements())
+        return (f"the forward allocated {fmt_bytes(alloc(got['ops']))}, the in-place-where-allowed forward "
+                f"{fmt_bytes(alloc(ref['ops']))}; the extra kernels: {shown}")
+    if got["peak"] > ref["peak"]:
+        return (f"the forward's peak was {fmt_bytes(got['peak'])} alive at once, {fmt_bytes(ref['peak'])} in the "
+                "in-place-where-allowed forward: let what nothing saved die at once (one name, rebound: h = ...)")
+    if got["saved"] > ref["saved"]:
+        return (f"autograd saved {fmt_bytes(got['saved'])} for backward, {fmt_bytes(ref['saved'])} in the "
+                "in-place-where-allowed forward: an op saved a tensor it need not")
+    return None
+
+
+def check_inplace_mlp(fn: Callable, *, seed: int | None = None, n: int = 3, timeout: float = 120.0) -> None:
+    """`fn(x, w1, b1, w2, b2, *, act, drop1, drop2)` returns the residual MLP sublayer's output
+    x + drop2 * fc2(drop1 * act(fc1(x))) (fc1 = F.linear(., w1, b1), fc2 = F.linear(., w2, b2); a mask
+    None: no dropout) using every in-place op autograd allows and none it refuses. Run on `n` cases drawn
+    from `seed` (from the OS when None, afresh for every grading) in a process of its own
+    (`programs/inplace.py`): its output and gradients must match plain out-of-place torch, computed here;
+    its forward, counted as `vramlab.measure.inplace` counts, may save, allocate and hold at its peak no
+    more than the check's own in-place-where-allowed forward, counted the same way here."""
+    import inspect
+    import secrets
+
+    import torch
+
+    from .run import run_program
+
+    if seed is None:
+        seed = secrets.randbits(62)
+    source = COUNTING + "\n\n" + inspect.getsource(op_log)
+    cases = inplace_cases(seed, n)
+    live_bytes, saved = counting()
+    ours = (op_log(live_bytes), saved)
+    reports = run_program("inplace", fn, [dict(c, counting=source) for c in cases], what="in-place forward",
+                          timeout=timeout, on_timeout=f"the forward gave no answer within {timeout:.0f} s")
+    for case, rep in zip(cases, reports):
+        what = _inplace_what(case)
+        if rep.get("error"):
+            err = rep["error"]
+            if err.startswith("NotImplementedError"):  # the stub: say so as the other exercises do
+                raise NotImplementedError(f"{what}: {err}")
+            hint = ""
+            if "gelu" in err and "inplace" in err:
+                hint = " (torch has no in-place GELU: F.gelu(h) out of place)"
+            elif "leaf Variable" in err:
+                hint = " (the weights and biases are leaves that require grad: never write into them)"
+            raise AssertionError(f"{what}: {err}{hint}")
+        if rep["refused"]:
+            raise AssertionError(f"{what}: {_inplace_refusal(case, rep['refused'])}")
+        out, grads = _inplace_plain(case)
+        tol = dict(rtol=2e-2, atol=2e-2) if case["dtype"] == "bfloat16" else dict(rtol=1e-4, atol=1e-5)
+        got = torch.tensor(rep["out"], dtype=torch.float64).reshape(out.shape)
+        if not torch.allclose(got, out, **tol):
+            raise AssertionError(f"{what}: the output differs from x + drop2 * fc2(drop1 * act(fc1(x))) by up to "
+                                 f"{float((got - out).abs().max()):.3g}")
+        for name, g, ref in zip(("x", "w1", "b1", "w2", "b2"), rep["grads"], grads):
+            if g is None:
+                raise AssertionError(f"{what}: {name} has no gradient: the output must depend on it through autograd")
+            g = torch.tensor(g, dtype=torch.float64).reshape(ref.shape)
+            if not torch.allclose(g, ref, **tol):
+                raise AssertionError(
+                    f"{what}: the output is right but the gradient of {name} is wrong (off by up to "
+                    f"{float((g - ref).abs().max()):.3g}): a write autograd did not see (through .data, or into a "
+                    "tensor an op had saved) left the backward computing from overwritten values or missing an op; "
+                    "write in place only where autograd allows it, on the tensors themselves")
+        why = _inplace_memory(case, rep, _inplace_counted(case, ours))
+        if why:
+            raise AssertionError(f"{what}: {why}")

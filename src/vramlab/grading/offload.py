@@ -185,3 +185,137 @@ def check_link_GBps(fn: Callable, *, seed: int = 0, n: int = 6, timeout: float =
         else:
             hint = ""
         raise AssertionError(f"{where}: measured {got:.6g} GB/s, the link runs at {want:g} GB/s{hint}")
+
+
+# ----------------------------------------------------------------------------- a forward from disk
+# The student's forward_from_disk(f, manifest, x, *, run_layer, align, buffer) runs in a process of its
+# own (`programs/disk.py`) on a model stored in one file as ZeRO-Infinity's NVMe swapper stores
+# tensors: one after another, each starting at a multiple of `align` (O_DIRECT's block), zeros in
+# between, mixed dtypes and shapes given by the manifest. The harness writes the file from the case's
+# seed and hands the answer a file object that logs every read; the reference is computed here.
+DISK_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
+DISK_SLACK = 256 << 10  # bytes the answer may hold besides the buffer: x, a few small objects
+DISK_MODULUS = 1009.0  # programs/disk.py's run_layer keeps x's values whole numbers below this
+
+
+def disk_cases(seed: int, n: int = 4) -> list[dict]:
+    """Random models on disk: 3 to 6 layers, matrices (out, in) and vectors (in,) of odd sizes (so no
+    layer's bytes are a multiple of the alignment and every offset shows whether it was aligned),
+    fp16, bf16 and fp32 (both widths in each model), an alignment, and the seed of their values."""
+    import random
+
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        count = rng.randint(3, 6)
+        kinds = ["matrix", "matrix"] + [rng.choice(("matrix", "matrix", "vector")) for _ in range(count - 2)]
+        rng.shuffle(kinds)
+        dtypes = [rng.choice(("float16", "bfloat16")), "float32"] + [rng.choice(tuple(DISK_DTYPES)) for _ in range(count - 2)]
+        rng.shuffle(dtypes)
+        width = d = 2 * rng.randint(256, 512) + 1
+        layers = []
+        for i, (kind, dtype) in enumerate(zip(kinds, dtypes)):
+            if kind == "matrix":
+                out = 2 * rng.randint(256, 512) + 1
+                layers.append([f"blocks.{i}.weight", [out, d], dtype])
+                d = out
+            else:
+                layers.append([f"blocks.{i}.scale", [d], dtype])
+        cases.append({"seed": rng.getrandbits(62), "align": rng.choice((512, 1024, 4096)), "rows": rng.randint(2, 4),
+                      "width": width, "layers": layers, "slack": DISK_SLACK})
+    return cases
+
+
+def disk_layout(case: dict) -> tuple[list[tuple[int, int]], int]:
+    """Each layer's (offset, bytes) in the case's file, and the file's size: every layer starts at the
+    next multiple of the alignment after the one before."""
+    spans, offset, align = [], 0, case["align"]
+    for _, shape, dtype in case["layers"]:
+        nbytes = DISK_DTYPES[dtype]
+        for s in shape:
+            nbytes *= s
+        spans.append((offset, nbytes))
+        offset += -(-nbytes // align) * align
+    return spans, offset
+
+
+def disk_build(case: dict):
+    """The case's input and weights, as `programs/disk.py`'s `build` draws them in the answer's process
+    (the programs are copied beside the answer, never imported; tests hold the two equal)."""
+    import torch
+
+    dtypes = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    g = torch.Generator().manual_seed(case["seed"])
+    x = torch.randint(-8, 9, (case["rows"], case["width"]), generator=g).double()
+    weights = [torch.randint(-16, 17, tuple(shape), generator=g).to(dtypes[dtype]) for _, shape, dtype in case["layers"]]
+    return x, weights
+
+
+def disk_reference(case: dict):
+    """The forward over the case's layers in memory (`programs/disk.py`'s run_layer: a matrix
+    multiplies, a vector scales, the result kept below DISK_MODULUS): whole numbers, exact in float64."""
+    import torch
+
+    x, weights = disk_build(case)
+    for w in weights:
+        y = x @ w.double().T if w.dim() == 2 else x * w.double() + 1
+        x = torch.remainder(y, DISK_MODULUS)
+    return x
+
+
+def check_forward_from_disk(fn: Callable, *, seed: int | None = None, n: int = 4, timeout: float = 120.0) -> None:
+    """`fn(f, manifest, x, *, run_layer, align, buffer)` (lab 6's forward from disk) on `n` models of
+    `disk_cases` drawn from `seed` (from the OS when None, afresh for every grading), each in a file
+    of its own read through a logging file object, in a process of its own: each layer read once
+    from its aligned offset (its padding may come with it) into the one buffer, nothing held besides
+    it but DISK_SLACK bytes, every weight of the manifest's dtype and shape, and the output exactly
+    the reference computed here."""
+    import secrets
+
+    import torch
+
+    from ..units import fmt_bytes
+
+    if seed is None:
+        seed = secrets.randbits(62)
+    cases = disk_cases(seed, n)
+    reports = run_program("disk", fn, cases, what="forward from disk", timeout=timeout,
+                          on_timeout=f"no answer within {timeout:.0f} s: does the loop end?")
+    for case, rep in zip(cases, reports):
+        spans, size = disk_layout(case)
+        layers = case["layers"]
+        buffer = max(-(-nbytes // case["align"]) * case["align"] for _, nbytes in spans)
+        where = (f"{len(layers)} layers ({', '.join(f'{dt} {tuple(shape)}' for _, shape, dt in layers)}), "
+                 f"align={case['align']}")
+        if set(rep) == {"error"}:  # the harness itself could not run the case
+            raise AssertionError(f"{where}: {rep['error']}")
+        if rep["misuse"]:
+            raise AssertionError(f"{where}: {rep['misuse']}")
+        if rep["held"] > case["slack"]:
+            weights = sum(nbytes for _, nbytes in spans)
+            hint = ("that is every layer at once: read a layer into the buffer, run it, then read the next"
+                    if rep["held"] >= weights else
+                    "f.read(n) makes new bytes: f.readinto(memoryview(buffer)[:n]) fills the buffer instead"
+                    if rep["used_read"] else
+                    "run each layer on a view of the buffer (torch.frombuffer), not on a copy of it")
+            raise AssertionError(f"{where}: your code held {fmt_bytes(rep['held'])} {rep['where']}, besides the one "
+                                 f"buffer of {fmt_bytes(buffer)} (the model is {fmt_bytes(size)}; at most "
+                                 f"{fmt_bytes(case['slack'], digits=0)} more is allowed): {hint}")
+        if rep["problem"]:
+            raise AssertionError(f"{where}: {rep['problem']}")
+        if rep["error"]:
+            if rep["error"].startswith("NotImplementedError"):  # the stub: say so as the other exercises do
+                raise NotImplementedError(f"{where}: {rep['error']}")
+            raise AssertionError(f"{where}: {rep['error']}")
+        if rep["calls"] != len(layers):
+            raise AssertionError(f"{where}: {rep['calls']} of the {len(layers)} layers ran: run every layer in order "
+                                 "and return x after the last")
+        want = disk_reference(case)
+        got = rep["out"]
+        if got is None:
+            kind = "None" if rep["out_kind"] == "NoneType" else f"a {rep['out_kind']}"
+            raise AssertionError(f"{where}: returned {kind}, not x after the last layer: return what the last run_layer "
+                                 "returned")
+        if not torch.equal(torch.tensor(got, dtype=torch.float64), want):
+            raise AssertionError(f"{where}: returned a tensor that is not x after the last layer: return what the last "
+                                 "run_layer returned")

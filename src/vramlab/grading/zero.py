@@ -1,15 +1,16 @@
-"""Lab 4's checks (ZeRO): the student's ZeRO-1 step and ZeRO-2 gradient partitioning, run on ranks
-that reach each other only through the check's process (`run.Switchboard`), which logs every
-collective a rank calls; the ranks run `programs/zero1.py` and `programs/zero2.py`. Every expected
-value is computed here, from data drawn here afresh for every grading (each rank is dealt only its
-own)."""
+"""Lab 4's checks (ZeRO): the student's ZeRO-1 step, ZeRO-2 gradient partitioning and gradient
+accumulation under DDP's no_sync, run on ranks that reach each other only through the check's process
+(`run.Switchboard`), which logs every collective a rank calls; the ranks run `programs/zero1.py`,
+`programs/zero2.py` and `programs/ddp_accum.py`. Every expected value is computed here, from data
+drawn here afresh for every grading (each rank is dealt only its own)."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from .parallel import as_tensor, bucket_values, check_mlp_ranks, launch_problem, tclose
-from .run import answer_source, fresh_generator, run_world
+from ..units import fmt_bytes
+from .parallel import as_tensor, bucket_values, check_mlp_ranks, launch_problem, rank_problem, split_steps, tclose
+from .run import answer_source, cell_source, fresh_generator, run_linked, run_world
 
 # ZeRO-1: every rank holds the whole flat parameter vector (drawn from ZERO1_SEED, the same on every
 # rank and here) and is dealt its own gradients (drawn here, different on every rank and step); the
@@ -186,3 +187,219 @@ def check_zero2(cls: Any, *, cases=((2, 1000),), timeout: float = 120.0) -> None
     `cases` are (ranks, cap in bytes)."""
     check_mlp_ranks("zero2", cls, cases, timeout=timeout, what="ZeRO-2", update=False, step_problem=_zero2_step_problem,
                     early="called a collective before the first backward", step="backward")
+
+
+# Gradient accumulation under DDP's no_sync (PyTorch DDP, Li+20 §3.2.4; chapter 4): each rank runs k
+# micro-batches of its own, the first k - 1 without communicating, and all-reduces the accumulated
+# gradients once, so that every rank ends with the gradient of the global batch's mean loss (all ranks
+# x k micro-batches). The ranks run `programs/ddp_accum.py`: the MLP of `common.mlp_model` built from a
+# seed drawn here, its .grad filled with noise first (what the previous step left), each rank dealt its
+# own micro-batches, drawn here afresh for every grading. Only all_reduce is available; the switchboard
+# logs the values each rank all-reduces, and the harness notes the order of the forwards and backwards.
+ACCUM_DIMS = (6, 12, 12, 3)  # Linear(6, 12), Tanh, Linear(12, 12), Tanh, Linear(12, 3)
+ACCUM_ROWS = 4  # rows a micro-batch
+
+# what a wrong answer's gradients equal, as multiples of the right one (k micro-batches, N ranks)
+ACCUM_SCALES = (
+    (lambda k, n: k, "are {k} times the global batch's mean-loss gradient: each micro-batch's loss is a mean over "
+                     "its own rows, so divide it by k = {k} before its backward (or the accumulated gradients "
+                     "afterwards)"),
+    (lambda k, n: n, "are {n} times the global batch's mean-loss gradient, as if averaged over the {k} micro-batches "
+                     "only: the all-reduce sums over the ranks, so divide its result by world_size = {n}"),
+    (lambda k, n: k * n, "are k x world_size = {kn} times the global batch's mean-loss gradient: divide by k = {k} for "
+                         "the micro-batches and by world_size = {n} after the all-reduce's sum"),
+)
+
+
+def _accum_params(seed: int) -> list:
+    """The MLP's parameters as `programs/common.py`'s mlp_model draws them from `seed` (weight, bias,
+    layer by layer): the same on every rank and here."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for i, o in zip(ACCUM_DIMS[:-1], ACCUM_DIMS[1:]):
+        params += [torch.randn(o, i, generator=g, dtype=torch.float64) * 0.4,
+                   torch.randn(o, generator=g, dtype=torch.float64) * 0.1]
+    return params
+
+
+def _accum_grads(params: list, x, y):
+    """The flat gradient of the mean squared error of the MLP on (x, y) (the harness's loss_fn)."""
+    import torch
+
+    ps = [p.clone().requires_grad_() for p in params]
+    h = x
+    for j in range(0, len(ps), 2):
+        h = h @ ps[j].T + ps[j + 1]
+        if j < len(ps) - 2:
+            h = torch.tanh(h)
+    ((h - y) ** 2).mean().backward()
+    return torch.cat([p.grad.reshape(-1) for p in ps])
+
+
+def _accum_reference(seed: int, world: int, k: int) -> dict:
+    """One case's micro-batches, drawn here afresh ("dealt": [rank] -> k (x, y) pairs), every
+    micro-batch's own gradient ("micro": [rank][i], flat), the global batch's mean-loss gradient (the
+    mean of them all: the micro-batches are equal) and the noise the harness put in .grad first."""
+    import torch
+
+    params = _accum_params(seed)
+    gen = fresh_generator()
+    dealt, micro = [], []
+    for _ in range(world):
+        xs = [torch.randn(ACCUM_ROWS, ACCUM_DIMS[0], generator=gen, dtype=torch.float64) for _ in range(k)]
+        ys = [torch.randn(ACCUM_ROWS, ACCUM_DIMS[-1], generator=gen, dtype=torch.float64) for _ in range(k)]
+        dealt.append([[x.tolist(), y.tolist()] for x, y in zip(xs, ys)])
+        micro.append([_accum_grads(params, x, y) for x, y in zip(xs, ys)])
+    g = torch.Generator().manual_seed(seed + 1)
+    noise = torch.cat([torch.randn(p.shape, generator=g, dtype=torch.float64).reshape(-1) for p in params])
+    whole = torch.stack([m for r in micro for m in r]).mean(0)
+    names = [f"{2 * j}.{w}" for j in range(len(ACCUM_DIMS) - 1) for w in ("weight", "bias")]
+    return {"dealt": dealt, "micro": micro, "whole": whole, "noise": noise, "names": names,
+            "sizes": [p.numel() for p in params]}
+
+
+def _accum_order_problem(order: Any, k: int) -> str | None:
+    """What is wrong with the order of one rank's forwards and backwards (the harness's notes), or None."""
+    if not isinstance(order, list):
+        return "reported no forwards"
+    rows = [e[1] for e in order if isinstance(e, list) and e[:1] == ["F"]]
+    if len(rows) == 1 and k > 1 and rows[0] == k * ACCUM_ROWS:
+        return (f"ran the model once, on all {k} micro-batches' {k * ACCUM_ROWS} rows: accumulation runs each "
+                "micro-batch's forward and backward in turn, so that only one micro-batch's activations are alive")
+    if rows != [ACCUM_ROWS] * k:
+        return (f"ran forwards on {rows} rows; expected {k} forwards of {ACCUM_ROWS} rows, one a micro-batch, each "
+                "micro-batch once")
+    tokens = [e[0] for e in order if isinstance(e, list) and e]
+    if tokens == ["F"] * k + ["B"]:
+        return (f"ran one backward for all {k} micro-batches (their losses summed first): that keeps every "
+                "micro-batch's activations alive until the end; run each micro-batch's backward before the next "
+                "one's forward")
+    if tokens != ["F", "B"] * k:
+        return (f"ran the forwards (F) and backwards (B) in the order {''.join(tokens)[:40]}; expected each "
+                "micro-batch's forward then its backward, in turn (" + "FB" * k + ")")
+    return None
+
+
+def _accum_value_problem(got, ref: dict, world: int, k: int) -> str:
+    """Why the (agreeing) ranks' gradients differ from the global batch's, from the mistakes they equal."""
+    import torch
+
+    whole, noise, micro = ref["whole"], ref["noise"], ref["micro"]
+
+    def close(want) -> bool:
+        return torch.allclose(got, want, rtol=1e-9, atol=1e-12)
+
+    if close(whole + noise):
+        return ("also hold what .grad held before the step (what the previous step left): clear it once, before "
+                "the first micro-batch (p.grad = None, or model.zero_grad()); backward adds into whatever is there")
+    if k == world and close(k * whole):
+        return (f"are {k} times the global batch's mean-loss gradient: divide each micro-batch's loss by k = {k} "
+                f"(it is a mean over its own rows) and the all-reduce's sum by world_size = {world}; with "
+                f"k = world_size = {k} one of the two is missing")
+    for scale, why in ACCUM_SCALES:
+        if close(scale(k, world) * whole):
+            return why.format(k=k, n=world, kn=k * world)
+    last = torch.stack([r[-1] for r in micro]).mean(0)
+    if any(close(last * s) for s in (1, 1 / k, world, world / k)):
+        return ("are the last micro-batch's only: clearing .grad between micro-batches (zero_grad inside the loop) "
+                "throws the earlier ones away; clear once, before the first micro-batch, and let backward add each "
+                "micro-batch's gradients into .grad")
+    diff = float((got - whole).abs().max())
+    return (f"differ from the global batch's mean-loss gradient (all {world} ranks x {k} "
+            f"micro-batches, computed here on one process; largest difference {diff:.3g})")
+
+
+def _accum_rank_grads(report: Any, c: int, k: int, ref: dict, name: str) -> tuple[str | None, Any]:
+    """One rank's case `c`: (what is wrong, None), or (None, its gradients, flat) where it ran each
+    micro-batch's forward and backward in turn and left a gradient in every .grad."""
+    why = rank_problem(report)
+    if why:
+        return why, None
+    if any(isinstance(e, dict) and "call" in e for e in split_steps(report.get("log"))[0]):
+        return f"called a collective before {name} ran", None
+    results = report.get("result")
+    got = results[c] if isinstance(results, list) and c < len(results) else None
+    if not isinstance(got, dict):
+        return "reported nothing for this case", None
+    why = _accum_order_problem(got.get("order"), k)
+    if why:
+        return why, None
+    listed = got.get("grads")
+    if not isinstance(listed, list) or len(listed) != len(ref["sizes"]):
+        return "reported no gradients", None
+    missing = [ref["names"][j] for j, v in enumerate(listed) if v is None]
+    if missing:
+        return (f"left no gradient in .grad of {missing[0]}: every parameter's .grad must hold the averaged gradient "
+                "afterwards"), None
+    flat = as_tensor([v for g in listed if isinstance(g, list) for v in g], ref["whole"])
+    return ("left gradients of the wrong shape in .grad", None) if flat is None else (None, flat)
+
+
+def _accum_traffic_problem(report: dict, c: int, k: int, n_values: int) -> str | None:
+    """What is wrong with what one rank all-reduced in case `c`: every gradient once, however split."""
+    events = split_steps(report.get("log"))
+    calls = [e for e in (events[c + 1] if c + 1 < len(events) else []) if isinstance(e, dict)
+             and e.get("call") == "all_reduce"]
+    sent = sum(len(e.get("values") or []) for e in calls)
+    if sent == n_values:
+        return None
+    if k > 1 and sent == k * n_values:
+        return (f"sent {k} times the bytes DDP's no_sync sends: it all-reduced {sent} values ({fmt_bytes(8 * sent)} "
+                f"in float64) in one step, where one all-reduce of the {n_values} gradients "
+                f"({fmt_bytes(8 * n_values)}) is enough. Under no_sync micro-batches 1..{k - 1} only accumulate in "
+                ".grad; the sum is all-reduced once, after the last")
+    return (f"all-reduced {sent} values in {len(calls)} call(s) in one step; DDP with no_sync all-reduces every "
+            f"gradient exactly once a step: {n_values} values ({fmt_bytes(8 * n_values)} in float64), flat or "
+            "parameter by parameter")
+
+
+def check_accumulate_ddp(fn: Callable, *, cases=((2, 3),), timeout: float = 60.0) -> None:
+    """Run the student's `fn(model, micro_batches, loss_fn, rank, world_size)` (one optimizer step's
+    gradients with k micro-batches a rank, as DDP's no_sync makes them) on linked ranks
+    (`run.Switchboard`), each rank dealt its own k micro-batches (drawn here afresh), and check: each
+    micro-batch's forward then its backward, in turn; every rank's `.grad` afterwards equal on every rank
+    and to the gradient of the global batch's mean loss (computed here on one process, float64), with
+    the usual mistakes named (the 1/k or 1/world_size scaling missing, .grad cleared between
+    micro-batches or not cleared first); and the traffic: one all-reduce's worth of every gradient per
+    step, however split, not one a micro-batch. `cases` are (ranks, micro-batches a rank)."""
+    import tempfile
+
+    import torch
+
+    source = cell_source(fn)
+    by_world: dict[int, list[int]] = {}
+    for world, k in cases:
+        by_world.setdefault(world, []).append(k)
+    with tempfile.TemporaryDirectory() as tmp:
+        for world, ks in by_world.items():
+            seed = int(torch.randint(0, 2**31 - 2, (1,), generator=fresh_generator()))
+            refs = [_accum_reference(seed, world, k) for k in ks]
+            reports = run_linked("ddp_accum", world, {"dims": list(ACCUM_DIMS), "seed": seed, "ks": ks}, source=source,
+                                 names=[fn.__name__], tmp=tmp, timeout=timeout, what="DDP gradient accumulation",
+                                 dealt=[[ref["dealt"][r] for ref in refs] for r in range(world)])
+            for c, (k, ref) in enumerate(zip(ks, refs)):
+                what = f"DDP gradient accumulation on {world} ranks, {k} micro-batches of {ACCUM_ROWS} rows a rank"
+                grads = []
+                for rank, report in enumerate(reports):
+                    why, flat = _accum_rank_grads(report, c, k, ref, fn.__name__)
+                    if why:
+                        raise AssertionError(f"{what}: rank {rank} {why}.")
+                    grads.append(flat)
+                apart = [r for r in range(1, world) if not tclose(grads[r], grads[0])]
+                if apart:
+                    own = any(all(tclose(grads[r], torch.stack(ref["micro"][r]).mean(0) * s) for r in range(world))
+                              for s in (1, k, 1 / world, k / world))
+                    raise AssertionError(
+                        f"{what}: the ranks disagree after the step: rank {apart[0]}'s gradients differ from rank 0's"
+                        + (" (each holds the gradient of its own micro-batches only)" if own else "")
+                        + ". All-reduce (sum) the accumulated gradients once, after the last micro-batch's backward, "
+                          "and divide by world_size, so that every rank holds the global batch's gradient.")
+                for rank, report in enumerate(reports):
+                    why = _accum_traffic_problem(report, c, k, sum(ref["sizes"]))
+                    if why:
+                        raise AssertionError(f"{what}: rank {rank} {why}.")
+                if not tclose(grads[0], ref["whole"]):
+                    why = _accum_value_problem(grads[0], ref, world, k)
+                    raise AssertionError(f"{what}: the ranks' gradients {why}.")
