@@ -460,3 +460,16 @@ def test_training_loss_choice_is_estimate_trainings(loss):
 def test_training_loss_refuses_an_encoder_in_one_line():
     r = C.get("training").run(model="bert-base", seq_len=512, loss="fused")
     assert "causal LMs" in r.error and "\n" not in r.error
+
+
+def test_offload_loader_line_is_loader_memorys():
+    from vramlab import offload as OFF
+    from vramlab.units import fmt_bytes
+
+    r = C.get("offload").run(model="llama-3.2-1b", batch_size=8, seq_len=4096, loader="pin_memory, 4 workers")
+    lm = OFF.loader_memory([8 * 8 * 4096] * 3, num_workers=4, pin_memory=True, gpu="h100-80gb")
+    line = next(x for x in r.text.splitlines() if x.startswith("data loader"))
+    assert f"{lm.pinned_batches} pinned at once, {fmt_bytes(lm.pinned_bytes)} of page-locked" in line
+    assert f"its copy {1e6 * lm.copy_seconds:.0f} us with non_blocking=True" in line
+    pageable = C.get("offload").run(model="llama-3.2-1b", batch_size=8, seq_len=4096, loader="pageable, 4 workers")
+    assert "nothing pinned" in pageable.text and "the host waits" in pageable.text

@@ -518,7 +518,32 @@ OFFLOAD_SCHEMES = ("none", "save_on_cpu", "zero-offload", "fsdp2-cpu", "infinity
 HOST_RAM_GIB = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
-def _offload(*, model: str, scheme: str, batch_size: int, seq_len: int, gpu: str, host_ram: int = 256) -> Result:
+LOADERS = ("pin_memory, 4 workers", "pin_memory, 0 workers", "pageable, 4 workers")
+
+
+def _loader_lines(*, loader: str, batch_size: int, seq_len: int, gpu, step_seconds: float) -> list[str]:
+    """The data loader's host memory and copy (`offload.loader_memory`): a causal LM's batch is its
+    token ids, labels and attention mask, int64 each (transformers' collators)."""
+    pinned, workers = loader.startswith("pin_memory"), int(loader.split(", ")[1].split()[0])
+    lm = OFF.loader_memory([8 * batch_size * seq_len] * 3, num_workers=workers, pin_memory=pinned, gpu=gpu,
+                           step_seconds=step_seconds)
+    flight = f"{lm.batches_in_flight} batches in flight ({workers} workers x prefetch_factor 2)" if workers else \
+        "no batch in flight (the loop's thread loads each one when asked)"
+    held = f"{lm.pinned_batches} pinned at once, {fmt_bytes(lm.pinned_bytes)} of page-locked host memory" if pinned \
+        else "nothing pinned: the driver stages each copy through its own pinned buffer"
+    if pinned:
+        other = OFF.loader_memory([8 * batch_size * seq_len] * 3, num_workers=workers, pin_memory=False, gpu=gpu)
+        copy = (f"its copy {1e6 * lm.copy_seconds:.0f} us with non_blocking=True ({100 * lm.step_share:.3g} % of the "
+                f"step); from pageable memory {1e6 * other.copy_seconds:.0f} us, and the host would wait for it")
+    else:
+        copy = (f"its copy {1e6 * lm.copy_seconds:.0f} us ({100 * lm.step_share:.3g} % of the step), and the host waits "
+                "for it")
+    return [f"data loader ({loader}): a batch is {fmt_bytes(lm.batch_bytes)} (ids, labels, mask: int64); {flight}; "
+            f"{held}; {copy}"]
+
+
+def _offload(*, model: str, scheme: str, batch_size: int, seq_len: int, gpu: str, host_ram: int = 256,
+             loader: str = LOADERS[0]) -> Result:
     spec, g = specs.preset(model), specs.gpu(gpu)
     ram = host_ram * GiB
     kw = dict(batch_size=batch_size, seq_len=seq_len)
@@ -560,7 +585,8 @@ def _offload(*, model: str, scheme: str, batch_size: int, seq_len: int, gpu: str
              f"16 cores), {OFF.DS_CPU_ADAM_SECONDS_PER_PARAM * 1e9:.2f} ns for ZeRO-Offload (DeepSpeed's host step, "
              "measured on the same host)",
              f"ZeRO-Infinity: every block recomputed, copies at {OFF.STREAM_EFFICIENCY:.1f} of the link, NVMe at "
-             f"{OFF.NVME_GBps:g} GB/s (one drive, an assumption), the overlap at its best", ""]
+             f"{OFF.NVME_GBps:g} GB/s (one drive, an assumption), the overlap at its best",
+             *_loader_lines(loader=loader, batch_size=batch_size, seq_len=seq_len, gpu=g, step_seconds=gpu_s), ""]
     pick = need if scheme == "smallest that fits" else inf.get(scheme)
     if scheme == "smallest that fits" and need is None:
         pick = inf["infinity-nvme"]
@@ -593,7 +619,8 @@ OFFLOAD = Calculator(
             Input(name="batch_size", label="batch size", kind="int", default=4, min=1, max=128),
             Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),
             Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
-            Input(name="host_ram", label="host memory", kind="choice", default=256, choices=HOST_RAM_GIB, unit="GiB")))
+            Input(name="host_ram", label="host memory", kind="choice", default=256, choices=HOST_RAM_GIB, unit="GiB"),
+            Input(name="loader", label="data loader", kind="choice", default=LOADERS[0], choices=LOADERS)))
 
 TEN_B = "gpt-10b (48 x 4096)"
 
