@@ -62,7 +62,7 @@ def _use_this_checkout() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *rest])
-STEPS = ("accuracy", "inference", "maxbatch", "fsdp2", "offload", "allocator", "pinned", "inplace", "labs")
+STEPS = ("accuracy", "inference", "maxbatch", "fsdp2", "offload", "allocator", "pinned", "inplace", "compile", "labs")
 LABS = ("lab01_where_memory_goes", "lab02_collectives", "lab03_parallelism", "lab04_zero", "lab05_mixed_precision",
         "lab06_offload", "lab07_checkpointing", "lab08_compression")
 INFERENCE = [  # (preset, batch, prompt, new tokens or None for a prefill with all logits, dtype)
@@ -279,6 +279,23 @@ def inplace_ops(dry: bool, tag: str) -> None:
                        f"failed ({r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}"))
 
 
+def compile_step(dry: bool, tag: str) -> None:
+    """Chapter 7's compiled blocks on CUDA's inductor under bf16 autocast (python -m vramlab.measure.checkpointing
+    compile --device cuda --precision bf16-mixed): what the partitioner saves where the CPU run (fp32,
+    benchmarks/results/checkpointing/compile_cpu.json) cannot say, beside checkpointing.compiled_activations."""
+    import subprocess
+
+    dest = RESULTS / "checkpointing" / f"compile_{tag}_bf16-mixed.json"
+    say(f"compile: 4 blocks x memory budgets on CUDA inductor, bf16-mixed -> {dest.relative_to(ROOT)}")
+    if dry:
+        return
+    r = subprocess.run([sys.executable, "-m", "vramlab.measure.checkpointing", "compile", "--device", "cuda",
+                        "--precision", "bf16-mixed", "--out", str(dest)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=1800)
+    say("compile: " + ("done" if r.returncode == 0 else
+                       f"failed ({r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}"))
+
+
 def gpu_tag(name: str) -> str:
     """The folder a GPU's lab runs go in: the catalogue's name for the device where it has one
     (labs/results/h100/ on any H100, t4/ on a Colab T4), else the device's name as a file name."""
@@ -362,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         pinned_memory(args.dry_run, gpu_tag(name))
     if "inplace" in steps:
         inplace_ops(args.dry_run, gpu_tag(name))
+    if "compile" in steps:
+        compile_step(args.dry_run, gpu_tag(name))
     if "labs" in steps:
         labs(args.dry_run, gpu_tag(name))
     say("done" + (" (dry run: nothing measured)" if args.dry_run else ""))

@@ -145,3 +145,22 @@ def test_the_command_refuses_in_one_line_before_any_compile(argv, says, capsys):
     assert compile_main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("python -m vramlab.measure.checkpointing compile: error: ") and says in err[0]
+
+
+def test_the_compile_run_on_cuda_is_a_campaign_step_and_refuses_without_a_gpu():
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the campaign runs it")
+    r = subprocess.run([sys.executable, "-m", "vramlab.measure.checkpointing", "compile", "--device", "cuda"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--device cuda needs a CUDA GPU" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("gpu_campaign", root / "benchmarks" / "gpu_campaign.py")
+    campaign = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(campaign)
+    assert "compile" in campaign.STEPS

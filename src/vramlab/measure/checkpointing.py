@@ -235,11 +235,15 @@ def compile_spec(name: str) -> ModelSpec:
 
 
 def block_saved_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, compiled: bool = False,
-                      memory_budget: float = 1.0, attention: str = "sdpa") -> dict[str, Any]:
+                      memory_budget: float = 1.0, attention: str = "sdpa", device: str = "cpu",
+                      precision: str = "fp32") -> dict[str, Any]:
     """The bytes block 0 of `spec` saves for backward (unique storages seen by saved_tensors_hooks),
     run eagerly or through `torch.compile` (with `torch._functorch.config.activation_memory_budget`
     set to `memory_budget`). The block runs on the inputs the model gives it (captured from a forward
-    of a one-block model) and its backward runs, to show the saved set is what it needs."""
+    of a one-block model) and its backward runs, to show the saved set is what it needs. `device`
+    "cuda" runs CUDA's kernels (the GPU campaign's `compile` step); `precision` "fp32", "bf16" (the
+    model in bf16) or "bf16-mixed" (fp32 weights under autocast)."""
+    import contextlib
     import dataclasses
 
     import torch
@@ -248,18 +252,24 @@ def block_saved_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, compile
     from .memory import _block_list
     from .models import build_model, make_batch
 
+    if precision not in ("fp32", "bf16", "bf16-mixed"):
+        raise ValueError(f"precision must be fp32, bf16 or bf16-mixed, got {precision!r}")
     one = dataclasses.replace(spec, num_layers=1)
     torch.manual_seed(0)
-    model = build_model(one, attention=attention)
+    model = build_model(one, attention=attention, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    model.to(device)
     block = _block_list(model, one)[0]
+
+    def amp():
+        return torch.autocast(device, dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
     got: dict[str, Any] = {}
 
     def capture(module, args, kwargs):
         got["args"], got["kwargs"] = args, dict(kwargs)
 
     handle = block.register_forward_pre_hook(capture, with_kwargs=True)
-    with torch.no_grad():
-        model(**make_batch(one, batch_size=batch_size, seq_len=seq_len, with_labels=False))
+    with torch.no_grad(), amp():
+        model(**make_batch(one, batch_size=batch_size, seq_len=seq_len, with_labels=False, device=device))
     handle.remove()
     args, kwargs = got["args"], got["kwargs"]
     hidden = args[0] if args else kwargs.pop("hidden_states")
@@ -283,7 +293,7 @@ def block_saved_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, compile
         return t
 
     t0 = time.perf_counter()
-    with fconfig.patch(activation_memory_budget=memory_budget), \
+    with fconfig.patch(activation_memory_budget=memory_budget), amp(), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(hidden, *rest, **kwargs)
     out = out[0] if isinstance(out, tuple) else out
@@ -385,7 +395,7 @@ CE_CHUNKS = (None, 256, 128)
 
 
 def run_compile(*, models=COMPILE_MODELS, budgets=BUDGETS, batch_size: int = 2, seq_len: int = 256,
-                progress=print) -> dict[str, Any]:
+                progress=print, device: str = "cpu", precision: str = "fp32") -> dict[str, Any]:
     """Saved bytes of one block of each model: eager (SDPA and eager attention) and compiled at each
     activation_memory_budget, beside `checkpointing.compiled_activations`; and cross-entropy whole
     and chunked beside `checkpointing.loss_bytes`. Inductor compiles on the CPU: minutes in all."""
@@ -400,15 +410,18 @@ def run_compile(*, models=COMPILE_MODELS, budgets=BUDGETS, batch_size: int = 2, 
         row: dict[str, Any] = {"model": spec.name, "family": spec.family, "batch_size": batch_size, "seq_len": seq_len,
                                "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size}
         for attention in ("sdpa", "eager"):
-            m = block_saved_bytes(spec, batch_size=batch_size, seq_len=seq_len, attention=attention)
+            m = block_saved_bytes(spec, batch_size=batch_size, seq_len=seq_len, attention=attention, device=device,
+                                  precision=precision)
             pred = ck._act.activation_bytes(spec, batch_size=batch_size, seq_len=seq_len, attention=attention,
-                                            device="cpu")["full"][0]
+                                            device=device, precision=precision)["full"][0]
             row[f"eager_{attention}"] = {"measured": m["bytes"], "estimated": pred, "tensors": m["tensors"]}
             progress(f"{name} eager ({attention} attention): measured {m['bytes']:,} B, ledger {pred:,} B")
         row["compiled"] = []
         for b in budgets:
-            m = block_saved_bytes(spec, batch_size=batch_size, seq_len=seq_len, compiled=True, memory_budget=b)
-            est = ck.compiled_activations(spec, batch_size=batch_size, seq_len=seq_len, memory_budget=b)
+            m = block_saved_bytes(spec, batch_size=batch_size, seq_len=seq_len, compiled=True, memory_budget=b,
+                                  device=device, precision=precision)
+            est = ck.compiled_activations(spec, batch_size=batch_size, seq_len=seq_len, memory_budget=b, device=device,
+                                          precision=precision)
             row["compiled"].append({"memory_budget": b, "measured": m["bytes"], "tensors": m["tensors"],
                                     "shapes": m["shapes"], "backward_ok": m["backward_ok"],
                                     "estimated_default": est["compiled"], "estimated_bound": est["budget"],
@@ -425,8 +438,9 @@ def run_compile(*, models=COMPILE_MODELS, budgets=BUDGETS, batch_size: int = 2, 
                        "estimated_saved": est["saved"], "estimated_peak": est["peak"], "max_grad_diff": m["max_grad_diff"]})
             progress(f"cross-entropy {case} chunk {chunk}: peak measured {m['peak']:,} B, "
                      f"estimated {est['peak']:,} B")
-    return {"experiment": "torch.compile: saved activations, eager against compiled", "mode": "cpu-inductor",
-            "provenance": provenance(), "blocks": cases, "cross_entropy": ce,
+    return {"experiment": "torch.compile: saved activations, eager against compiled", "mode": f"{device}-inductor",
+            "precision": precision, "provenance": provenance(device if device == "cuda" else None), "blocks": cases,
+            "cross_entropy": ce, "cross_entropy_device": "cpu",
             "method": "saved_tensors_hooks on one block's forward (unique storages, parameters and the block's other "
                       "inputs left out), eager and torch.compile (inductor, CPU) with "
                       "torch._functorch.config.activation_memory_budget patched; cross-entropy: live tensors "
@@ -442,8 +456,12 @@ def compile_main(argv: list[str]) -> int:
     ap.add_argument("--batch-size", type=A(whole, int, lo=1, hi=64), default=2)
     ap.add_argument("--seq-len", type=A(whole, int, lo=1, hi=1024), default=256)
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="whose kernels (default cpu)")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "bf16-mixed"), default="fp32", help="default fp32")
     try:
         a = ap.parse_args(argv)
+        if a.device == "cuda" and not __import__("torch").cuda.is_available():
+            checks.fail(prog, "--device cuda needs a CUDA GPU (the GPU campaign's compile step runs it)")
         models = _names("--models", a.models, prog)
         bad = [m for m in models if m not in COMPILE_MODELS]
         if bad:
@@ -451,7 +469,7 @@ def compile_main(argv: list[str]) -> int:
         checks.output_path(prog, a.out, make_folder=True)
     except SystemExit as e:
         return e.code
-    res = run_compile(models=models, batch_size=a.batch_size, seq_len=a.seq_len,
+    res = run_compile(models=models, batch_size=a.batch_size, seq_len=a.seq_len, device=a.device, precision=a.precision,
                       progress=lambda s: print(s, file=sys.stderr, flush=True))
     from .record import write_results
 
