@@ -206,3 +206,15 @@ def test_issue32_sections_are_built_with_their_numbers(built):
     assert "P-tuning" in prompt and "virtual tokens" in prompt and "prompt_params" in prompt
     moe = section("08_compression", "turning-a-dense-model-into-experts")
     assert "MoEfication" in moe
+
+
+def test_chapter3_context_parallelism(built):
+    """Chapter 3's context-parallel section: the per-rank table computed at build, the gloo runs labelled
+    as CPU measurements with their provenance, and the live calculator."""
+    html, _ = built
+    page = (html / "book" / "03_parallelism.html").read_text()
+    cp = page.split('id="context-parallelism-split-the-sequence"')[1]
+    assert "Ring attention" in cp and "Ulysses" in cp and "zig-zag" in cp
+    assert "computed, not measured" in cp and "not a GPU measurement" in cp and "exact" in cp
+    assert 'id="vl-context"' in page
+    assert "Traceback" not in page

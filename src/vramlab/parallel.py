@@ -921,3 +921,205 @@ def plan_layouts(model: ModelSpec | str, gpus: int, gpu, *, seq_len: int, global
 __all__ = ["Layout", "SCHEDULES", "korthikanti_layer_activations", "bubble_fraction", "simulate", "PipelineRun",
            "rank_params", "stage_layers", "layer_activation_bytes", "estimate_layout", "communication",
            "ddp_buckets", "ddp_overlap", "fits", "stage_tensors", "plan_layouts", "LayoutPlan"]
+
+
+# ============================================================================ context parallelism
+# Context parallelism (CP) splits every sequence over cp ranks; each rank runs the whole model on its
+# s/cp tokens, so everything the ledger saves per token shrinks by cp. Attention alone needs the other
+# ranks' tokens:
+# - ring attention (Liu et al. 2023, arXiv:2310.01889; Megatron-LM's context parallelism): each rank's
+#   K/V block travels round the ring, point to point, the next block received while the current one is
+#   attended to; the partial outputs are merged by their log-sum-exp (online softmax). A rank saves
+#   what a flash kernel saves on one device -- q, k, v at its own tokens, the merged output and its
+#   log-sum-exp -- and in the backward sends K/V round again with their gradient accumulators, which
+#   come home after cp steps. Zig-zag (load balance for causal attention): the sequence is cut into
+#   2cp chunks and rank r holds chunks r and 2cp-1-r, so each rank attends to the same number of pairs;
+# - Ulysses (Jacobs et al. 2023, arXiv:2309.14509, DeepSpeed-Ulysses): an all-to-all turns the
+#   sequence-sharded q, k, v (all heads, s/cp tokens) into head-sharded ones (heads/cp, all s tokens),
+#   attention runs on whole sequences, and a fourth all-to-all brings the output back; cp must divide
+#   the heads and the key/value heads (GQA).
+CP_METHODS: tuple[str, ...] = ("ring", "ulysses")
+MAX_CP = 1 << 12
+
+
+def cp_positions(seq_len: int, cp: int, rank: int, *, zigzag: bool = True) -> list[int]:
+    """The global token positions rank `rank` of `cp` holds, in its order: zig-zag, chunks r and
+    2cp-1-r of 2cp (seq_len a multiple of 2cp); otherwise the r-th contiguous s/cp tokens."""
+    cp = _count("cp", cp, hi=MAX_CP)
+    s = _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
+    rank = _checks.whole("rank", rank, lo=0, hi=cp - 1)
+    zigzag = _checks.flag("zigzag", zigzag)
+    parts = 2 * cp if zigzag else cp
+    if s % parts:
+        raise ValueError(f"seq_len {s:,} must be a multiple of {parts} to cut it into "
+                         + (f"2 x cp = {parts} zig-zag chunks" if zigzag else f"cp = {cp} shards"))
+    c = s // parts
+    if not zigzag:
+        return list(range(rank * c, (rank + 1) * c))
+    return list(range(rank * c, (rank + 1) * c)) + list(range((parts - 1 - rank) * c, (parts - rank) * c))
+
+
+def _ring_step_flops(b: int, n: int, qd: int, cp: int, zigzag: bool) -> list[Fraction]:
+    """Forward attention FLOPs of each ring step on the busiest rank (2 x 2 b q k d per pair attended):
+    zig-zag: every step half an n x n block (its own block causal: half; an earlier rank's: all rows x
+    its first chunk; a later rank's: the second half of the rows x all its tokens); contiguous: the last
+    rank attends to every earlier rank's whole block and to half of its own."""
+    block = Fraction(4 * b * n * n * qd)
+    if zigzag:
+        return [block / 2] * cp
+    return [block / 2] + [block] * (cp - 1)
+
+
+def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", batch_size: int, seq_len: int,
+                     precision: str = "bf16-mixed", device: str = "cuda", zigzag: bool = True,
+                     link: str | _coll.Link = "nvlink4", gpu="h100", mfu: float = 0.4,
+                     optimizer: str = "adamw", optimizer_impl: str = "foreach") -> dict[str, Any]:
+    """One CP rank of `cp` training on `batch_size` sequences of `seq_len` tokens (`method` "ring" or
+    "ulysses"; `zigzag` for the ring's load balance; Ulysses uses contiguous shards).
+
+    Memory (bytes):
+    - saved_per_layer / activations: what one block / the whole model saves for backward on the rank,
+      the ledger (`activations.activation_bytes`) at its s/cp tokens -- ring attention saves what a
+      flash kernel saves; Ulysses also keeps the all-to-all's output that feeds the attention's output
+      projection (the projection saves its input; the kernel saves its own, head-sharded, output);
+    - in_flight_forward / in_flight_backward: what CP holds on top during one block's attention, on
+      the busiest rank. Ring: forward, the current and the next K/V blocks (receive buffers, 2 x 2 b
+      (s/cp) kv_dim) and the partial outputs being merged (four b (s/cp) q_dim tensors, three
+      log-sum-exps); backward, dq, the current and next K/V, the travelling dK/dV accumulators, and
+      one step's block gradients or the accumulators' receive buffers, whichever is larger. Ulysses:
+      an all-to-all's send and receive buffers and its rearranged output (3 b (s/cp) q_dim), in the
+      backward the gradients of q, k, v at once;
+    - activation_peak: activations + the larger in-flight term;
+    - peak, peak_phase, moments: the rank's whole training step, the largest of `moments` -- one
+      device's phases at s/cp tokens (`memory.training_phases`: parameters, gradients kept between
+      steps and all-reduced in place over the CP group, `optimizer` states, logits), with Ulysses'
+      extra saved outputs where the blocks' activations are alive, and two moments inside the last
+      block's attention: the states, the earlier blocks' saved tensors and the last block's up to
+      its attention core, plus the in-flight bytes (and, backward, the gradient entering the block).
+
+    Communication per layer and rank (bytes sent): ring forward (cp-1) K/V blocks; backward (cp-1)
+    K/V blocks and cp dK/dV blocks (the accumulators' way home included). Ulysses: four all-to-alls
+    forward (q, k, v, out) and four backward, each rank sending (cp-1)/cp of each buffer. Seconds:
+    alpha-beta on `link` (`collectives`); attention's compute: 2 x 2 b s^2 q_dim FLOPs for the
+    forward, halved for causal, over cp ranks (the busiest rank's share: zig-zag balances it,
+    contiguous shards leave the last rank 2 - 1/cp times the mean), the backward twice the forward,
+    at `mfu` of `gpu`'s peak. The ring overlaps each step's transfer with the step's attention
+    ("hidden" when no step waits; `exposed_seconds` what the waits add); Ulysses' all-to-alls feed
+    and follow attention, so they are exposed by construction."""
+    spec = _specs.resolve(model)
+    cp = _count("cp", cp, hi=MAX_CP)
+    method = str(_checks.one_of("method", method, CP_METHODS))
+    b, s = _count("batch_size", batch_size, hi=_checks.MAX_COUNT), _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
+    _checks.positions(spec, s)
+    _checks.one_of("precision", precision, _prec.PRECISIONS)
+    _checks.one_of("device", device, ("cuda", "cpu"))
+    _checks.one_of("optimizer", optimizer, _mem.OPTIMIZERS)
+    _checks.one_of("optimizer_impl", optimizer_impl, _mem.OPTIMIZER_IMPLS)
+    zigzag = _checks.flag("zigzag", zigzag)
+    mfu = _checks.number("mfu", mfu, lo=0, lo_open=True, hi=1, what="a fraction of the peak FLOP/s in (0, 1]")
+    lk = _coll.LINKS[_checks.one_of("link", link, _coll.LINKS)] if not isinstance(link, _coll.Link) else link
+    g = _mem._gpu(gpu)
+    if spec.family not in DECODER_FAMILIES or not spec.is_causal_lm:
+        raise ValueError(f"context parallelism is modelled for causal decoders ({', '.join(DECODER_FAMILIES)}), "
+                         f"not {spec.name} ({spec.family})")
+    if _act._math_path(spec, "sdpa", device, precision):
+        raise ValueError(f"{spec.name} in {precision} on {device} runs SDPA's math path (it materialises the "
+                         "s x s scores); CP here assumes a flash kernel (log-sum-exp merge)")
+    a, kv = spec.num_heads, spec.num_kv_heads
+    if method == "ulysses":
+        zigzag = False  # Ulysses gathers whole sequences: contiguous shards, no imbalance
+        if a % cp or kv % cp:
+            raise ValueError(f"Ulysses shards attention by heads: cp {cp} must divide the {a} query heads and the "
+                             f"{kv} key/value heads of {spec.name}")
+    parts = 2 * cp if zigzag else cp
+    if s % parts:
+        raise ValueError(f"seq_len {s:,} must be a multiple of {parts} to cut it into "
+                         + (f"2 x cp = {parts} zig-zag chunks" if zigzag else f"cp = {cp} equal shards"))
+    n = s // cp
+    nb = _prec._dtype_bytes(precision, device)
+    xh, qd = nb["half"], spec.q_dim
+    kvd = spec.kv_dim if device == "cpu" or precision != "fp32" or kv == 1 else qd  # as `layer_saved` keeps k, v
+    L = spec.num_layers
+    act = _act.activation_bytes(spec, batch_size=b, seq_len=n, precision=precision, attention="sdpa", device=device)
+    q_b, kv_b = b * n * qd * xh, b * n * kvd * xh  # one rank's q (or output) and k (or v)
+    extra_saved = q_b if method == "ulysses" and cp > 1 else 0  # the all-to-all's output, o_proj's input
+    saved_layer = act["one_layer"] + extra_saved
+    activations = act["layers"] + act["outside"] + act["weight_copies"] + L * extra_saved
+    if cp == 1:
+        fwd_flight = bwd_flight = 0
+    elif method == "ring":
+        # the busiest rank: a merge may update all its rows (zig-zag: an earlier rank's block is seen by
+        # every row); one step's block gradients are all rows x half the keys or half the rows x all keys
+        fwd_flight = 2 * 2 * kv_b + 4 * q_b + 3 * b * a * n * 4
+        grads = max(q_b + 2 * (kv_b // 2), q_b // 2 + 2 * kv_b) if zigzag else q_b + 2 * kv_b
+        # dq, the current and next K/V, the dK/dV accumulators, and either one step's block gradients or
+        # the accumulators' receive buffers
+        bwd_flight = q_b + 3 * 2 * kv_b + max(grads, 2 * kv_b)
+    else:
+        fwd_flight = 3 * q_b
+        bwd_flight = 2 * q_b + 2 * kv_b + 2 * q_b
+    # communication
+    if method == "ring":
+        sent_f = (cp - 1) * 2 * kv_b
+        sent_b = (cp - 1) * 2 * kv_b + (cp * 2 * kv_b if cp > 1 else 0)
+        messages_f, messages_b = 2 * (cp - 1), 2 * (cp - 1) + (2 * cp if cp > 1 else 0)
+        step_flops = _ring_step_flops(b, n, qd, cp, zigzag)
+        peak_flops = (g.peak_tflops_fp32 if precision == "fp32" else g.peak_tflops_16) * 1e12 * mfu
+        t_f = [float(f) / peak_flops for f in step_flops]
+        kv_step = lk.alpha_s + 2 * kv_b / lk.bytes_per_s  # one K/V block, point to point
+        comm_f = (cp - 1) * kv_step
+        comm_b = (cp - 1) * kv_step + cp * kv_step
+        # each step's transfer runs under that step's attention; the last forward step sends nothing
+        exposed_f = sum(max(0.0, kv_step - t) for t in t_f[:-1])
+        exposed_b = sum(max(0.0, (2 * kv_step if i < cp - 1 else kv_step) - 2 * t) for i, t in enumerate(t_f)) \
+            if cp > 1 else 0.0
+        compute_f = sum(t_f)
+    else:
+        sizes = (q_b, kv_b, kv_b, q_b)
+        sent_f = sent_b = sum(z * (cp - 1) // cp for z in sizes)
+        messages_f = messages_b = 4 * (cp - 1)
+        comm_f = comm_b = sum(_coll.collective_time("all_to_all", cp, z, lk) for z in sizes)
+        peak_flops = (g.peak_tflops_fp32 if precision == "fp32" else g.peak_tflops_16) * 1e12 * mfu
+        compute_f = 2 * b * s * s * qd / cp / peak_flops  # causal: half of 2 x 2 b s^2 q_dim, over the heads
+        exposed_f, exposed_b = comm_f, comm_b
+    compute_b = 2 * compute_f
+    if cp == 1:
+        exposed_f = exposed_b = comm_f = comm_b = 0.0
+    # the rank's whole step: one device's phases at s/cp tokens (gradients kept between steps, all-reduced
+    # in place), Ulysses' extra saved outputs wherever the blocks' activations are alive, and two moments
+    # CP adds inside the last block's attention, where the most is alive: the states, every earlier block's
+    # saved tensors and the last block's up to its attention core (what it saves after the core -- the
+    # second norm, the MLP -- does not exist yet in the forward and was freed by its backward), plus CP's
+    # in-flight bytes (and in the backward the gradient flowing into the block)
+    phases = _mem.training_phases(spec, batch_size=b, seq_len=n, precision=precision, optimizer=optimizer,
+                                  optimizer_impl=optimizer_impl, attention="sdpa", device=device,
+                                  gpu=g if device == "cuda" else None,
+                                  share=_act.DeviceShare(keep_gradients=True))
+    block = _act.layer_saved(spec, attention="sdpa", device=device, precision=precision, batch_size=b)
+    core = max(i for i, z in enumerate(block) if z.name == "logsumexp")  # a flash kernel's last saved tensor
+    after_core = _act._ledger_bytes(block[core + 1:], tokens=b * n, scores=b * a * n * n,
+                                    nbytes=dict(nb, loss=_prec._loss_bytes(spec, precision)), batch=b)
+    totals = []
+    for ph in phases:
+        t = ph.total
+        if "embedding" in ph.phase or ph.phase.startswith("optimizer"):  # every block's activations are gone
+            pass
+        else:
+            t += L * extra_saved
+        totals.append((t, ph.phase))
+        if cp > 1 and ph.phase.startswith("forward end"):
+            base = ph.total - ph.temporaries - ph.kv_cache - (ph.activations - act["layers"]) - after_core
+            totals.append((base + (L - 1) * extra_saved + fwd_flight, "attention forward of the last block"))
+            totals.append((base + L * extra_saved + act["block_grad_in"] + bwd_flight,
+                           "attention backward of the last block"))
+    peak, peak_phase = max(totals)
+    return {"model": spec.name, "cp": cp, "method": method, "zigzag": zigzag, "tokens_per_rank": n,
+            "saved_per_layer": saved_layer, "activations": activations, "in_flight_forward": fwd_flight,
+            "in_flight_backward": bwd_flight, "activation_peak": activations + max(fwd_flight, bwd_flight),
+            "peak": peak, "peak_phase": peak_phase, "moments": {phase: t for t, phase in totals},
+            "sent_per_layer": {"forward": sent_f, "backward": sent_b},
+            "messages_per_layer": {"forward": messages_f, "backward": messages_b},
+            "comm_seconds_per_layer": {"forward": comm_f, "backward": comm_b},
+            "attention_seconds_per_layer": {"forward": compute_f, "backward": compute_b},
+            "exposed_seconds_per_layer": {"forward": exposed_f, "backward": exposed_b},
+            "verdict": "hidden" if exposed_f + exposed_b == 0 else "exposed", "link": lk.name, "gpu": g.name}

@@ -473,3 +473,15 @@ def test_offload_loader_line_is_loader_memorys():
     assert f"its copy {1e6 * lm.copy_seconds:.0f} us with non_blocking=True" in line
     pageable = C.get("offload").run(model="llama-3.2-1b", batch_size=8, seq_len=4096, loader="pageable, 4 workers")
     assert "nothing pinned" in pageable.text and "the host waits" in pageable.text
+
+
+def test_context_calculator_is_context_parallels():
+    from vramlab import parallel as PAR
+
+    r = C.get("context").run(model="llama-3.2-1b", method="ring", cp=4, batch_size=1, seq_len=32768, gpu="h100-80gb")
+    want = PAR.context_parallel("llama-3.2-1b", cp=4, method="ring", batch_size=1, seq_len=32768, gpu="h100-80gb",
+                                precision="bf16-mixed")
+    assert r.numbers["peak"][0] == want["peak"] and r.numbers["verdict"][1] == want["verdict"]
+    assert r.numbers["sent"][0] == want["sent_per_layer"]["forward"] + want["sent_per_layer"]["backward"]
+    bad = C.get("context").run(model="llama-3.2-1b", method="ulysses", cp=16)
+    assert "must divide" in bad.error and "\n" not in bad.error

@@ -3,6 +3,7 @@
     python -m vramlab.measure.parallel ddp --nproc 2                 # gloo, CPU processes on this machine
     python -m vramlab.measure.parallel tp  --nproc 2
     python -m vramlab.measure.parallel pp  --nproc 2 --micro-batches 1,2,4,8 --schedule gpipe,1f1b
+    python -m vramlab.measure.parallel cp  --method ring --nproc 4    # context parallelism (`cp_main`'s options)
     python -m vramlab.measure.parallel ddp --backend nccl --nproc 8  # one process per GPU
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 -m vramlab.measure.parallel ddp --backend nccl
 
@@ -1432,6 +1433,9 @@ ONLY_FOR = {"bucket_cap_mb": ("ddp", 1.0), "micro_batches": ("pp", [1, 2, 4, 8])
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["cp"]:  # context parallelism: its own options (`cp_main`)
+        return cp_main(argv[1:])
     A, whole = checks.argtype, checks.whole
     p = checks.Parser(prog=PROG, description="Lab 3's parallelism experiments, measured per rank.")
     p.add_argument("experiment", choices=EXPERIMENTS)
@@ -1493,6 +1497,557 @@ def main(argv: list[str] | None = None) -> int:
 
     checks.output_path(PROG, args.out, make_folder=True)
     return launch(_worker, args, prog=PROG, error=ParlabError, torchrun_port=29512)
+
+
+
+# ----------------------------------------------------------------------------- CP (context parallelism)
+# `python -m vramlab.measure.parallel cp --method ring|ulysses --nproc 2|4` (issue 33): the sequence split
+# over cp ranks, each rank running the whole model on its own tokens. Attention is replaced (a registered
+# transformers attention function, this process only) by
+# - ring attention (Liu et al. 2023; Megatron-LM's context parallelism): each rank's K/V block travels
+#   round the ring (P2P send/recv, the next block received while the current one is attended to), the
+#   partial outputs merged by their log-sum-exp (online softmax); in the backward K/V travel again, with
+#   their gradient accumulators, which come home after cp steps. Zig-zag: rank r holds sequence chunks r
+#   and 2cp-1-r (`parallel.cp_positions`), so every rank does the same causal work;
+# - Ulysses (Jacobs et al. 2023, DeepSpeed-Ulysses): all-to-all from sequence-sharded to head-sharded q, k,
+#   v, full-sequence causal attention on heads/cp heads, all-to-all of the output back.
+# Each rank's outputs and (all-reduced) gradients are checked against one process on the whole sequence,
+# its peak through a steady-state training step is measured with the ledger (`_Ledger`), and the bytes
+# each attention sends are counted, against `vramlab.parallel.context_parallel`.
+
+CP_METHODS = ("ring", "ulysses")
+CP_ATTENTION = "vramlab_cp"  # the name the attention function is registered under
+# a model for CP only: attention-heavy (an MLP as narrow as the model, 4 key/value heads, 1024 positions), so
+# that the moments inside attention, where CP's blocks are in flight, are the step's peak
+CP_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "cp-val": ("llama-cp-val", dict(model_type="llama", hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                    num_attention_heads=8, num_key_value_heads=4, vocab_size=256,
+                                    max_position_embeddings=1024, tie_word_embeddings=False)),
+}
+
+
+def cp_model_spec(name: str) -> ModelSpec:
+    """A model the CP experiment runs: `CP_MODELS`' or a Llama of `MODELS`."""
+    if name in CP_MODELS:
+        label, cfg = CP_MODELS[name]
+        return from_config(cfg, name=label)
+    return model_spec(name)
+
+
+class _CPState:
+    """What the replaced attention needs on this rank, and the bytes it sent (forward, backward)."""
+
+    def __init__(self, method: str, rank: int, cp: int, zigzag: bool):
+        self.method, self.rank, self.cp, self.zigzag = method, rank, cp, zigzag
+        self.sent = {"forward": 0, "backward": 0}
+        self.messages = {"forward": 0, "backward": 0}
+
+
+_CP: _CPState | None = None
+
+
+@contextlib.contextmanager
+def _cp_phase(name: str):
+    """Name the ledger's phase while CP's attention runs (its peak there is reported as that phase's), then
+    restore the step's."""
+    led = _LEDGER
+    before = led.phase if led is not None else None
+    if led is not None:
+        led.set_phase(name)
+    try:
+        yield
+    finally:
+        if led is not None:
+            led.set_phase(before)
+
+
+def _ring_block(rank: int, src: int, n: int, zigzag: bool):
+    """Which of this rank's query rows attend to which of `src`'s key columns, and whether causally
+    (None: none). Zig-zag, rank r holding chunks r and 2cp-1-r: its own block is causal over its n tokens
+    (chunk r precedes chunk 2cp-1-r); an earlier rank's first chunk is seen by all rows, its second by none;
+    a later rank's two chunks are seen by the second half of the rows only. Contiguous: earlier ranks whole."""
+    if src == rank:
+        return slice(None), slice(None), True
+    if not zigzag:
+        return (slice(None), slice(None), False) if src < rank else None
+    half = n // 2
+    if src < rank:
+        return slice(None), slice(0, half), False
+    return slice(half, None), slice(None), False
+
+
+def _rotate(tensors, st: _CPState, phase: str):
+    """Send `tensors` to the next rank and receive as many from the previous one (new buffers); returns
+    (received, requests to wait on)."""
+    import torch
+    import torch.distributed as dist
+
+    nxt, prev = (st.rank + 1) % st.cp, (st.rank - 1) % st.cp
+    got = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t, nxt) for t in tensors] + [dist.P2POp(dist.irecv, g, prev) for g in got]
+    st.sent[phase] += sum(t.numel() * t.element_size() for t in tensors)
+    st.messages[phase] += len(tensors)
+    return got, dist.batch_isend_irecv(ops)
+
+
+_CP_FUNCTIONS: dict[str, Any] = {}  # the autograd functions, defined once per process (they import torch)
+
+
+def _ring_function():
+    if "ring" in _CP_FUNCTIONS:
+        return _CP_FUNCTIONS["ring"]
+    import torch
+
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    class RingAttention(torch.autograd.Function):
+        """Causal ring attention over the CP group. Saves what a flash kernel saves on one device (q, k, v
+        at the key/value heads, the output, the log-sum-exp), at the rank's tokens."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, scale):
+            st = _CP
+            with _cp_phase("attention forward"):
+                return RingAttention._forward(ctx, q, k, v, scale, st)
+
+        @staticmethod
+        def _forward(ctx, q, k, v, scale, st):
+            k, v = k.contiguous(), v.contiguous()
+            n = q.shape[2]
+            out = lse = None
+            cur, reqs = (k, v), []
+            for i in range(st.cp):
+                src = (st.rank - i) % st.cp
+                nxt = None
+                if i < st.cp - 1:  # the next block is received while this one is attended to
+                    nxt, reqs = _rotate(cur, st, "forward")
+                blk = _ring_block(st.rank, src, n, st.zigzag)
+                if blk is not None:
+                    rows, cols, causal = blk
+                    o, l = flash(q[:, :, rows], cur[0][:, :, cols], cur[1][:, :, cols], 0.0, causal, scale=scale)
+                    if out is None:  # the rank's own block comes first and covers every row
+                        out, lse = o, l
+                    else:
+                        old_l, old_o = lse[:, :, rows], out[:, :, rows]
+                        new = torch.logaddexp(old_l, l)
+                        merged = old_o * torch.exp(old_l - new).unsqueeze(-1) + o * torch.exp(l - new).unsqueeze(-1)
+                        out[:, :, rows] = merged
+                        lse[:, :, rows] = new
+                        del o, l, old_l, old_o, new, merged
+                for r in reqs:
+                    r.wait()
+                if nxt is not None:
+                    cur = tuple(nxt)
+                reqs = []
+            del cur
+            ctx.scale = scale
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            with _cp_phase("attention backward"):
+                return RingAttention._backward(ctx, dout, _CP)
+
+        @staticmethod
+        def _backward(ctx, dout, st):
+            q, k, v, out, lse = ctx.saved_tensors
+            n = q.shape[2]
+            dq = torch.zeros_like(q)
+            cur = (k, v)
+            acc = (torch.zeros_like(k), torch.zeros_like(v))
+            for i in range(st.cp):
+                src = (st.rank - i) % st.cp
+                nxt, reqs = (None, [])
+                if i < st.cp - 1:
+                    nxt, reqs = _rotate(cur, st, "backward")
+                blk = _ring_block(st.rank, src, n, st.zigzag)
+                if blk is not None:
+                    rows, cols, causal = blk
+                    gq, gk, gv = flash_backward(dout[:, :, rows], q[:, :, rows], cur[0][:, :, cols],
+                                                cur[1][:, :, cols], out[:, :, rows], lse[:, :, rows], 0.0, causal,
+                                                scale=ctx.scale)
+                    dq[:, :, rows] += gq
+                    acc[0][:, :, cols] += gk
+                    acc[1][:, :, cols] += gv
+                    del gq, gk, gv
+                # the block's gradient travels with it; after cp steps each rank's comes home
+                back, reqs2 = _rotate(acc, st, "backward")
+                for r in reqs + reqs2:
+                    r.wait()
+                acc = tuple(back)
+                if nxt is not None:
+                    cur = tuple(nxt)
+            return dq, acc[0], acc[1], None
+
+    _CP_FUNCTIONS["ring"] = RingAttention
+    return RingAttention
+
+
+def _a2a(x, to_heads: bool, phase: str):
+    """Ulysses' all-to-all on (b, heads, tokens, d): sequence-sharded (all heads, the rank's tokens) to
+    head-sharded (heads/cp, the whole sequence), or back (`to_heads=False`; the result laid out
+    (b, tokens, heads, d) in memory, a transposed view, as the projection after attention reads it)."""
+    import torch
+    import torch.distributed as dist
+
+    st = _CP
+    cp = st.cp
+    b, H, n, d = x.shape
+    if to_heads:
+        send = x.reshape(b, cp, H // cp, n, d).permute(1, 0, 2, 3, 4).contiguous()
+    else:
+        send = x.reshape(b, H, cp, n // cp, d).permute(2, 0, 1, 3, 4).contiguous()
+    got = torch.empty_like(send)
+    dist.all_to_all_single(got, send)
+    st.sent[phase] += send.numel() * send.element_size() * (cp - 1) // cp  # its own chunk stays
+    st.messages[phase] += cp - 1
+    del send
+    c, b, h, m, d = got.shape  # got[j]: rank j's part
+    if to_heads:  # got[j] = rank j's tokens of this rank's heads
+        return got.permute(1, 2, 0, 3, 4).reshape(b, h, c * m, d)
+    # got[j] = this rank's tokens of rank j's heads -> (b, m, c, h, d) in memory
+    return got.permute(1, 3, 0, 2, 4).reshape(b, m, c * h, d).transpose(1, 2)
+
+
+def _ulysses_function():
+    if "ulysses" in _CP_FUNCTIONS:
+        return _CP_FUNCTIONS["ulysses"]
+    import torch
+
+    class AllToAll(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, to_heads):
+            ctx.to_heads = to_heads
+            return _a2a(x, to_heads, "forward")
+
+        @staticmethod
+        def backward(ctx, g):
+            return _a2a(g, not ctx.to_heads, "backward"), None
+
+    _CP_FUNCTIONS["ulysses"] = AllToAll
+    return AllToAll
+
+
+def _cp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The transformers attention function CP models run: (b, heads, tokens, d) in, (b, tokens, heads, d) out."""
+    import torch.nn.functional as F
+
+    st = _CP
+    if st.method == "ring":
+        out = _ring_function().apply(query, key, value, scaling)
+    else:
+        a2a = _ulysses_function()
+        with _cp_phase("attention forward"):
+            q, k, v = (a2a.apply(t, True) for t in (query, key, value))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+            del q, k, v
+            out = a2a.apply(o, False)
+    return out.transpose(1, 2), None
+
+
+def _no_mask(*args, **kwargs):
+    """No mask: the CP attention applies causality by global positions itself."""
+    return None
+
+
+def _register_cp() -> None:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(CP_ATTENTION, _cp_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(CP_ATTENTION, _no_mask)
+
+
+def cp_problem(spec: ModelSpec, cp: int, method: str, seq: int, zigzag: bool = True) -> str | None:
+    """Why `spec` cannot run `method` over cp ranks at `seq` tokens here (None when it can)."""
+    if spec.family != "llama":
+        return f"{spec.name}: the CP experiment replaces Llama-family attention only, not {spec.family}'s"
+    try:
+        P.context_parallel(spec, cp=cp, method=method, batch_size=1, seq_len=seq, precision="fp32",
+                           device="cpu", zigzag=zigzag)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _cp_loss(logits, labels, count: int):
+    """The rank's share of the whole sequence's mean next-token loss: its tokens' sum over all tokens."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                           reduction="sum") / count
+
+
+def _run_cp(rank: int, world: int, args, dev) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    global _CP
+    spec, b, s = cp_model_spec(args.model), args.micro_batch, args.seq
+    why = cp_problem(spec, world, args.method, s, args.zigzag)
+    if why:
+        raise ParlabError(why)
+    _register_cp()
+    _CP = _CPState(args.method, rank, world, args.zigzag)
+    zig = args.zigzag and args.method == "ring"  # Ulysses gathers the whole sequence: contiguous shards
+    pos = torch.tensor(P.cp_positions(s, world, rank, zigzag=zig), device=dev)
+    batch = _batch(spec, b, s, dev)  # the same sequences on every rank: CP splits them, not the batch
+    labels_all = F.pad(batch, (0, 1), value=-100)[:, 1:]
+    count = int((labels_all != -100).sum())
+    mine = batch[:, pos]
+    # 1. outputs and gradients against one process on the whole sequence
+    ref = _build(spec, dev)
+    model = _build(spec, dev)
+    model.config._attn_implementation = CP_ATTENTION
+    logits_ref = ref(batch).logits
+    _cp_loss(logits_ref, labels_all, count).backward()
+    logits = model(input_ids=mine, position_ids=pos[None]).logits
+    _cp_loss(logits, labels_all[:, pos], count).backward()
+    want = logits_ref.detach()[:, pos]
+    out_rel = ((logits.detach() - want).abs().max() / want.abs().max()).item()
+    floor = 1e-6 * max(q.grad.abs().max().item() for q in ref.parameters())
+    worst = 0.0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        worst = max(worst, ((g - q.grad).abs().max() / q.grad.abs().max().clamp_min(max(floor, 1e-30))).item())
+    del ref, model, logits, logits_ref, want, g, p, q  # (p, q: the last parameters of both models)
+    gc.collect()
+    # 2. a steady-state step: forward and backward on the rank's tokens, gradients all-reduced over the group
+    model = _build(spec, dev)
+    model.config._attn_implementation = CP_ATTENTION
+    params = list(model.parameters())
+    opt = _optimizer(params, args.foreach)
+    _steady(opt, params)
+
+    def step(tr=None):
+        phase = tr.set_phase if tr else (lambda name: None)
+        phase("forward")
+        logits = model(input_ids=mine, position_ids=pos[None]).logits
+        phase("loss")
+        loss = _cp_loss(logits, labels_all[:, pos], count)
+        del logits
+        if tr:
+            tr.mark("forward end")
+        phase("backward")
+        loss.backward()
+        for p in params:
+            dist.all_reduce(p.grad)
+        phase("optimizer")
+        opt.step()
+        _zero(opt)
+        phase("after step")
+
+    step()
+    step()
+    _CP.sent = {"forward": 0, "backward": 0}
+    _CP.messages = {"forward": 0, "backward": 0}
+    memory = _ledger_step(step, [model], opt, [batch, pos, labels_all])
+    sent = {k: v // spec.num_layers for k, v in _CP.sent.items()}
+    messages = {k: v // spec.num_layers for k, v in _CP.messages.items()}
+    return {"rank": rank, "logits_max_rel_diff": out_rel, "grad_max_rel_diff": worst,
+            "memory": memory, "sent_per_layer": sent, "messages_per_layer": messages,
+            "positions": [int(x) for x in pos]}
+
+
+def cp_prediction(spec: ModelSpec, *, cp: int, method: str, batch_size: int, seq_len: int, zigzag: bool = True,
+                  foreach: bool = True) -> dict[str, Any]:
+    """What `vramlab.parallel` predicts for one rank of a CP run (fp32 on the CPU, AdamW)."""
+    return P.context_parallel(spec, cp=cp, method=method, batch_size=batch_size, seq_len=seq_len, precision="fp32",
+                              device="cpu", zigzag=zigzag, optimizer_impl="foreach" if foreach else "for-loop")
+
+
+def cp_rows(result: dict) -> list[dict[str, Any]]:
+    """One row per rank: measured peak against the prediction, bytes sent per layer against it."""
+    spec = cp_model_spec(result["model_name"])
+    pred = cp_prediction(spec, cp=result["ranks"], method=result["method"], batch_size=result["micro_batch_size"],
+                         seq_len=result["seq_len"], zigzag=result["zigzag"], foreach=result["foreach"])
+    # the calculator's in-flight moments are the busiest rank's (zig-zag ranks differ in which rows a step updates)
+    busiest = {ph: max(r["memory"]["phases"][ph]["peak"] for r in result["per_rank"] if ph in r["memory"]["phases"])
+               for ph in ("attention forward", "attention backward")
+               if any(ph in r["memory"]["phases"] for r in result["per_rank"])}
+    out = []
+    for r in result["per_rank"]:
+        mem = r["memory"]
+        out.append({"rank": r["rank"], "measured": mem["peak"], "measured_phase": mem["peak_phase"],
+                    "predicted": pred["peak"], "predicted_phase": pred["peak_phase"],
+                    "error": error(pred["peak"], mem["peak"]),
+                    "sent_forward": r["sent_per_layer"]["forward"], "sent_backward": r["sent_per_layer"]["backward"],
+                    "predicted_sent_forward": pred["sent_per_layer"]["forward"],
+                    "predicted_sent_backward": pred["sent_per_layer"]["backward"],
+                    "logits_max_rel_diff": r["logits_max_rel_diff"], "grad_max_rel_diff": r["grad_max_rel_diff"]})
+        # the peaks inside CP's attention (the last block's, where the most is alive) against those moments
+        for phase in ("attention forward", "attention backward"):
+            got, want = mem["phases"].get(phase), pred["moments"].get(f"{phase} of the last block")
+            if got is not None and want is not None:
+                key = phase.replace(" ", "_")
+                out[-1] |= {f"{key}_measured": got["peak"], f"{key}_busiest_rank": busiest[phase],
+                            f"{key}_predicted": want, f"{key}_error": error(want, busiest[phase])}
+    return out
+
+
+def _cp_worker(rank: int, world: int, args, port: int) -> None:
+    import torch.distributed as dist
+
+    from .collectives import _first_line
+
+    global _LEDGER
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
+    except Exception as e:  # noqa: BLE001
+        raise ParlabError(f"rank {rank} of {world}: the process group did not form within {args.timeout:g} s: "
+                          f"{_first_line(e)}") from None
+    try:
+        dev = _device("gloo", rank)
+        _LEDGER = _Ledger()
+        with _LEDGER:
+            result = _run_cp(rank, world, args, dev)
+        _LEDGER = None
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            _cp_report(gathered, args, world)
+    except ParlabError as e:
+        raise ParlabError(f"rank {rank} of {world}: {e}") from None
+    except Exception as e:  # noqa: BLE001
+        raise ParlabError(f"rank {rank} of {world}: {type(e).__name__}: {_first_line(e)}") from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _cp_report(ranks: list[dict], args, world: int) -> None:
+    from ..units import fmt_bytes
+    from .record import provenance
+
+    out = {"experiment": "cp", "backend": "gloo", "ranks": world, "method": args.method, "zigzag": args.zigzag,
+           "model": {**MODELS, **CP_MODELS}[args.model][1], "model_name": args.model,
+           "micro_batch_size": args.micro_batch, "seq_len": args.seq, "foreach": args.foreach, "precision": "fp32",
+           "command": " ".join([PROG, *sys.argv[1:]]), "provenance": provenance("cpu"), "per_rank": ranks}
+    out["rows"] = cp_rows(out)
+    print(f"# vramlab.measure.parallel cp: {args.method}{' zig-zag' if args.zigzag and args.method == 'ring' else ''}, "
+          f"gloo, {world} ranks, {cp_model_spec(args.model).name}, batch {args.micro_batch} x {args.seq} tokens")
+    print(f"#{'rank':>5}{'predicted':>12}{'measured':>12}{'error':>8}  {'phase':<10}{'sent fwd':>11}{'bwd':>11}"
+          f"{'logits':>10}{'grads':>10}")
+    for r in out["rows"]:
+        print(f" {r['rank']:>5}{fmt_bytes(r['predicted']):>12}{fmt_bytes(r['measured']):>12}{100 * r['error']:>+7.1f}%"
+              f"  {r['measured_phase']:<10}{fmt_bytes(r['sent_forward']):>11}{fmt_bytes(r['sent_backward']):>11}"
+              f"{r['logits_max_rel_diff']:>10.1e}{r['grad_max_rel_diff']:>10.1e}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"# wrote {args.out}")
+
+
+def cp_main(argv: list[str]) -> int:
+    """`python -m vramlab.measure.parallel cp ...`: context parallelism on gloo ranks."""
+    A, whole = checks.argtype, checks.whole
+    p = checks.Parser(prog=f"{PROG} cp", description="Context parallelism (ring attention, Ulysses) on gloo ranks, "
+                                                      "measured per rank against vramlab.parallel.context_parallel.")
+    p.add_argument("--method", default="ring", choices=CP_METHODS)
+    p.add_argument("--nproc", type=A(whole, int, lo=1, hi=64), default=2, help="CP ranks (local processes), 1 to 64")
+    p.add_argument("--model", default="lab", choices=[m for m in MODELS if MODELS[m][1]["model_type"] == "llama"]
+                   + list(CP_MODELS), help="the model (Llama family; default lab 3's)")
+    p.add_argument("--micro-batch", type=A(whole, int, lo=1, hi=4096), default=2, help="sequences (default 2)")
+    p.add_argument("--seq", type=A(whole, int, lo=2), default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--no-zigzag", dest="zigzag", action="store_false",
+                   help="ring: contiguous sequence shards instead of the zig-zag (chunks r and 2cp-1-r)")
+    p.add_argument("--optimizer-impl", default="foreach", choices=("foreach", "for-loop"))
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--port", type=A(whole, int, lo=0, hi=65535), default=0)
+    p.add_argument("--timeout", type=A(checks.positive, float, hi=86400), default=120.0)
+    args = p.parse_args(argv)
+    args.foreach = args.optimizer_impl == "foreach"
+    args.backend = "gloo"
+    if args.method == "ulysses":
+        args.zigzag = False
+    spec = cp_model_spec(args.model)
+    try:
+        checks.positions(spec, args.seq, name="--seq")
+    except ValueError as e:
+        p.error(str(e))
+    why = cp_problem(spec, args.nproc, args.method, args.seq, args.zigzag)
+    if why:
+        p.error(why)
+    from .collectives import launch
+
+    checks.output_path(PROG, args.out, make_folder=True)
+    return launch(_cp_worker, args, prog=f"{PROG} cp", error=ParlabError, torchrun_port=29513)
+
+
+# the campaign stored in benchmarks/results/context_parallel/cpu.json: both methods, 2 and 4 ranks, MHA (lab 3's
+# Llama) and GQA (8 query / 2 key-value heads), two shapes each, zig-zag and contiguous rings
+CP_CAMPAIGN: tuple[dict[str, Any], ...] = (
+    dict(model="lab", method="ring", nproc=2, micro_batch=2, seq=256),
+    dict(model="lab", method="ring", nproc=4, micro_batch=2, seq=256),
+    dict(model="lab", method="ulysses", nproc=2, micro_batch=2, seq=256),
+    dict(model="lab", method="ulysses", nproc=4, micro_batch=2, seq=256),
+    dict(model="lab", method="ring", nproc=2, micro_batch=4, seq=512),
+    dict(model="lab", method="ring", nproc=4, micro_batch=4, seq=512, zigzag=False),
+    dict(model="lab", method="ulysses", nproc=4, micro_batch=4, seq=512),
+    dict(model="llama-gqa-val", method="ring", nproc=2, micro_batch=2, seq=256),
+    dict(model="llama-gqa-val", method="ring", nproc=4, micro_batch=4, seq=512),
+    dict(model="llama-gqa-val", method="ulysses", nproc=2, micro_batch=4, seq=512),
+    dict(model="cp-val", method="ring", nproc=2, micro_batch=2, seq=1024),
+    dict(model="cp-val", method="ring", nproc=4, micro_batch=2, seq=1024),
+    dict(model="cp-val", method="ulysses", nproc=4, micro_batch=2, seq=1024),
+)
+
+
+def cp_argv(config: dict[str, Any], out: str) -> list[str]:
+    """The command line of one CP run (`CP_CAMPAIGN`'s keys)."""
+    argv = ["cp", "--model", config["model"], "--method", config["method"], "--nproc", str(config["nproc"]),
+            "--micro-batch", str(config["micro_batch"]), "--seq", str(config["seq"]), "--out", out]
+    return argv + ([] if config.get("zigzag", True) else ["--no-zigzag"])
+
+
+def run_cp(config: dict[str, Any], *, timeout: float = 600) -> dict[str, Any]:
+    """One CP run in a subprocess (its ranks spawned there), its results read back; a ParlabError in one
+    line when it fails or runs past `timeout` seconds."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "cp.json")
+        cmd = [sys.executable, "-m", "vramlab.measure.parallel", *cp_argv(config, out)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ParlabError(f"{' '.join(cmd[2:])}: no result within {timeout:g} s") from None
+        if done.returncode or not os.path.exists(out):
+            last = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
+            raise ParlabError(f"{' '.join(cmd[2:])}: {last[-1] if last else f'exit status {done.returncode}'}")
+        return json.loads(Path(out).read_text())
+
+
+def cp_campaign(path: str, configs=CP_CAMPAIGN) -> dict[str, Any]:
+    """Run every configuration and store them, with each row's error, in one JSON file at `path`."""
+    from .record import provenance
+
+    runs = []
+    for config in configs:
+        result = run_cp(config)
+        for r in result["per_rank"]:
+            r["memory"] = {k: r["memory"][k] for k in ("peak", "peak_phase", "at_peak", "phases")}
+        runs.append({"config": dict(config), "result": result})
+        argv = cp_argv(config, path)
+        del argv[argv.index("--out"):argv.index("--out") + 2]
+        print(f"{' '.join(argv)}: worst error "
+              f"{max(abs(r['error']) for r in result['rows']):.2%}", flush=True)
+    out = {"what": "context parallelism on gloo ranks (CPU): each rank's peak through a steady-state training "
+                   "step (the ledger) and the bytes its attention sent per layer, against "
+                   "vramlab.parallel.context_parallel",
+           "command": f"python -c \"from vramlab.measure.parallel import cp_campaign; cp_campaign('{path}')\"",
+           "provenance": provenance("cpu"), "runs": runs}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1) + "\n")
+    return out
 
 
 if __name__ == "__main__":

@@ -331,6 +331,67 @@ def _parallel(*, model: str, dp: int, tp: int, pp: int, sp: str, zero: str, reco
         "bubble": (float(bubble), f"{float(bubble):.1%}")})
 
 
+LONG_SEQ_CHOICES = (4096, 8192, 16384, 32768, 65536, 131072)
+CP_CHOICES = (1, 2, 4, 8, 16, 32)
+
+
+def _context(*, model: str, method: str, cp: int, batch_size: int, seq_len: int, precision: str, zigzag: str,
+             gpu: str, link: str) -> Result:
+    """One context-parallel rank (`parallel.context_parallel`), beside the same step at every other CP size."""
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    kw = dict(method=method, batch_size=batch_size, seq_len=seq_len, precision=precision, zigzag=zigzag == "yes",
+              link=link, gpu=g)
+    r = PAR.context_parallel(spec, cp=cp, **kw)
+    bars = []
+    for n in CP_CHOICES:
+        try:
+            x = PAR.context_parallel(spec, cp=n, **kw)
+        except ValueError:  # this size does not split the heads or the sequence: left out of the sweep
+            continue
+        rest = x["peak"] - x["activations"]
+        bars.append((f"cp {n}", [("activations", x["activations"] / GiB, COLORS["activations"]),
+                                 ("states, logits and the rest", rest / GiB, COLORS["other"])]))
+    svg, narrow = _both(stacked_bars, bars, title=f"{spec.name}, {batch_size} x {seq_len:,} tokens, {method}: "
+                                                  "one rank's peak against the CP size",
+                        line=(g.usable_bytes / GiB, f"{g.name} usable"))
+    fits = fitting.device_fit(r["peak"], g, largest_tensor=fitting.fragmentation_bytes(
+        spec, batch_size=batch_size, seq_len=r["tokens_per_rank"], precision=precision)).fits
+    f, b = r["comm_seconds_per_layer"], r["attention_seconds_per_layer"]
+    lines = [f"{method} attention over {cp} ranks ({'zig-zag chunks' if r['zigzag'] else 'contiguous shards'}): "
+             f"{r['tokens_per_rank']:,} tokens a rank",
+             f"  saved for backward: {fmt_bytes(r['saved_per_layer'])} a layer, {fmt_bytes(r['activations'])} in all",
+             f"  in flight inside attention: forward {fmt_bytes(r['in_flight_forward'])}, backward "
+             f"{fmt_bytes(r['in_flight_backward'])}",
+             f"  the rank's peak: {fmt_bytes(r['peak'])} ({r['peak_phase']}); "
+             f"{'fits' if fits else 'does NOT fit'} on {g.name} (fit's verdict: + margin, fragmentation, context)",
+             f"  sent per layer: forward {fmt_bytes(r['sent_per_layer']['forward'])} in "
+             f"{r['messages_per_layer']['forward']} messages, backward {fmt_bytes(r['sent_per_layer']['backward'])} in "
+             f"{r['messages_per_layer']['backward']}",
+             f"  per layer on {link}: communication {1e3 * f['forward']:.2f} / {1e3 * f['backward']:.2f} ms against "
+             f"attention's {1e3 * b['forward']:.2f} / {1e3 * b['backward']:.2f} ms (forward / backward, at 40 % of "
+             f"{g.name}'s peak): {r['verdict']}"]
+    return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
+        "peak": (r["peak"], fmt_bytes(r["peak"])), "activations": (r["activations"], fmt_bytes(r["activations"])),
+        "sent": (r["sent_per_layer"]["forward"] + r["sent_per_layer"]["backward"],
+                 fmt_bytes(r["sent_per_layer"]["forward"] + r["sent_per_layer"]["backward"])),
+        "verdict": (int(r["verdict"] == "hidden"), r["verdict"])})
+
+
+CONTEXT = Calculator(
+    name="context", title="Context parallelism: one rank of ring attention or Ulysses", compute=_context,
+    number_labels={"peak": "a rank's peak", "activations": "its saved activations", "sent": "sent per layer",
+                   "verdict": "communication"},
+    inputs=(Input(name="model", label="model", kind="choice", default="llama-3.2-1b", choices=DECODER_PRESETS),
+            Input(name="method", label="method", kind="choice", default="ring", choices=PAR.CP_METHODS),
+            Input(name="cp", label="context parallel", kind="choice", default=8, choices=CP_CHOICES),
+            Input(name="batch_size", label="batch size", kind="int", default=1, min=1, max=64),
+            Input(name="seq_len", label="sequence length", kind="choice", default=65536, choices=LONG_SEQ_CHOICES),
+            Input(name="precision", label="precision", kind="choice", default="bf16-mixed", choices=P.PRECISIONS),
+            Input(name="zigzag", label="zig-zag (ring)", kind="choice", default="yes", choices=("yes", "no")),
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
+            Input(name="link", label="link", kind="choice", default="nvlink4", choices=tuple(C.LINKS))))
+
+
 PARALLEL = Calculator(
     name="parallel", title="Data, tensor and pipeline parallelism: memory per device", compute=_parallel,
     number_labels={"per_device": "fullest device", "fits": "fits", "bubble": "bubble"},
@@ -836,7 +897,7 @@ COMPRESSION = Calculator(
             Input(name="active", label="active experts a token (MoEfication)", kind="int", default=4, min=1,
                   max=65536)))
 
-CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION, PARALLEL, LAYOUTS, ZERO,
+CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION, PARALLEL, CONTEXT, LAYOUTS, ZERO,
                                                            OFFLOAD, STREAMING, CHECKPOINTING, COMPRESSION)}
 
 
