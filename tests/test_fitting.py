@@ -156,3 +156,15 @@ def test_longest_sequence_capped_by_positions_and_none_fits():
         longest_sequence("gpt2", "t4", seq_len=8)
     with pytest.raises(ValueError, match="does not take"):
         longest_sequence("gpt2", "t4", colour="red")
+
+
+def test_a_mixture_of_experts_fits_for_inference_and_is_refused_for_training():
+    from vramlab.fitting import longest_sequence
+
+    f = fit("mixtral-8x7b", "h200", batch_size=1, mode="infer", seq_len=4096)
+    assert f.fits and f.max_batch_size >= 1
+    nxt = fit("mixtral-8x7b", "h200", batch_size=f.max_batch_size + 1, mode="infer", seq_len=4096)
+    assert not nxt.fits
+    assert longest_sequence("mixtral-8x7b", "h200", mode="infer").seq_len > 0
+    with pytest.raises(ValueError, match="not modelled yet"):
+        fit("mixtral-8x7b", "h200", seq_len=4096)

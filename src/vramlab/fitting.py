@@ -14,7 +14,8 @@ from typing import Callable, Literal
 from . import checks as _checks
 from .activations import ATTENTIONS, WHOLE_MODEL, AttentionImpl, DeviceShare
 from .checks import MAX_BYTES
-from .memory import MemoryBreakdown, _INFER_BYTES, _estimate_options, estimate_inference, estimate_training, param_bytes
+from .memory import (MemoryBreakdown, _INFER_BYTES, _estimate_options, _inference_spec, estimate_inference,
+                     estimate_training, param_bytes)
 from .precision import PRECISIONS
 from .specs import GPUSpec, ModelSpec, gpu as _gpu, resolve as _resolve
 from .units import fmt_bytes
@@ -123,8 +124,9 @@ def largest_tensor_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: in
     embedding's gradient, or eager attention's scores. `share`: on one device of a layout (the
     logits on the last stage, the embedding's gradient on the first, both split by t; DTensor's
     dense embedding gradient whole). Other keywords of `estimate_training`/`estimate_inference` are
-    accepted (and ignored), so that one set of options serves both; any other is an error."""
-    spec = _resolve(model)
+    accepted (and ignored), so that one set of options serves both; any other is an error. A mixture
+    of experts is taken for inference only (its gate-and-up output, top-k rows a token, is a candidate)."""
+    spec = _inference_spec(model) if mode == "infer" else _resolve(model)
     _checks.no_unknown("largest_tensor_bytes", _ignored, _estimate_options())
     batch_size, seq_len = _checks.whole("batch_size", batch_size), _checks.whole("seq_len", seq_len)
     _checks.one_of("mode", mode, ("train", "infer"))
@@ -148,7 +150,8 @@ def largest_tensor_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: in
         nb = 2 if dtype == "int8" else _INFER_BYTES.get(dtype, 2)
         tokens = b if (new_tokens is not None or not all_logits or spec.family == "t5") else b * s
         scores = b * spec.num_heads * s * s * nb if attention == "eager" else 0
-        return max(tokens * V * nb, scores, b * s * spec.intermediate_size * nb)
+        experts = b * s * spec.num_experts_per_tok * 2 * spec.moe_intermediate_size * nb if spec.is_moe else 0
+        return max(tokens * V * nb, scores, b * s * spec.intermediate_size * nb, experts)
     scores = b * spec.num_heads * s * s * 4 if attention == "eager" else 0
     return max(b * s * V * 4, V * e * param_bytes(precision), scores)
 
@@ -162,7 +165,7 @@ def fragmentation_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: int
     to 104: reserved minus allocated at the peak 0.83-0.97 of the 16-bit logits; the estimate's
     largest batch is then the measured one, 104). Otherwise one block of the largest tensor
     (`largest_tensor_bytes`), which is safe without a measurement that says more."""
-    spec = _resolve(model)
+    spec = _inference_spec(model) if kw.get("mode", "train") == "infer" else _resolve(model)
     _checks.no_unknown("fragmentation_bytes", kw, _estimate_options() | {"mode"})
     largest = largest_tensor_bytes(spec, batch_size=batch_size, seq_len=seq_len, precision=precision, share=share, **kw)
     batch_size, seq_len = operator.index(batch_size), operator.index(seq_len)  # checked there
@@ -372,7 +375,7 @@ def longest_sequence(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: 
     if unknown:
         raise ValueError(f"longest_sequence(mode={mode!r}) does not take {', '.join(unknown)}; it takes "
                          f"{', '.join(sorted(allowed))}")
-    spec = _resolve(model)
+    spec = _inference_spec(model) if mode == "infer" else _resolve(model)
     est(spec, batch_size=batch_size, seq_len=1, gpu=g, **options)  # every option checked once
     limit = spec.max_position_embeddings if spec.family != "t5" and spec.max_position_embeddings else MAX_SEQ_SEARCH
     _positions(spec, limit)

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from typing import Iterable, Literal
 
 from . import checks as _checks
+from . import moe as _moe
 from .activations import (ATTENTIONS, WHOLE_MODEL, AttentionImpl, DeviceShare, Recompute, _cuda_amp,
                           activation_bytes, recompute_plan)
 from .checks import MAX_BYTES, MAX_PARAMS
 from .precision import FP32_STATES, PRECISIONS, PURE_16BIT, Precision, _dtype_bytes, _loss_bytes
-from .specs import GPUSpec, ModelSpec, gpu as _gpu, resolve as _resolve
+from .specs import GPUSpec, ModelSpec, gpu as _gpu, moe_preset_names as _moe_preset_names, preset as _preset
+from .specs import resolve as _resolve
 from .units import fmt_bytes
 
 Optimizer = Literal["adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit"]
@@ -601,6 +603,15 @@ def _block_transient(spec: ModelSpec, *, tokens: int, batch_size: int, seq_len: 
     return stream + max(attn, 2 * tokens * i * e)
 
 
+def _inference_spec(model: ModelSpec | str) -> ModelSpec:
+    """`resolve`, except that a mixture of experts passes: inference is modelled for it, training not yet."""
+    if isinstance(model, str) and model in _moe_preset_names():
+        return _preset(model)
+    if isinstance(model, ModelSpec) and model.is_moe:
+        return model
+    return _resolve(model)
+
+
 def estimate_inference(model: ModelSpec | str, *, batch_size: int, seq_len: int, dtype: str = "bf16",
                        kv_dtype: str | None = None, attention: AttentionImpl = "sdpa", all_logits: bool = True,
                        new_tokens: int | None = None, device: Literal["cuda", "cpu"] = "cuda",
@@ -617,8 +628,13 @@ def estimate_inference(model: ModelSpec | str, *, batch_size: int, seq_len: int,
     T5 runs the encoder on seq_len tokens and one decoder token. On CUDA one cuBLAS workspace is
     added (in `other`). Checked against an H100 (tests/test_gpu_truth.py).
 
+    A mixture of experts (family "moe") holds all its experts' weights; its cache is what
+    transformers' DynamicCache holds (for DeepSeek's latent attention, the latent and the shared
+    rotary key: `moe.kv_cache_bytes`), and its last layer's peak is the largest phase of
+    `moe.prefill_block_bytes` (the routed experts' token copies, ~top-k x the hidden state per token).
+
     Known limitations: the block's intermediates are a bound on what it holds at once, not a trace."""
-    spec = _resolve(model)
+    spec = _inference_spec(model)
     batch_size, seq_len = _check_positive(batch_size=batch_size, seq_len=seq_len)
     if new_tokens is not None:  # by its own name, before it is added to seq_len
         new_tokens = _checks.whole("new_tokens", new_tokens, lo=0)
@@ -638,8 +654,14 @@ def estimate_inference(model: ModelSpec | str, *, batch_size: int, seq_len: int,
     h = spec.word_embed_proj_dim or spec.hidden_size
     weights = spec.params * _INFER_BYTES[dtype]
     workspace = cublas_workspace_bytes(gpu) if device == "cuda" else 0
-    kv = kv_cache_bytes(spec, batch_size=b, seq_len=s, dtype=kv_dtype)
-    block = _block_transient(spec, tokens=b * s, batch_size=b, seq_len=s, e=e, attention=attention)
+    if spec.is_moe:
+        kv = _moe.kv_cache_bytes(spec, batch_size=b, seq_len=s, dtype=kv_dtype)
+        block = max(_moe.prefill_block_bytes(spec, tokens=b * s, dtype_bytes=e).values())
+        if attention == "eager":
+            block += 2 * b * spec.num_heads * s * s * e
+    else:
+        kv = kv_cache_bytes(spec, batch_size=b, seq_len=s, dtype=kv_dtype)
+        block = _block_transient(spec, tokens=b * s, batch_size=b, seq_len=s, e=e, attention=attention)
     base = dict(parameters=weights, inputs=b * s * 8, other=workspace, precision=dtype, device=device)
     if new_tokens is None:
         kept = b if (not all_logits or spec.family == "t5") else b * s  # positions whose logits are returned
@@ -649,7 +671,8 @@ def estimate_inference(model: ModelSpec | str, *, batch_size: int, seq_len: int,
     one_row = b * V * (e + 4)  # the last position's logits, and generate's fp32 copy of them
     prefill = MemoryBreakdown(**base, kv_cache=kv, activations=max(block, b * h * e + one_row),
                               phase="generate: prompt prefill", label=f"{spec.name} generate b={b} s={s}+{new_tokens} {dtype}")
-    full = kv_cache_bytes(spec, batch_size=b, seq_len=s + new_tokens, dtype=kv_dtype)
+    full = (_moe.kv_cache_bytes if spec.is_moe else kv_cache_bytes)(spec, batch_size=b, seq_len=s + new_tokens,
+                                                                     dtype=kv_dtype)
     layers = spec.num_decoder_layers if spec.family == "t5" else spec.num_layers
     last = MemoryBreakdown(**base, kv_cache=full, activations=one_row, temporaries=full // max(layers, 1),
                            phase=f"generate: token {new_tokens} (cache at {s + new_tokens} positions)", label=prefill.label)

@@ -125,5 +125,73 @@ def describe(model: "ModelSpec | str") -> str:
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- inference transients
+# What routing weights transformers (5.x) hands the experts in, per family: Mixtral's and DeepSeek's
+# routers keep them in fp32 (so each expert's weighted output is fp32 too); Qwen's and OLMoE's cast
+# them to the model's dtype.
+_FP32_ROUTING = ("mixtral", "deepseek_v2", "deepseek_v3")
+
+
+def _routed_phases(s: ModelSpec, tokens: int, e: int) -> dict[str, int]:
+    """Bytes one MoE layer's router and routed experts hold at once beyond the residual stream, by
+    phase, as transformers' default experts implementation ("grouped_mm",
+    integrations/moe.py::grouped_mm_experts_forward) runs them: every token is copied once per
+    chosen expert (S = tokens x top-k rows), sorted by expert, through one grouped matmul for
+    gate and up and one for down, weighted, put back in token order, and summed over its k rows."""
+    h, n_exp, k, i = s.hidden_size, s.num_experts, s.num_experts_per_tok, s.moe_intermediate_size
+    w = 4 if s.model_type in _FP32_ROUTING else e  # the routing weights' bytes
+    ew = max(e, w)  # the weighted outputs' (bf16 x fp32 -> fp32)
+    rows = tokens * k
+    if s.model_type in ("deepseek_v2", "deepseek_v3"):  # the router upcasts its input and logits
+        router = tokens * (4 * h + 3 * 4 * n_exp)  # fp32 input, logits, scores (and V3's corrected scores)
+    else:
+        router = tokens * (n_exp * (e + 4))  # logits, their fp32 softmax
+    chosen = rows * (w + 8)  # top-k weights and indices
+    # sorted expert ids and the permutation (int64), the gathered weights, each row's token copy
+    kept = chosen + rows * (8 + 8 + w + h * e)
+    return {
+        "router": chosen + router,
+        "experts: gate and up": kept + rows * 4 * i * e,  # gate_up (2i), act(gate), act(gate) * up
+        "experts: down and weights": kept + rows * (h * e + 2 * h * ew + 16),  # down, weighted, reordered
+    }
+
+
+def prefill_block_bytes(model: "ModelSpec | str", *, tokens: int, dtype_bytes: int = 2) -> dict[str, int]:
+    """Bytes an MoE model's last decoder layer holds at once in a prefill of `tokens` tokens, beyond
+    the weights and the KV cache, by phase (the largest is the layer's peak). The residual stream is
+    four copies of the hidden state: the embeddings (kept by the model's forward), the layer's
+    input, the residual after attention and its normalised copy. Attention is counted as SDPA on
+    CUDA (no score matrix); the shared experts run before the routed ones in Qwen2-MoE (their output
+    waits) and after them in DeepSeek (the routed output waits). Traced in transformers 5.x."""
+    s = resolve_moe(model)
+    if not s.is_moe:
+        raise ValueError(f"{s.name} is a dense {s.model_type} model: memory.estimate_inference prices its blocks")
+    t = _checks.whole("tokens", tokens)
+    e = _checks.whole("dtype_bytes", dtype_bytes)
+    h = s.hidden_size
+    a = s.num_heads
+    if s.is_mla:
+        rope, nope, v = s.qk_rope_head_dim, s.qk_nope_head_dim, s.v_head_dim
+        q = (2 * s.q_lora_rank if s.q_lora_rank else 0) + 3 * a * s.head_dim  # q (its lora), rotated, whole
+        kv = s.kv_lora_rank + rope + a * rope + a * (nope + v) + a * s.head_dim  # latent, keys built per head
+        attention = t * (q + kv + a * v) * e
+    else:
+        attention = t * (2 * s.q_dim + 2 * s.kv_dim + s.q_dim) * e  # q, k, v, rotated q, k, output
+    stream = 4 * t * h * e
+    phases = {"attention": 3 * t * h * e + attention}
+    shared_width = s.num_shared_experts * (s.shared_expert_intermediate_size or s.moe_intermediate_size)
+    routed = _routed_phases(s, t, e)
+    before = after = 0
+    if shared_width and s.model_type == "qwen2_moe":
+        phases["shared expert"] = stream + 3 * t * shared_width * e  # act(gate), up, their product
+        before = t * h * e
+    elif shared_width:
+        after = t * h * e
+        phases["shared experts"] = stream + after + 3 * t * shared_width * e
+    for name, b in routed.items():
+        phases[name] = stream + before + b
+    return phases
+
+
 __all__ = ["DTYPE_BYTES", "KV_LAYOUTS", "active_params", "describe", "kv_cache_bytes", "kv_cache_elements_per_token",
-           "param_breakdown", "resolve_moe"]
+           "param_breakdown", "prefill_block_bytes", "resolve_moe"]

@@ -359,8 +359,13 @@ def test_presets_lists_the_mixture_of_experts_with_their_active_parameters():
     assert r.returncode == 0
     for name in specs.moe_preset_names():
         assert f"{moe.active_params(specs.preset(name)):>15,d} active a token" in r.stdout, name
-    bad = run("estimate", "infer", "--model", "mixtral-8x7b", "--batch-size", "1", "--seq-len", "8")
+    bad = run("estimate", "train", "--model", "mixtral-8x7b", "--batch-size", "1", "--seq-len", "8")
     assert bad.returncode == 2 and "not modelled yet" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    ok = run("estimate", "infer", "--model", "mixtral-8x7b", "--batch-size", "1", "--seq-len", "4096", "--json")
+    from vramlab import estimate_inference
+
+    assert ok.returncode == 0 and json.loads(ok.stdout)["total_bytes"] == estimate_inference(
+        "mixtral-8x7b", batch_size=1, seq_len=4096).total
 
 
 def test_loss_flag_and_its_lever(capsys):

@@ -1036,7 +1036,7 @@ def _main(args: argparse.Namespace) -> int:
                 print(f"{name:16s}{s.model_type:10s}{s.params:>16,d} params  ({fmt_bytes(memory.checkpoint_bytes(s))} in fp32)")
             from .. import moe
 
-            print("mixture of experts (parameters and KV cache only; their training memory is not modelled yet):")
+            print("mixture of experts (inference: `estimate infer`; their training memory is not modelled yet):")
             for name in specs.moe_preset_names():
                 s = specs.preset(name)
                 print(f"{name:18s}{s.model_type:12s}{s.params:>16,d} params, {moe.active_params(s):>15,d} active a token")
