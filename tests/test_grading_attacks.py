@@ -145,7 +145,7 @@ def test_invalid_notebooks_get_a_report_not_a_traceback(tmp_path, content, name)
     path.write_text(content)
     r = run_cli("grade", str(path), timeout=300)
     assert r.returncode == 0 and "Traceback" not in r.stderr
-    assert "total 0/15" in r.stdout and ("not" in r.stdout)
+    assert "total 0/18" in r.stdout and ("not" in r.stdout)
 
 
 def test_names_folders_and_missing_files(tmp_path):
@@ -153,13 +153,13 @@ def test_names_folders_and_missing_files(tmp_path):
     for name in ("alice.ipynb", f"{LAB} (1).ipynb"):  # found by its cells, or by its name
         nbformat.write(nb, tmp_path / name)
         r = run_cli("grade", str(tmp_path / name), "--timeout", "300")
-        assert r.returncode == 0 and "total 0/15" in r.stdout and f"({LAB})" in r.stdout, r.stdout + r.stderr
+        assert r.returncode == 0 and "total 0/18" in r.stdout and f"({LAB})" in r.stdout, r.stdout + r.stderr
     (tmp_path / "folder").mkdir()
     for target in (tmp_path / "folder", tmp_path / "missing.ipynb"):
         r = run_cli("grade", str(target), timeout=300)
         assert r.returncode == 2 and "pass --lab" in r.stderr and "Traceback" not in r.stderr
         r = run_cli("grade", str(target), "--lab", LAB, timeout=300)
-        assert r.returncode == 0 and "total 0/15" in r.stdout and "not a file" in r.stdout
+        assert r.returncode == 0 and "total 0/18" in r.stdout and "not a file" in r.stdout
     r = run_cli("grade", str(tmp_path / "alice.ipynb"), "--lab", "lab99", timeout=300)
     assert r.returncode == 2 and "unknown lab 'lab99'" in r.stderr
 
@@ -167,7 +167,7 @@ def test_names_folders_and_missing_files(tmp_path):
 def test_unwritable_json_report_is_a_reason(tmp_path):
     nbformat.write(student(), tmp_path / f"{LAB}.ipynb")
     r = run_cli("grade", str(tmp_path / f"{LAB}.ipynb"), "--json", "/proc/nope/scores.json")
-    assert r.returncode == 1 and "cannot write /proc/nope/scores.json" in r.stderr and "total 0/15" in r.stdout
+    assert r.returncode == 1 and "cannot write /proc/nope/scores.json" in r.stderr and "total 0/18" in r.stdout
 
 
 def test_instructor_commands_fail_cleanly():

@@ -1,8 +1,9 @@
-"""Lab 3's checks (parallelism): the 1F1B schedule (replayed here), and tensor parallelism and bucketed
-DDP run on ranks that reach each other only through the check's process (`run.Switchboard`), which
-logs every collective a rank calls; the ranks run `programs/tp.py` and `programs/ddp.py`. Every
-expected value is computed here, from data drawn here afresh for every grading (each rank is dealt
-only its own). Lab 4's ZeRO-2 check (`zero`) runs on the DDP check's MLP (`check_mlp_ranks`)."""
+"""Lab 3's checks (parallelism): the 1F1B schedule (replayed here), and tensor parallelism, bucketed
+DDP and ring attention run on ranks that reach each other only through the check's process
+(`run.Switchboard`), which logs every collective and message a rank sends; the ranks run
+`programs/tp.py`, `programs/ddp.py` and `programs/ring_attn.py`. Every expected value is computed
+here, from data drawn here afresh for every grading (each rank is dealt only its own). Lab 4's
+ZeRO-2 check (`zero`) runs on the DDP check's MLP (`check_mlp_ranks`)."""
 
 from __future__ import annotations
 
@@ -461,3 +462,203 @@ def check_bucketed_ddp(cls: Any, *, cases=((2, 1000), (2, 10**6)), timeout: floa
     check_mlp_ranks("ddp", cls, cases, timeout=timeout, what="bucketed DDP", update=True, step_problem=_ddp_step_problem,
                     early="called all_reduce before the first backward (the parameters start equal on every rank)",
                     step="step")
+
+
+# Context parallelism with ring attention (Liu+23; chapter 3's "Context parallelism"): each rank holds
+# a contiguous shard of the sequence, q, k and v (b, heads, s/cp, d), drawn here afresh for every
+# grading (each rank is dealt only its own); the answer's forward passes the K/V blocks round the ring
+# with point-to-point messages only (`programs/ring_attn.py`), which the switchboard logs. The
+# reference is one process's causal attention on the whole sequence; the usual mistakes are computed
+# here too, block by block as a ring would merge them, so that a wrong output can be named.
+def _ring_attn_inputs(world: int) -> dict:
+    """Shapes and q, k, v (b, heads, s, d; s = world x the shard's length) drawn afresh, and each
+    rank's contiguous shard ("dealt")."""
+    import torch
+
+    g = fresh_generator()
+    b, heads, n = (int(torch.randint(lo, hi + 1, (1,), generator=g)) for lo, hi in ((1, 2), (1, 3), (2, 4)))
+    d = (4, 8)[int(torch.randint(0, 2, (1,), generator=g))]
+    q, k, v = (torch.randn(b, heads, world * n, d, generator=g, dtype=torch.float64) for _ in range(3))
+    dealt = [{"q": qs.tolist(), "k": ks.tolist(), "v": vs.tolist()}
+             for qs, ks, vs in zip(q.chunk(world, 2), k.chunk(world, 2), v.chunk(world, 2))]
+    return {"b": b, "heads": heads, "n": n, "d": d, "q": q, "k": k, "v": v, "dealt": dealt}
+
+
+def causal_attention(q, k, v):
+    """softmax(q k^T / sqrt(d)) v with the causal mask (query i sees keys 0..i), on one process."""
+    import torch
+
+    s = q.shape[-2]
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
+def ring_attention_blocks(q, k, v, world: int, *, own_mask: bool = True, mask_earlier: bool = False,
+                          use_later: bool = False, merge: str = "lse") -> list:
+    """Each rank's output as a ring computes it, block by block in the ring's order (the rank's own
+    block, then rank - 1's, rank - 2's, ...), with the variations the usual mistakes make: the own
+    block's causal mask left out (`own_mask`), the earlier ranks' blocks masked too (`mask_earlier`),
+    the later ranks' blocks used (`use_later`), and the blocks merged by `merge`: "lse" (the running
+    maximum and sum: exact), "own-max" (each block's exp(S - its own max) added as it is), "stale-max"
+    (the running maximum kept, but what was added before never rescaled), "sum" or "average" (of the
+    blocks' own softmax outputs)."""
+    import torch
+
+    n, scale = q.shape[-2] // world, q.shape[-1] ** -0.5
+    tri = torch.ones(n, n, dtype=torch.bool).tril()
+    qs, ks, vs = q.split(n, -2), k.split(n, -2), v.split(n, -2)
+    outs = []
+    for r in range(world):
+        blocks = []
+        for j in range(world):
+            src = (r - j) % world
+            if src > r and not use_later:
+                continue
+            scores = (qs[r] @ ks[src].transpose(-1, -2)) * scale
+            if (src == r and own_mask) or (src < r and mask_earlier):
+                scores = scores.masked_fill(~tri, float("-inf"))
+            blocks.append((scores, vs[src]))
+        if merge == "lse":
+            out = torch.softmax(torch.cat([s for s, _ in blocks], -1), -1) @ torch.cat([x for _, x in blocks], -2)
+        elif merge in ("sum", "average"):
+            out = sum(torch.softmax(s, -1) @ x for s, x in blocks) / (len(blocks) if merge == "average" else 1)
+        else:
+            o = l = m = None
+            for s, x in blocks:
+                top = s.amax(-1, keepdim=True)
+                if merge == "stale-max":
+                    top = top if m is None else torch.maximum(m, top)
+                p = torch.exp(s - top)
+                o = p @ x if o is None else o + p @ x
+                l = p.sum(-1, keepdim=True) if l is None else l + p.sum(-1, keepdim=True)
+                m = top
+            out = o / l
+        outs.append(out)
+    return outs
+
+
+_RING_ATTN_MISTAKES = (
+    (dict(own_mask=False), "attends to its own block without the causal mask: within the rank's own block query i "
+                           "may see only keys 0..i (mask above the diagonal, keep the diagonal)"),
+    (dict(mask_earlier=True), "masks the earlier ranks' blocks too: every key of an earlier rank's block comes before "
+                              "every query of this rank, so those blocks take no mask; only the rank's own block is "
+                              "triangular"),
+    (dict(use_later=True), "uses the blocks of later ranks: every key of a later rank comes after every query of this "
+                           "rank, so the causal mask hides those blocks entirely; skip them (but still pass them on)"),
+    *((dict(merge=m), "merges the blocks' partial outputs without rescaling by the running maximum: keep each row's "
+                      "running maximum m and sum l (or its log-sum-exp); when a block raises m, multiply the output so "
+                      "far and l by exp(m_old - m_new) before adding the block's exp(S - m_new) @ V, and divide by l "
+                      "at the end") for m in ("own-max", "stale-max", "sum", "average")),
+)
+
+
+def _ring_attn_rank_problem(report: Any, rank: int, world: int, inp: dict, want, outs: dict) -> str | None:
+    """What is wrong with one rank's output (its report's "result"), or None: its type, shape and dtype,
+    then its values against `want` (this rank's rows of one process's causal attention), naming the
+    mistake whose output (`outs`, each mistake's outputs by rank) it matches."""
+    import torch
+
+    res = report.get("result") if isinstance(report, dict) else None
+    shape = [inp["b"], inp["heads"], inp["n"], inp["d"]]
+    if not isinstance(res, dict) or "shape" not in res:
+        return (f"returned {(res or {}).get('type', 'nothing')}: return this rank's output, a tensor of shape "
+                f"{tuple(shape)}")
+    if res["shape"] != shape:
+        return (f"returned a tensor of shape {tuple(res['shape'])}: the output is this rank's queries' rows, "
+                f"(b, heads, s/cp, d) = {tuple(shape)}")
+    if res.get("dtype") != "float64":
+        return f"returned {res.get('dtype')} values: keep the inputs' dtype (float64) throughout"
+    got = as_tensor(res.get("out"), want)
+    if tclose(got, want):
+        return None
+    for i, (_, why) in enumerate(_RING_ATTN_MISTAKES):
+        if tclose(got, outs[i][rank]):
+            return why
+    err = float((got - want).abs().max()) if got is not None else float("nan")
+    return (f"returned an output that differs from one process's causal attention, softmax(q k^T / sqrt(d)) v with the "
+            f"causal mask, by up to {err:.3g} (computed here on the whole sequence)")
+
+
+def _ring_attn_traffic_problem(sent: Any, rank: int, world: int, inp: dict, *,
+                               peers_only: bool = False) -> str | None:
+    """What is wrong with one rank's sends (the switchboard's [[peer, values], ...]), or None: all to its
+    successor (all `peers_only` checks: a ring turned the wrong way is named before its wrong output),
+    world - 1 K/V blocks in all, each a block the ring holds at its step (the rank's own, then those it
+    received), in any split and order."""
+    import torch
+
+    sent = sent if isinstance(sent, list) else []
+    nxt = (rank + 1) % world
+    peers = sorted({m[0] for m in sent if isinstance(m, list) and len(m) == 2}, key=str)
+    if peers and peers != [nxt]:
+        return (f"sent to rank(s) {peers}: a ring sends every block to its successor, rank (rank + 1) % world_size = "
+                f"{nxt}, and receives from its predecessor")
+    if peers_only:
+        return None
+    values = [x for m in sent for x in (m[1] if isinstance(m, list) and len(m) == 2 and isinstance(m[1], list) else [])]
+    block = inp["b"] * inp["heads"] * inp["n"] * inp["d"]
+    want = 2 * (world - 1) * block
+    if len(values) != want:
+        return (f"sent {len(values)} values in {len(sent)} messages; a ring's rank sends world_size - 1 = {world - 1} "
+                f"K/V blocks (its own, then each it receives but the last), K and V each b x heads x s/cp x d = {block} "
+                f"values: {want} in all")
+    n = inp["n"]
+    expected = torch.cat([t[:, :, src * n:(src + 1) * n].flatten() for j in range(world - 1)
+                          for src in [(rank - j) % world] for t in (inp["k"], inp["v"])])
+    if not torch.allclose(torch.tensor(values, dtype=torch.float64).sort().values, expected.sort().values,
+                          rtol=1e-12, atol=0):
+        return ("sent values that are not the K/V blocks a ring passes on: at step j a rank sends the block of rank "
+                "(rank - j) % world_size, its own first, as it received it")
+    return None
+
+
+def check_ring_attention(fn: Callable, *, worlds=(2, 3), timeout: float = 60.0) -> None:
+    """Run the student's `fn(q, k, v, rank, world_size)` (the forward of causal ring attention on one
+    rank's contiguous shard of the sequence) on linked ranks (`run.Switchboard`) for each world size of
+    `worlds`, with the ready-made collectives unavailable; shapes and q, k, v drawn here afresh, each
+    rank dealt only its shard. Checks every rank's output against one process's causal attention
+    (float64; the usual mistakes named: the own block unmasked, the earlier blocks masked, the later
+    blocks used, a merge without the running maximum's rescaling) and its traffic: world - 1 K/V blocks,
+    each one the ring holds at that step, all sent to rank + 1. A deadlock (every rank in a blocking
+    send) fails at once with what each rank waits for."""
+    import re
+    import tempfile
+
+    from .run import run_world
+
+    source = cell_source(fn)
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, world in enumerate(worlds):
+            inp = _ring_attn_inputs(world)
+            what = (f"ring attention on {world} ranks (b={inp['b']}, heads={inp['heads']}, s={world * inp['n']}, "
+                    f"d={inp['d']})")
+            reports = run_world("ring_attn", world, None, source=source, names=[fn.__name__], tmp=f"{tmp}/case{i}",
+                                dealt=inp["dealt"], log="ring", timeout=timeout, on_timeout=(
+                                    f"{what}: no answer within {timeout:.0f} s. A blocking dist.send returns only once "
+                                    "its receive is posted: if every rank sends first, none receives. Post the receive "
+                                    "with dist.irecv (or send with dist.isend) before waiting, or alternate the order "
+                                    "by rank parity."))
+            errors = [(r, rank_problem(rep)) for r, rep in enumerate(reports) if rank_problem(rep)]
+            if errors:  # a rank's own error before one that only reports a peer's
+                peer = r"raised RuntimeError: rank \d+ (finished|ended|raised an error) before"
+                r, why = next((e for e in errors if not re.match(peer, e[1])), errors[0])
+                err = str((reports[r] or {}).get("error") or "")
+                if err.startswith("NotImplementedError"):  # the stub: say so as the other exercises do
+                    raise NotImplementedError(f"{what}: {err}")
+                raise AssertionError(f"{what}: rank {r} {why}.")
+            for rank, report in enumerate(reports):
+                why = _ring_attn_traffic_problem(report.get("log"), rank, world, inp, peers_only=True)
+                if why:
+                    raise AssertionError(f"{what}: rank {rank} {why}.")
+            want = causal_attention(inp["q"], inp["k"], inp["v"]).split(inp["n"], -2)
+            outs = [ring_attention_blocks(inp["q"], inp["k"], inp["v"], world, **variant)
+                    for variant, _ in _RING_ATTN_MISTAKES]
+            for rank, report in enumerate(reports):
+                why = _ring_attn_rank_problem(report, rank, world, inp, want[rank], outs)
+                if why:
+                    raise AssertionError(f"{what}: rank {rank} {why}.")
+            for rank, report in enumerate(reports):
+                why = _ring_attn_traffic_problem(report.get("log"), rank, world, inp)
+                if why:
+                    raise AssertionError(f"{what}: rank {rank} {why}.")
