@@ -861,7 +861,7 @@ def test_lab8_stored_run():
     INT4 per-tensor broken; each measured step within 5 % of what vramlab.compression predicts now
     (recomputed here); the distilled student beats the same student trained on the data."""
     from vramlab import compression as C
-    from vramlab.measure.compression import probe_label, teacher_spec
+    from vramlab.measure.compression import PROMPT_TOKENS, probe_label, teacher_spec
 
     saved = json.loads((ROOT / "labs" / "results" / "lab08_compression.json").read_text())
     assert {"date", "torch", "platform"} <= set(saved["provenance"]) and saved["command"].endswith("lab08_compression")
@@ -871,12 +871,13 @@ def test_lab8_stored_run():
     q8, q4 = _outlier_rows(run, 8), _outlier_rows(run, 4)
     assert q8["per-tensor"]["delta"] > 5 * abs(q8["per-row"]["delta"]) and q4["per-tensor"]["delta"] > 1.0 > 100 * q4["per-row"]["delta"]
     measured = [c for c in run["memory"] if "skipped" not in c]
-    assert {c["method"] for c in measured} == {"full", "lora", "qlora"}
+    assert {c["method"] for c in measured} == {"full", "lora", "qlora", "prompt", "prefix"}
     assert any(c.get("optimizer") == "adamw-8bit" for c in measured)
-    for c in measured:
-        pred = C.peft_training(teacher_spec(), method=c["method"], targets=c["targets"] if c["method"] != "full" else "default",
+    for c in measured:  # (the prompt and prefix probes train PROMPT_TOKENS virtual tokens)
+        pred = C.peft_training(teacher_spec(), method=c["method"],
+                               targets=c["targets"] if c["method"] not in ("full", *C.PROMPT_METHODS) else "default",
                                optimizer=c.get("optimizer", "adamw"), batch_size=c["batch_size"], seq_len=c["seq_len"],
-                               device=device).total
+                               num_virtual_tokens=PROMPT_TOKENS, device=device).total
         assert abs(pred - c["measured_bytes"]) <= 0.05 * c["measured_bytes"], probe_label(c)
     assert run["distillation"]["distilled"] < run["distillation"]["scratch"]
     assert all(r["params"] == r["predicted_params"] for r in run["pruning"]["rows"])
