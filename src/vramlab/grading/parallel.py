@@ -557,8 +557,6 @@ def _ring_attn_rank_problem(report: Any, rank: int, world: int, inp: dict, want,
     """What is wrong with one rank's output (its report's "result"), or None: its type, shape and dtype,
     then its values against `want` (this rank's rows of one process's causal attention), naming the
     mistake whose output (`outs`, each mistake's outputs by rank) it matches."""
-    import torch
-
     res = report.get("result") if isinstance(report, dict) else None
     shape = [inp["b"], inp["heads"], inp["n"], inp["d"]]
     if not isinstance(res, dict) or "shape" not in res:
