@@ -1338,13 +1338,15 @@ def _worker(rank: int, world: int, args, port: int) -> None:
     try:
         dev = _device(args.backend, rank)
         _LEDGER = _Ledger()
+        run, report = {"ddp": (_run_ddp, _report), "tp": (_run_tp, _report), "pp": (_run_pp, _report),
+                       "cp": (_run_cp, _cp_report)}[args.experiment]
         with _LEDGER:
-            result = {"ddp": _run_ddp, "tp": _run_tp, "pp": _run_pp}[args.experiment](rank, world, args, dev)
+            result = run(rank, world, args, dev)
         _LEDGER = None
         gathered = [None] * world
         dist.all_gather_object(gathered, result)
         if rank == 0:
-            _report(gathered, args, world)
+            report(gathered, args, world)
     except ParlabError as e:
         raise ParlabError(f"rank {rank} of {world}: {e}") from None
     except Exception as e:  # noqa: BLE001
@@ -1889,39 +1891,6 @@ def cp_rows(result: dict) -> list[dict[str, Any]]:
     return out
 
 
-def _cp_worker(rank: int, world: int, args, port: int) -> None:
-    import torch.distributed as dist
-
-    from .collectives import _first_line
-
-    global _LEDGER
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
-    os.environ["WORLD_SIZE"] = str(world)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
-    except Exception as e:  # noqa: BLE001
-        raise ParlabError(f"rank {rank} of {world}: the process group did not form within {args.timeout:g} s: "
-                          f"{_first_line(e)}") from None
-    try:
-        dev = _device("gloo", rank)
-        _LEDGER = _Ledger()
-        with _LEDGER:
-            result = _run_cp(rank, world, args, dev)
-        _LEDGER = None
-        gathered = [None] * world
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            _cp_report(gathered, args, world)
-    except ParlabError as e:
-        raise ParlabError(f"rank {rank} of {world}: {e}") from None
-    except Exception as e:  # noqa: BLE001
-        raise ParlabError(f"rank {rank} of {world}: {type(e).__name__}: {_first_line(e)}") from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _cp_report(ranks: list[dict], args, world: int) -> None:
     from ..units import fmt_bytes
     from .record import provenance
@@ -1964,7 +1933,7 @@ def cp_main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=A(checks.positive, float, hi=86400), default=120.0)
     args = p.parse_args(argv)
     args.foreach = args.optimizer_impl == "foreach"
-    args.backend = "gloo"
+    args.backend, args.experiment = "gloo", "cp"  # _worker runs it as it runs ddp, tp and pp
     if args.method == "ulysses":
         args.zigzag = False
     spec = cp_model_spec(args.model)
@@ -1978,7 +1947,7 @@ def cp_main(argv: list[str]) -> int:
     from .collectives import launch
 
     checks.output_path(PROG, args.out, make_folder=True)
-    return launch(_cp_worker, args, prog=f"{PROG} cp", error=ParlabError, torchrun_port=29513)
+    return launch(_worker, args, prog=f"{PROG} cp", error=ParlabError, torchrun_port=29513)
 
 
 # the campaign stored in benchmarks/results/context_parallel/cpu.json: both methods, 2 and 4 ranks, MHA (lab 3's
