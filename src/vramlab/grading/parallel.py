@@ -268,6 +268,21 @@ DDP_BATCH, DDP_LR, DDP_STEPS = 12, 0.1, 2
 DDP_SEED = 11  # the MLP's initial weights, the same on every rank and here
 
 
+def mlp_grads(params: list, x, y) -> list:
+    """The gradients of the harness's MLP (Linear, Tanh, ..., Linear: `params` as weight, bias pairs)
+    for the mean squared error on (x, y), computed here with plain tensors."""
+    import torch
+
+    ps = [p.clone().requires_grad_() for p in params]
+    h = x
+    for k in range(0, len(ps), 2):
+        h = h @ ps[k].T + ps[k + 1]
+        if k < len(ps) - 2:
+            h = torch.tanh(h)
+    ((h - y) ** 2).mean().backward()
+    return [p.grad for p in ps]
+
+
 def mlp_reference(world: int, steps: int, *, update: bool) -> dict:
     """The harness's MLP computed here with plain tensors: per step, one process's gradients on the
     whole batch (the mean loss) and each rank's own gradients on its slice; parameters updated with
@@ -282,23 +297,13 @@ def mlp_reference(world: int, steps: int, *, update: bool) -> dict:
                    torch.randn(o, generator=g, dtype=torch.float64) * 0.1]
         names += [f"{2 * k}.weight", f"{2 * k}.bias"]
 
-    def grads(ps, x, y):
-        ps = [p.clone().requires_grad_() for p in ps]
-        h = x
-        for k in range(0, len(ps), 2):
-            h = h @ ps[k].T + ps[k + 1]
-            if k < len(ps) - 2:
-                h = torch.tanh(h)
-        ((h - y) ** 2).mean().backward()
-        return [p.grad for p in ps]
-
     out, dealt = [], [{"x": [], "y": []} for _ in range(world)]
     gen = fresh_generator()
     for step in range(steps):
         x = torch.randn(DDP_BATCH, DDP_DIMS[0], generator=gen, dtype=torch.float64)
         y = torch.randn(DDP_BATCH, DDP_DIMS[-1], generator=gen, dtype=torch.float64)
-        whole = grads(params, x, y)
-        local = [grads(params, xs, ys) for xs, ys in zip(x.tensor_split(world), y.tensor_split(world))]
+        whole = mlp_grads(params, x, y)
+        local = [mlp_grads(params, xs, ys) for xs, ys in zip(x.tensor_split(world), y.tensor_split(world))]
         for d, xs, ys in zip(dealt, x.tensor_split(world), y.tensor_split(world)):
             d["x"].append(xs.tolist())
             d["y"].append(ys.tolist())

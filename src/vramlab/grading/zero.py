@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..units import fmt_bytes
-from .parallel import as_tensor, bucket_values, check_mlp_ranks, launch_problem, rank_problem, split_steps, tclose
+from .parallel import (as_tensor, bucket_values, check_mlp_ranks, launch_problem, mlp_grads, rank_problem, split_steps,
+                       tclose)
 from .run import answer_source, cell_source, fresh_generator, run_linked, run_world
 
 # ZeRO-1: every rank holds the whole flat parameter vector (drawn from ZERO1_SEED, the same on every
@@ -228,14 +229,7 @@ def _accum_grads(params: list, x, y):
     """The flat gradient of the mean squared error of the MLP on (x, y) (the harness's loss_fn)."""
     import torch
 
-    ps = [p.clone().requires_grad_() for p in params]
-    h = x
-    for j in range(0, len(ps), 2):
-        h = h @ ps[j].T + ps[j + 1]
-        if j < len(ps) - 2:
-            h = torch.tanh(h)
-    ((h - y) ** 2).mean().backward()
-    return torch.cat([p.grad.reshape(-1) for p in ps])
+    return torch.cat([g.reshape(-1) for g in mlp_grads(params, x, y)])
 
 
 def _accum_reference(seed: int, world: int, k: int) -> dict:
