@@ -176,6 +176,20 @@ def fragmentation_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: int
     return logits32 // 2 if logits32 == largest else largest
 
 
+def _gpu_step_options(est: Callable, options: dict, who: str, who_mode: str, chosen: tuple[str, ...] = ()) -> dict:
+    """The options a search (`fit`, `largest_micro_batch`, `longest_sequence`) passes on to `est`:
+    device must be "cuda" (dropped), and every other one must be `est`'s, less what the search chooses
+    itself (`chosen`, and the batch size, model and GPU)."""
+    if options.get("device", "cuda") != "cuda":
+        raise ValueError(f"{who} answers for a GPU: leave device at 'cuda'")
+    options = {k: v for k, v in options.items() if k != "device"}
+    allowed = set(inspect.signature(est).parameters) - {"model", "batch_size", "gpu", "device", *chosen}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(f"{who_mode} does not take {', '.join(unknown)}; it takes {', '.join(sorted(allowed))}")
+    return options
+
+
 def largest_true(fits: Callable[[int], bool], *, start: int = 1, limit: int = 1 << 16) -> int:
     """The largest n in 1..limit with fits(n), for a `fits` that is true up to some n and false
     beyond (memory grows with the batch): gallop from `start` (up, or down by halves), then bisect.
@@ -227,13 +241,7 @@ def fit(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: int = 1, mode
     batch_size, max_search = _checks.whole("batch_size", batch_size), _checks.whole("max_search", max_search)
     expandable_segments = _checks.flag("expandable_segments", expandable_segments)
     est = estimate_training if mode == "train" else estimate_inference
-    if options.get("device", "cuda") != "cuda":
-        raise ValueError("fit() answers for a GPU: leave device at 'cuda'")
-    options = {k: v for k, v in options.items() if k != "device"}
-    allowed = set(inspect.signature(est).parameters) - {"model", "batch_size", "gpu", "device"}
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(f"fit(mode={mode!r}) does not take {', '.join(unknown)}; it takes {', '.join(sorted(allowed))}")
+    options = _gpu_step_options(est, options, "fit()", f"fit(mode={mode!r})")
     if "seq_len" not in options:
         raise ValueError("seq_len must be given: the tokens per sequence of the step whose fit is asked")
     # every option checked once, at batch size 1, before the search
@@ -289,14 +297,8 @@ def largest_micro_batch(model: ModelSpec | str, gpu: GPUSpec | str, *, global_ba
     for k in ("batch_size", "accumulation_steps", "mode"):
         if k in options:
             raise ValueError(f"largest_micro_batch chooses {k} itself: pass global_batch and the step's other options")
-    if options.get("device", "cuda") != "cuda":
-        raise ValueError("largest_micro_batch() answers for a GPU: leave device at 'cuda'")
-    options = {k: v for k, v in options.items() if k != "device"}
-    allowed = set(inspect.signature(estimate_training).parameters) - {"model", "batch_size", "gpu", "device",
-                                                                       "accumulation_steps"}
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(f"largest_micro_batch() does not take {', '.join(unknown)}; it takes {', '.join(sorted(allowed))}")
+    options = _gpu_step_options(estimate_training, options, "largest_micro_batch()", "largest_micro_batch()",
+                                chosen=("accumulation_steps",))
     if "seq_len" not in options:
         raise ValueError("seq_len must be given: the tokens per sequence of the step whose fit is asked")
     estimate_training(model, batch_size=1, gpu=g, **options)  # every option checked once
@@ -367,14 +369,8 @@ def longest_sequence(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: 
     if "seq_len" in options:
         raise ValueError("longest_sequence chooses seq_len itself: give the step's other options")
     est = estimate_training if mode == "train" else estimate_inference
-    if options.get("device", "cuda") != "cuda":
-        raise ValueError("longest_sequence() answers for a GPU: leave device at 'cuda'")
-    options = {k: v for k, v in options.items() if k != "device"}
-    allowed = set(inspect.signature(est).parameters) - {"model", "batch_size", "gpu", "device", "seq_len"}
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(f"longest_sequence(mode={mode!r}) does not take {', '.join(unknown)}; it takes "
-                         f"{', '.join(sorted(allowed))}")
+    options = _gpu_step_options(est, options, "longest_sequence()", f"longest_sequence(mode={mode!r})",
+                                chosen=("seq_len",))
     spec = _inference_spec(model) if mode == "infer" else _resolve(model)
     est(spec, batch_size=batch_size, seq_len=1, gpu=g, **options)  # every option checked once
     limit = spec.max_position_embeddings if spec.family != "t5" and spec.max_position_embeddings else MAX_SEQ_SEARCH
