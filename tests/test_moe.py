@@ -95,3 +95,18 @@ def test_kv_cache_of_the_real_models():
     with pytest.raises(ValueError, match="unknown layout"):
         moe.kv_cache_bytes("deepseek-v3", batch_size=1, seq_len=1, layout="paged")
     assert "68.62 KiB" in moe.describe("deepseek-v3")
+
+
+def test_expert_capacity_rounds_up_and_is_bounded():
+    """GShard/Switch capacity: ceil(cf x tokens x top_k / experts), at least min_capacity, at most the
+    tokens (an expert sees each token once); dropless (None) is the worst case, every token."""
+    from vramlab.moe import expert_capacity
+    assert expert_capacity(4096, 8, 2, 1.25) == 1280  # 1.25 x 4096 x 2 / 8
+    assert expert_capacity(100, 8, 1, 1.0) == 13  # 12.5 rounds up
+    assert expert_capacity(100, 8, 1, 0.16) == 2  # 0.16 x 100 / 8 = 2 exactly, not 3 from float error
+    assert expert_capacity(10, 64, 6, 1.0) == 1 and expert_capacity(10, 64, 6, 1.0, min_capacity=4) == 4
+    assert expert_capacity(10, 2, 2, 4.0) == 10 and expert_capacity(4096, 8, 2, None) == 4096
+    for bad in [(0, 8, 2, 1.0), (10, 8, 9, 1.0), (10, 8, 2, 0), (10, 8, 2, "x"), (10, 8, 2, float("nan"))]:
+        with pytest.raises(ValueError) as e:
+            expert_capacity(*bad)
+        assert "\n" not in str(e.value)

@@ -110,6 +110,30 @@ def kv_cache_bytes(model: "ModelSpec | str", *, batch_size: int, seq_len: int, d
     return kv_cache_elements_per_token(s, layout) * DTYPE_BYTES[dtype] * batch_size * seq_len
 
 
+MAX_CAPACITY_FACTOR = 1 << 10
+
+
+def expert_capacity(tokens: int, num_experts: int, top_k: int = 1, capacity_factor: float | None = 1.0, *,
+                    min_capacity: int = 0) -> int:
+    """Rows each expert's buffer holds when routing has a capacity (GShard, Switch; DeepSpeed's and
+    Megatron-Core's token-drop mode): ceil(capacity_factor x tokens x top_k / num_experts), at least
+    `min_capacity`, at most tokens (an expert sees each token at most once). Beyond it a token's
+    choice is dropped (it skips that expert through the residual). capacity_factor None is dropless
+    routing (transformers, Megatron's default): an expert may receive every token, so its worst case
+    is `tokens`; what it receives on average is tokens x top_k / num_experts."""
+    t = _checks.whole("tokens", tokens)
+    n = _checks.whole("num_experts", num_experts)
+    k = _checks.whole("top_k", top_k, hi=n)
+    m = _checks.whole("min_capacity", min_capacity, lo=0)
+    if capacity_factor is None:
+        return t
+    cf = _checks.number("capacity_factor", capacity_factor, lo=0, lo_open=True, hi=MAX_CAPACITY_FACTOR)
+    # exact for the factor as written (0.16, not its binary neighbour): a fraction, ceil of an integer division
+    from fractions import Fraction
+    need = Fraction(repr(cf)) * t * k
+    return min(t, max(m, -(-need.numerator // (need.denominator * n))))
+
+
 def describe(model: "ModelSpec | str") -> str:
     """A few lines for a person: total and active parameters, where they sit, the KV cache per token."""
     s = resolve_moe(model)
@@ -193,5 +217,5 @@ def prefill_block_bytes(model: "ModelSpec | str", *, tokens: int, dtype_bytes: i
     return phases
 
 
-__all__ = ["DTYPE_BYTES", "KV_LAYOUTS", "active_params", "describe", "kv_cache_bytes", "kv_cache_elements_per_token",
+__all__ = ["DTYPE_BYTES", "KV_LAYOUTS", "MAX_CAPACITY_FACTOR", "active_params", "describe", "expert_capacity", "kv_cache_bytes", "kv_cache_elements_per_token",
            "param_breakdown", "prefill_block_bytes", "resolve_moe"]
