@@ -215,6 +215,7 @@ README_8B = ["estimate", "train", "--model", "llama-3.1-8b", "--batch-size", "1"
     ["checkpoint", "--model", "llama-3.1-8b", "--gpu", "h100", "--batch-size", "4", "--seq-len", "4096"],
     ["estimate", "infer", "--model", "llama-3.1-70b", "--batch-size", "8", "--seq-len", "8192", "--gpu", "h100",
      "--precision", "fp32"],
+    ["context", "--model", "llama-3.2-1b", "--seq-len", "131072", "--cp", "4", "--gpu", "h100"],
 ])
 def test_suggestions_are_real(argv, capsys):
     out = _json(capsys, *argv)
@@ -383,3 +384,61 @@ def test_loss_flag_and_its_lever(capsys):
     r = run("estimate", "train", "--model", "gpt2", "--batch-size", "1", "--seq-len", "16", "--zero", "2", "--loss",
             "chunked")
     assert r.returncode == 2 and "--loss prices one GPU's step" in r.stderr
+
+
+CONTEXT_1B = ["context", "--model", "llama-3.2-1b", "--seq-len", "131072", "--cp", "8", "--gpu", "h100"]
+
+
+def test_context_answers_as_context_parallel(capsys):
+    """`vramlab context` is `parallel.context_parallel` at the asked CP size and at every other one that
+    splits the sequence (and, for Ulysses, the heads); the fit is `fitting.device_fit` of the rank's peak at
+    its s/cp tokens, and the largest batch the one where one more sequence does not fit."""
+    from vramlab import fitting, parallel
+
+    out = _json(capsys, *CONTEXT_1B)
+    r = parallel.context_parallel("llama-3.2-1b", cp=8, batch_size=1, seq_len=131072, gpu="h100")
+    assert out["peak_bytes"] == r["peak"] and out["tokens_per_rank"] == 16384 and out["zigzag"] is True
+    assert out["sent_per_layer_bytes"] == r["sent_per_layer"] and out["verdict"] == r["verdict"]
+    assert set(out["sweep"]) == {"1", "2", "4", "8", "16", "32", "64"}
+    for n, s in out["sweep"].items():
+        x = parallel.context_parallel("llama-3.2-1b", cp=int(n), batch_size=1, seq_len=131072, gpu="h100")
+        assert s["peak_bytes"] == x["peak"] and s["tokens_per_rank"] == 131072 // int(n)
+    assert out["sweep"]["1"]["fits"] is False and out["sweep"]["16"]["fits"] is True  # CP is what makes 128 k fit
+    b = out["gpu"]["max_batch_size"]
+
+    def fits(batch):
+        x = parallel.context_parallel("llama-3.2-1b", cp=8, batch_size=batch, seq_len=131072, gpu="h100")
+        return fitting.device_fit(x["peak"], "h100", largest_tensor=fitting.fragmentation_bytes(
+            "llama-3.2-1b", batch_size=batch, seq_len=16384, precision="bf16-mixed")).fits
+    assert b == 0 and not fits(1) or fits(b) and not fits(b + 1)
+    uly = _json(capsys, "context", "--model", "llama-3.2-1b", "--seq-len", "131072", "--cp", "8", "--method", "ulysses",
+                "--gpu", "h100")
+    assert set(uly["sweep"]) == {"1", "2", "4", "8"} and uly["verdict"] == "exposed"  # 8 kv heads: cp <= 8
+
+
+def test_context_is_the_lever_for_a_sequence_too_long_for_one_gpu(capsys):
+    """A 1B model at 128 k tokens fits no single H100 even with full recompute and the fused loss;
+    splitting the sequence over 8 ranks does, and the suggestion says so with the command to run."""
+    out = _json(capsys, "estimate", "train", "--model", "llama-3.2-1b", "--batch-size", "1", "--seq-len", "131072",
+                "--precision", "bf16-mixed", "--gpu", "h100")
+    assert out["gpu"]["fits"] is False
+    ctx = [s for s in out["suggestions"] if s["argv"][1] == "context"]
+    assert ctx and ctx[0]["fits"], out["suggestions"]
+    again = _json(capsys, *ctx[0]["argv"][1:])
+    assert again["gpu"]["fits"] and again["gpu"]["needed_bytes"] == ctx[0]["needed_bytes"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--seq-len", "1000", "--cp", "8"], "multiple of 16"),
+    (["--seq-len", "4096", "--cp", "3", "--method", "ulysses"], "must divide"),
+    (["--seq-len", "4096", "--cp", "0"], "positive integer"),
+    (["--seq-len", "4096", "--cp", "2", "--method", "zigzag"], "invalid choice"),
+    (["--seq-len", "999999999", "--cp", "2"], "positions"),
+])
+def test_context_bad_input_one_line_exit_2(args, needle):
+    r = run("context", "--model", "llama-3.2-1b", "--gpu", "h100", *args)
+    assert r.returncode == 2, r.stdout[-300:]
+    assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = run("context", "--model", "bert-base", "--gpu", "h100", "--seq-len", "512", "--cp", "2")
+    assert r.returncode == 2 and "causal decoders" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -4,6 +4,7 @@
     vramlab plan ...                   dp x tp x pp (x ZeRO-1) layouts of N GPUs that fit, fastest first (chapter 3)
     vramlab offload ...                save_on_cpu, ZeRO-Offload, FSDP2's CPU offload (chapter 6)
     vramlab checkpoint ...             every recompute plan's peak and cost, the cheapest that fits (chapter 7)
+    vramlab context ...                context parallelism: one rank of ring attention or Ulysses (chapter 3)
     vramlab lora ...                   full fine-tuning, LoRA, LoRA on INT8, QLoRA (chapter 8)
     vramlab presets | gpus
 
@@ -25,6 +26,7 @@ from typing import Callable, Sequence
 
 from .. import activations, checks, fitting, memory, specs
 from .. import checkpointing as CK
+from .. import collectives as COLL
 from .. import compression as COMP
 from .. import offload as OFF
 from .. import parallel as PAR
@@ -170,6 +172,22 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--plan", default=None, metavar="PLAN",
                     help="also show this plan (every-K, first-N, segments-K, ...) and its breakdown")
     ck.add_argument("--json", action="store_true", help="print one JSON object")
+
+    cx = commands["context"] = sub.add_parser("context", help="context parallelism: one rank of ring attention or "
+                                                               "Ulysses at long context, against every CP size")
+    _model_source(cx)
+    cx.add_argument("--seq-len", type=_COUNT, required=True, help="tokens per sequence (the whole sequence, all ranks)")
+    cx.add_argument("--batch-size", type=_COUNT, default=1, help="sequences per step (default 1)")
+    cx.add_argument("--cp", type=_COUNT, required=True, help="ranks the sequence is split over")
+    cx.add_argument("--method", default="ring", choices=PAR.CP_METHODS,
+                    help="ring attention (K/V blocks passed round a ring) or Ulysses (all-to-all over heads); default ring")
+    cx.add_argument("--contiguous", action="store_true",
+                    help="ring: contiguous shards instead of zig-zag chunks (the causal load imbalance)")
+    cx.add_argument("--precision", default="bf16-mixed", choices=P.PRECISIONS, help="default bf16-mixed")
+    cx.add_argument("--optimizer", default="adamw", choices=memory.OPTIMIZERS, help="default adamw")
+    _gpu_arg(cx)
+    cx.add_argument("--link", default="nvlink4", choices=tuple(COLL.LINKS), help="between the CP ranks (default nvlink4)")
+    cx.add_argument("--json", action="store_true", help="print one JSON object")
 
     commands["presets"] = sub.add_parser("presets", help="list the built-in models")
     commands["gpus"] = sub.add_parser("gpus", help="list the GPU catalogue")
@@ -480,8 +498,33 @@ def _answer_plan(ns, search: bool = True) -> tuple[Answer, list]:
     return Answer(bool(ok), top.fit.needed, top.fit.available, None, "", note=note), plans
 
 
+CP_SWEEP = (1, 2, 4, 8, 16, 32, 64)  # the CP sizes the context command sets beside the one asked for
+
+
+def _cp_rank(ns, cp: int, batch_size: int | None = None) -> tuple[dict, fitting.Fit]:
+    """One CP rank (`parallel.context_parallel`) and `fitting.device_fit` of its peak."""
+    b = ns.batch_size if batch_size is None else batch_size
+    r = PAR.context_parallel(_spec(ns), cp=cp, method=ns.method, batch_size=b, seq_len=ns.seq_len,
+                             precision=ns.precision, optimizer=ns.optimizer, zigzag=not ns.contiguous,
+                             link=ns.link, gpu=_gpu(ns))
+    return r, _context_fit(_spec(ns), r, _gpu(ns), batch_size=b, precision=ns.precision)
+
+
+def _context_fit(spec, r: dict, gpu, *, batch_size: int, precision: str) -> fitting.Fit:  # TODO move to parallel
+    largest = fitting.fragmentation_bytes(spec, batch_size=batch_size, seq_len=r["tokens_per_rank"], precision=precision)
+    return fitting.device_fit(r["peak"], gpu, largest_tensor=largest)
+
+
+def _answer_context(ns, search: bool = True) -> tuple[Answer, tuple[dict, fitting.Fit]]:
+    here = _cp_rank(ns, ns.cp)
+    fit = here[1]
+    lo, capped = _largest(lambda b: _cp_rank(ns, ns.cp, b)[1].fits, ns.batch_size, search)
+    return Answer(fit.fits, fit.needed, fit.available, lo, "batch size", capped,
+                  note=f"{ns.method}, {here[0]['tokens_per_rank']:,} tokens a rank"), here
+
+
 ANSWERS: dict[str, Callable] = {"estimate": _answer_estimate, "lora": _answer_lora, "offload": _answer_offload,
-                                "checkpoint": _answer_checkpoint, "plan": _answer_plan}
+                                "checkpoint": _answer_checkpoint, "plan": _answer_plan, "context": _answer_context}
 
 
 def answer(ns, search: bool = True) -> Answer:
@@ -659,6 +702,9 @@ def _levers(ns, here: Answer) -> list[Lever]:
                                   "loss_chunk_tokens": None, "precision": zero_p}
                                  for k in (2, 4, 8, 16, 32, 64, 128, 256)), monotone=True))
         L.append(Lever(_seq_lens(ns.seq_len), monotone=True))
+        if spec.is_causal_lm and spec.family in PAR.DECODER_FAMILIES:  # split the sequence over GPUs
+            L.append(Lever(tuple({"command": "context", "cp": k, "precision": ns.precision or "fp32", **same}
+                                 for k in CP_SWEEP[1:]), monotone=True))
         L.append(Lever(({"command": "lora", "method": "qlora", "recompute": ns.recompute or "none", **same},)))
         L.append(Lever(tuple({"command": "offload", "scheme": s, **same} for s in OFFLOAD_SCHEMES)))
         return L
@@ -679,6 +725,15 @@ def _levers(ns, here: Answer) -> list[Lever]:
         L.append(Lever(tuple({"scheme": s} for s in OFFLOAD_SCHEMES if s != ns.scheme)))
         L.append(Lever(_seq_lens(ns.seq_len), monotone=True))
         L.append(Lever(({"command": "lora", "method": "qlora", "recompute": "full", **same},)))
+        return L
+    if ns.command == "context":
+        L.append(Lever(_doublings(ns.cp, "cp"), monotone=True))
+        L.append(Lever(tuple({"method": m, "contiguous": False} for m in PAR.CP_METHODS if m != ns.method)))
+        if ns.precision == "fp32":
+            L.append(Lever(({"precision": "bf16-mixed"},)))
+        if ns.optimizer in ("adam", "adamw"):
+            L.append(Lever(({"optimizer": "adamw-8bit"},)))
+        L.append(Lever(_seq_lens(ns.seq_len), monotone=True))
         return L
     if ns.command == "checkpoint":
         order = ("bf16-mixed", "bf16-fp32-states", "bf16")
@@ -1008,6 +1063,56 @@ def _checkpoint(ns) -> int:
     return _answer_out(ns, out, here, fits=best is not None)
 
 
+def _context(ns) -> int:
+    spec, g = _spec(ns), _gpu(ns)
+    here, (mine, fit) = _answer_context(ns)
+    rows, sweep = [], {}
+    for n in sorted(set(CP_SWEEP) | {ns.cp}):
+        try:
+            r, f = (mine, fit) if n == ns.cp else _cp_rank(ns, n)
+        except ValueError:  # this size does not split the heads or the sequence: left out of the sweep
+            continue
+        c, a = r["comm_seconds_per_layer"], r["attention_seconds_per_layer"]
+        sweep[n] = {"tokens_per_rank": r["tokens_per_rank"], "peak_bytes": r["peak"], "activations_bytes": r["activations"],
+                    "needed_bytes": f.needed, "fits": f.fits,
+                    "sent_per_layer_bytes": r["sent_per_layer"]["forward"] + r["sent_per_layer"]["backward"],
+                    "comm_seconds_per_layer": c["forward"] + c["backward"],
+                    "attention_seconds_per_layer": a["forward"] + a["backward"], "verdict": r["verdict"]}
+        s = sweep[n]
+        rows.append([Cell(str(n), "strong") if n == ns.cp else str(n), f"{s['tokens_per_rank']:,}",
+                     fmt_bytes(s["activations_bytes"]), fmt_bytes(s["peak_bytes"]), fmt_bytes(s["needed_bytes"]),
+                     Cell("yes", "good") if s["fits"] else Cell("NO", "bad"), fmt_bytes(s["sent_per_layer_bytes"]),
+                     f"{1e3 * s['comm_seconds_per_layer']:.2f} / {1e3 * s['attention_seconds_per_layer']:.2f} ms",
+                     "—" if n == 1 else s["verdict"]])
+    shards = "contiguous shards" if not mine["zigzag"] else "zig-zag chunks"
+    table = Table(["cp", "tokens a rank", "activations", "peak", "needs", "fits", "sent a layer",
+                   "comm / attention a layer", "communication"], rows,
+                  caption=f"{spec.name}, {ns.batch_size} x {ns.seq_len:,} tokens, {ns.precision}, {ns.method}"
+                          + (f" ({shards})" if ns.method == "ring" else "") + f", on {g.name}: one rank at each CP size",
+                  notes=[f"comm / attention: forward + backward seconds a layer, the transfers on {ns.link} (alpha-beta), "
+                         f"attention at 40 % of {g.name}'s peak FLOP/s; hidden: the ring's transfers run under its "
+                         "attention; Ulysses' all-to-alls are exposed by construction"], align="rrrrrcrrl")
+    out = {"model": spec.name, "method": ns.method, "cp": ns.cp, "zigzag": mine["zigzag"], "batch_size": ns.batch_size,
+           "seq_len": ns.seq_len, "precision": ns.precision, "link": ns.link, "tokens_per_rank": mine["tokens_per_rank"],
+           "peak_bytes": mine["peak"], "peak_phase": mine["peak_phase"], "activations_bytes": mine["activations"],
+           "in_flight_bytes": {"forward": mine["in_flight_forward"], "backward": mine["in_flight_backward"]},
+           "sent_per_layer_bytes": mine["sent_per_layer"], "messages_per_layer": mine["messages_per_layer"],
+           "comm_seconds_per_layer": mine["comm_seconds_per_layer"],
+           "attention_seconds_per_layer": mine["attention_seconds_per_layer"],
+           "exposed_seconds_per_layer": mine["exposed_seconds_per_layer"], "verdict": mine["verdict"],
+           "gpu": _fit_json(dataclasses.replace(fit, max_batch_size=here.largest)),
+           "sweep": {str(n): s for n, s in sweep.items()}}
+    if not ns.json:
+        print(table)
+        print()
+        print(f"cp {ns.cp}: the rank's peak {fmt_bytes(mine['peak'])} ({mine['peak_phase']}); in flight inside "
+              f"attention: forward {fmt_bytes(mine['in_flight_forward'])}, backward {fmt_bytes(mine['in_flight_backward'])}")
+        print(fit)
+        print(fit.explain())
+        print(f"largest batch size that fits at cp {ns.cp}: {here.largest:,}" + ("+" if here.capped else ""))
+    return _answer_out(ns, out, here, fits=fit.fits)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `vramlab` with `argv` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
     if argv is not None and (isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence)
@@ -1023,7 +1128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 COMMANDS: dict[str, Callable] = {"estimate": _estimate, "plan": _plan, "lora": _lora, "offload": _offload,
-                                 "checkpoint": _checkpoint}
+                                 "checkpoint": _checkpoint, "context": _context}
 
 
 def _main(args: argparse.Namespace) -> int:
