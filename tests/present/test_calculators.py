@@ -485,3 +485,25 @@ def test_context_calculator_is_context_parallels():
     assert r.numbers["sent"][0] == want["sent_per_layer"]["forward"] + want["sent_per_layer"]["backward"]
     bad = C.get("context").run(model="llama-3.2-1b", method="ulysses", cp=16)
     assert "must divide" in bad.error and "\n" not in bad.error
+
+
+def test_moe_calculator_is_the_moe_estimators():
+    """The chapter-1 mixture-of-experts calculator shows `specs`' exact counts, `moe.kv_cache_bytes`,
+    `memory.estimate_inference` and `fitting.fit` (inference) as they are, for every MoE preset."""
+    from vramlab import fitting, memory, moe, specs
+
+    for name in specs.moe_preset_names():
+        s = specs.preset(name)
+        seq = min(4096, s.max_position_embeddings)
+        r = C.get("moe").run(model=name, batch_size=2, seq_len=seq, dtype="bf16", gpu="h200")
+        assert not r.error, r.error
+        assert r.numbers["params"][0] == s.params and r.numbers["active"][0] == s.active_params
+        assert r.numbers["kv_token"][0] == moe.kv_cache_bytes(s, batch_size=1, seq_len=1)
+        assert r.numbers["peak"][0] == memory.estimate_inference(s, batch_size=2, seq_len=seq, gpu="h200").total
+        assert r.numbers["max_batch"][0] == fitting.fit(s, "h200", batch_size=2, mode="infer", seq_len=seq,
+                                                         dtype="bf16").max_batch_size
+        assert "<svg" in r.svg and "routed experts" in r.svg
+    big = C.get("moe").run(model="deepseek-v3", gpu="h100-80gb")
+    assert "need 16 x h100-80gb" in big.text  # 1,250 GiB of bf16 weights over 78.4 GiB a GPU (usable less context)
+    bad = C.get("moe").run(model="olmoe-1b-7b", seq_len=131072)
+    assert "4,096 positions" in bad.error and "\n" not in bad.error

@@ -229,6 +229,51 @@ TRAINING = Calculator(
             Input(name="loss", label="loss", kind="choice", default="whole", choices=memory.LOSSES)))
 
 
+MOE_SEQ_CHOICES = (1024, 4096, 8192, 16384, 32768, 65536, 131072)
+_ROLE_COLORS = {"embeddings": "#DA8BC3", "attention": "#4C72B0", "norms": "#8C8C8C", "dense_mlp": "#937860",
+                "router": "#8172B3", "routed_experts": "#C44E52", "shared_experts": "#DD8452", "head": "#55A868"}
+
+
+def _moe(*, model: str, batch_size: int, seq_len: int, dtype: str, gpu: str) -> Result:
+    """A mixture of experts served on one GPU: where its parameters sit (`moe.param_breakdown`), what a
+    token uses (`active_params`), the KV cache, and a prefill's peak (`memory.estimate_inference`) and fit."""
+    from .. import moe as MOE
+
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    e = memory._INFER_BYTES[dtype]
+    est = memory.estimate_inference(spec, batch_size=batch_size, seq_len=seq_len, dtype=dtype, gpu=g)
+    verdict = fitting.fit(spec, g, batch_size=batch_size, mode="infer", seq_len=seq_len, dtype=dtype)
+    roles = MOE.param_breakdown(spec)
+    bars = [(f"weights ({dtype}) by role", [(k.replace("_", " "), v * e / GiB, _ROLE_COLORS[k]) for k, v in roles.items() if v]),
+            (f"prefill peak, b={batch_size}", [(c.replace("_", " "), getattr(est, c) / GiB, COLORS[c])
+                                               for c in memory.CATEGORIES])]
+    svg, narrow = _both(stacked_bars, bars, title=f"{spec.name}: {spec.params / 1e9:.1f} B parameters, "
+                                                  f"{spec.active_params / 1e9:.1f} B active a token",
+                        line=(g.usable_bytes / GiB, f"{g.name} usable"))
+    per_token = MOE.kv_cache_bytes(spec, batch_size=1, seq_len=1, dtype="bf16" if dtype != "fp32" else "fp32")
+    weights = spec.params * e
+    gpus = -(-weights // max(1, g.usable_bytes - g.context_bytes))
+    lines = [MOE.describe(spec), "", est.table(title=f"prefill of {batch_size} x {seq_len:,} tokens, {dtype}"), "",
+             str(verdict), verdict.explain(),
+             f"the weights alone ({fmt_bytes(weights)}) need {gpus:,} x {g.name} at the least: chapter 3 splits the "
+             "experts over GPUs" if not verdict.fits else ""]
+    return Result(text="\n".join(lines).rstrip(), svg=svg, svg_narrow=narrow, numbers={
+        "params": (spec.params, f"{spec.params / 1e9:.1f} B"), "active": (spec.active_params, f"{spec.active_params / 1e9:.2f} B"),
+        "kv_token": (per_token, fmt_bytes(per_token)), "peak": (est.total, fmt_bytes(est.total)),
+        "max_batch": (verdict.max_batch_size, str(verdict.max_batch_size))})
+
+
+MOE = Calculator(
+    name="moe", title="Mixture of experts: every expert resident, a few used", compute=_moe,
+    number_labels={"params": "parameters", "active": "active a token", "kv_token": "KV cache a token",
+                   "peak": "prefill peak", "max_batch": "largest batch that fits"},
+    inputs=(Input(name="model", label="model", kind="choice", default="mixtral-8x7b", choices=specs.moe_preset_names()),
+            Input(name="batch_size", label="batch size", kind="int", default=1, min=1, max=256),
+            Input(name="seq_len", label="sequence length", kind="choice", default=4096, choices=MOE_SEQ_CHOICES),
+            Input(name="dtype", label="weights", kind="choice", default="bf16", choices=tuple(memory._INFER_BYTES)),
+            Input(name="gpu", label="GPU", kind="choice", default="h200", choices=GPU_CHOICES)))
+
+
 # ----------------------------------------------------------------------------- chapter 2
 
 def _collectives(*, op: str, ranks: int, size_mib: float, link: str) -> Result:
@@ -897,7 +942,7 @@ COMPRESSION = Calculator(
             Input(name="active", label="active experts a token (MoEfication)", kind="int", default=4, min=1,
                   max=65536)))
 
-CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, COLLECTIVES, PRECISION, PARALLEL, CONTEXT, LAYOUTS, ZERO,
+CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, MOE, COLLECTIVES, PRECISION, PARALLEL, CONTEXT, LAYOUTS, ZERO,
                                                            OFFLOAD, STREAMING, CHECKPOINTING, COMPRESSION)}
 
 
