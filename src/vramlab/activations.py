@@ -22,9 +22,18 @@ from fractions import Fraction
 from typing import Iterable, Literal
 
 from . import checks as _checks
+from . import moe as _moe
 from .checks import MAX_BYTES, MAX_PARAMS
 from .precision import PRECISIONS, PURE_16BIT, Precision, _dtype_bytes, _loss_bytes
-from .specs import ModelSpec, resolve as _resolve
+from .specs import ModelSpec, moe_preset_names as _moe_preset_names, resolve as _resolve
+
+
+def _resolve_any(model) -> ModelSpec:
+    """`resolve`, except that a mixture of experts passes (its MLPs' ledger: `moe.training_layer_saved`)."""
+    if isinstance(model, ModelSpec) and model.is_moe or isinstance(model, str) and model.strip().lower() in _moe_preset_names():
+        return _moe.resolve_moe(model)
+    return _resolve(model)
+
 
 AttentionImpl = Literal["eager", "sdpa"]
 ATTENTIONS: tuple[str, ...] = ("eager", "sdpa")
@@ -472,7 +481,7 @@ def recompute_plan(recompute: "str | Plan | Iterable[int]", model: ModelSpec | s
     segments-K   segments of K consecutive blocks (Megatron-LM's "uniform" method)
 
     or a set of block indices, each checkpointed alone (a `Plan` passes through)."""
-    spec = _resolve(model)
+    spec = _resolve_any(model)
     stacks = _stacks(spec)
     n = stacks[-1][1]
     if isinstance(recompute, Plan):
@@ -627,6 +636,27 @@ class DeviceShare:
 WHOLE_MODEL = DeviceShare()
 
 
+def _moe_twin(spec: ModelSpec) -> ModelSpec:
+    """The Llama block whose attention and norms an MoE layer (Mixtral, Qwen-MoE, OLMoE) has: the same
+    heads, kv heads, head width, RMSNorm and dense MLP width (its MLP part is not read for MoE layers)."""
+    return ModelSpec(name=spec.name, model_type="llama", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                     num_layers=spec.num_layers, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+                     head_dim=spec.head_dim, intermediate_size=spec.intermediate_size,
+                     max_position_embeddings=spec.max_position_embeddings, activation=spec.activation, gated_mlp=True,
+                     tie_word_embeddings=spec.tie_word_embeddings, qkv_bias=spec.qkv_bias, norm="rmsnorm",
+                     norm_bias=False, rotary_fraction=1.0, attention_dropout=spec.attention_dropout)
+
+
+def _qk_norm_bytes(spec: ModelSpec, tokens: int, nb: dict[str, int]) -> int:
+    """Qwen3-MoE's per-head and OLMoE's whole-projection RMSNorm on q and k: each saves its input's fp32
+    copy (the input itself in fp32), the normalised values in the input's dtype for the weight, and one
+    fp32 rsqrt per normalised row (per head, or per token)."""
+    if not spec.qk_norm:
+        return 0
+    rows = (spec.num_heads + spec.num_kv_heads) if spec.qk_norm == "head" else 2
+    return tokens * ((spec.q_dim + spec.kv_dim) * (4 + nb["half"]) + rows * 4)
+
+
 @dataclass(frozen=True)
 class _ShareView:
     """What `activation_bytes` reads of a DeviceShare (its cache key)."""
@@ -640,7 +670,8 @@ class _ShareView:
 
 def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
                      attention: AttentionImpl = "sdpa", recompute: "Recompute | Plan" = "none", device: str = "cuda",
-                     frozen_base: bool = False, share: DeviceShare = WHOLE_MODEL, use_cache: bool = False) -> dict:
+                     frozen_base: bool = False, share: DeviceShare = WHOLE_MODEL, use_cache: bool = False,
+                     capacity_factor: float | None = None) -> dict:
     """Bytes saved for backward at the end of the forward pass, split into 'layers' (all blocks),
     'one_layer' (the largest block), 'outside' (embeddings, head, loss) and 'weight_copies'
     (autocast's half-precision weights). `recompute` is a plan (`recompute_plan`): a checkpointed
@@ -650,8 +681,12 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     `frozen_base`: PEFT with adapters on the attention projections (LoRA's default targets): the
     frozen linears save no input (checked on mT5-base LoRA r=8 q,v on an H100).
     `share`: one device's part (its blocks, first/last stage, tensor and sequence parallelism):
-    everything above is then that device's, per micro-batch."""
-    spec = _resolve(spec)
+    everything above is then that device's, per micro-batch.
+    A mixture of experts (family "moe"): attention and norms as a Llama block's (with Qwen3's and
+    OLMoE's q/k norms), each layer's MLP from `moe.training_layer_saved` (`capacity_factor`: None is
+    dropless routing, a number drop-and-pad buffers); whole model on one device only."""
+    spec = _resolve_any(spec)
+    capacity_factor = _moe.check_trainable(spec, capacity_factor)
     batch_size, seq_len = _checks.whole("batch_size", batch_size), _checks.whole("seq_len", seq_len)
     _checks.one_of("precision", precision, PRECISIONS)
     _checks.one_of("attention implementation", attention, ATTENTIONS)
@@ -660,17 +695,26 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     if not isinstance(share, DeviceShare):
         raise ValueError(f"share must be a vramlab.activations.DeviceShare, got {_checks.show(share)}")
     plan = recompute_plan(recompute, spec)
+    if spec.is_moe and plan.keep == "matmuls":
+        raise ValueError(f"{spec.name}: the {plan.name!r} plan (saving the matmuls' outputs) is not modelled for a "
+                         f"mixture of experts; use none, full, selective, every-K, first-N or segments-K")
+    if spec.is_moe and not share.whole:
+        raise ValueError(f"{spec.name}: mixture-of-experts training is modelled on one device (no parallel layout) only")
     # the answer depends on these of the share only: a planner asks again for layouts that differ
     # elsewhere (ZeRO-1 or not: the optimizer's shards), and gets the same answer at once
     return dict(_activation_bytes(spec, batch_size, seq_len, precision, attention, plan, device, frozen_base,
-                                  use_cache, share.blocks, share.first, share.last, share.tp, share.sp, share.whole))
+                                  use_cache, share.blocks, share.first, share.last, share.tp, share.sp, share.whole,
+                                  capacity_factor))
 
 
 @functools.lru_cache(maxsize=512)
 def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision: str, attention: str, plan: "Plan",
                       device: str, frozen_base: bool, use_cache: bool, blocks, first: bool, last: bool, tp: int,
-                      sp: bool, whole: bool) -> dict:
+                      sp: bool, whole: bool, capacity_factor: float | None = None) -> dict:
     share = _ShareView(blocks, first, last, tp, sp, whole)
+    moe_spec = None
+    if spec.is_moe:  # attention, norms, embeddings and loss as its Llama twin's; the MLPs below
+        moe_spec, spec = spec, _moe_twin(spec)
     nb = _dtype_bytes(precision, device)
     nb["loss"] = _loss_bytes(spec, precision)
     b, s, a = batch_size, seq_len, spec.num_heads
@@ -693,6 +737,17 @@ def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision:
     mine = range(lo_dev, hi_dev)
     # per block, in forward order: all it saves, and what it keeps under the plan
     full = [enc] * n_enc + [dec] * n_dec
+    if moe_spec is not None:
+        if moe_spec.is_mla:  # the twin's two norms, and the latent attention between them
+            norms = [x for x in enc_saved if x.name.startswith(("input_layernorm", "post_attention_layernorm"))]
+            attn = _ledger_bytes(norms, **sizes) + sum(_moe.mla_attention_saved(
+                moe_spec, tokens=tokens, precision=precision, device=device).values())
+        else:
+            attn = _ledger_bytes([x for x in enc_saved if x.part == "attn"], **sizes) + _qk_norm_bytes(moe_spec, tokens, nb)
+        mlps = [sum(_moe.training_layer_saved(moe_spec, layer=i, tokens=tokens, precision=precision, device=device,
+                                              capacity_factor=capacity_factor).values()) for i in range(n_enc)]
+        full = [attn + m for m in mlps]
+        mlp_part = max(mlps)
     one = max((full[i] for i in mine), default=0)
     scores_of = [_ledger_bytes([x for x in blk if x.per_score], **sizes) for blk in (enc_saved, block)]
     per_score = [scores_of[0]] * n_enc + [scores_of[1]] * n_dec
@@ -723,7 +778,11 @@ def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision:
     n_mine = len(mine)
     plain = n_mine - len(plan.checkpointed() & set(mine))  # blocks run once: autocast keeps their weights' casts
     if precision in ("bf16-mixed", "fp16-mixed") and n_mine:
-        if share.whole:
+        if moe_spec is not None:  # transformers' grouped_mm experts run in the weights' fp32: no cast of theirs
+            routed = _moe.param_breakdown(moe_spec)["routed_experts"] if capacity_factor is None else 0
+            lm = moe_spec.vocab_size * moe_spec.hidden_size  # the head runs once (never checkpointed): its cast stays
+            copies = 2 * (_linear_weight_params(moe_spec) - routed - lm) * plain // n_mine + 2 * lm
+        elif share.whole:
             copies = 2 * _linear_weight_params(spec) * plain // n_mine
         else:  # this device's blocks' matrices (and the head on the last stage), split by t
             lm = spec.vocab_size * (spec.word_embed_proj_dim or spec.hidden_size)
@@ -757,6 +816,9 @@ def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision:
     attn_grads = 2 * scores * nb["f32"] if math_path else 3 * tokens * spec.q_dim * nb["half"]
     if t5_fused:  # the fused kernel's gradient of the (broadcast) bias, (b, a, s, s), before autograd sums it
         attn_grads += scores * nb["half"]
+    if moe_spec is not None:
+        mlp_grads = max(_moe.training_block_bytes(moe_spec, layer=i, tokens=tokens, precision=precision, device=device,
+                                                  capacity_factor=capacity_factor) for i in range(n_enc))
     transient = max(-(-mlp_grads // t), -(-attn_grads // t) - mlp_part, 0)
     outside_last = _ledger_bytes([x for x in outside_saved if x.stage != "first"], **sizes) if share.last else 0
     return {"layers": layers, "one_layer": one, "outside": outside, "outside_last": outside_last, "weight_copies": copies,

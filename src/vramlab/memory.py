@@ -168,8 +168,9 @@ def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: 
 def model_states(model: ModelSpec | str, *, precision: Precision = "fp32", optimizer: Optimizer = "adamw",
                  trainable_params: int | None = None) -> MemoryBreakdown:
     """Parameters, gradients and optimizer states: what the ZeRO paper calls model states
-    (Rajbhandari+19: 16 bytes/param for mixed-precision Adam, 2 + 2 + 12)."""
-    spec = _resolve(model)
+    (Rajbhandari+19: 16 bytes/param for mixed-precision Adam, 2 + 2 + 12). A mixture of experts
+    counts every expert."""
+    spec = _inference_spec(model)
     _check_choice(precision, PRECISIONS, "precision")
     _check_choice(optimizer, OPTIMIZERS, "optimizer")
     n_all = spec.params
@@ -241,7 +242,7 @@ def loss_chunk_size(model: ModelSpec | str, *, tokens: int, loss: Loss = "whole"
     whole loss; `loss_chunk_tokens` (at most `tokens`) for the chunked and fused ones, or by default
     torchtune's (the tokens in 8 chunks) and Liger-Kernel's (logits no larger than the head's input:
     the next power of two above tokens / ceil(V / h), `fused_linear_cross_entropy_forward`)."""
-    spec = _resolve(model)
+    spec = _inference_spec(model)
     tokens = _checks.whole("tokens", tokens)
     _check_choice(loss, LOSSES, "loss")
     if loss_chunk_tokens is not None:
@@ -263,13 +264,14 @@ def estimate_training(model: ModelSpec | str, *, batch_size: int, seq_len: int, 
                       device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None,
                       gpu: GPUSpec | str | None = None, use_cache: bool = False,
                       accumulation_steps: int = 1, loss: Loss = "whole",
-                      loss_chunk_tokens: int | None = None) -> MemoryBreakdown:
+                      loss_chunk_tokens: int | None = None, capacity_factor: float | None = None) -> MemoryBreakdown:
     """Peak memory of one steady-state training step: the largest of `training_phases(...)`, whose
     docstring describes the arguments."""
     phases = training_phases(model, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
                              optimizer_impl=optimizer_impl, attention=attention, recompute=recompute, device=device,
                              trainable_params=trainable_params, gpu=gpu, use_cache=use_cache,
-                             accumulation_steps=accumulation_steps, loss=loss, loss_chunk_tokens=loss_chunk_tokens)
+                             accumulation_steps=accumulation_steps, loss=loss, loss_chunk_tokens=loss_chunk_tokens,
+                             capacity_factor=capacity_factor)
     return max(phases, key=lambda m: m.total)
 
 
@@ -279,7 +281,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
                     device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None,
                     gpu: GPUSpec | str | None = None, share: DeviceShare = WHOLE_MODEL,
                     use_cache: bool = False, accumulation_steps: int = 1, loss: Loss = "whole",
-                    loss_chunk_tokens: int | None = None) -> list[MemoryBreakdown]:
+                    loss_chunk_tokens: int | None = None, capacity_factor: float | None = None) -> list[MemoryBreakdown]:
     """Memory, in bytes, at each candidate peak of one steady-state training step, in step order
     (`.phase` names each); `estimate_training` returns the largest.
 
@@ -317,6 +319,12 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
                 (GPT-2: q's view keeps it); separate projections are unchanged (measured in trace
                 mode and on an H100: tests/test_validation.py). The default, off, is what training
                 scripts that set use_cache=False and every vramlab measurement run.
+    capacity_factor  a mixture of experts (Mixtral, Qwen2-/Qwen3-MoE, OLMoE) only: None is dropless
+                routing as transformers runs it (every token copied top-k times, `moe.training_layer_saved`);
+                a number is GShard/Switch drop-and-pad routing (DeepSpeed's sharded_moe.py, Megatron-Core's
+                drop-and-pad mode): each expert a buffer of `moe.expert_capacity` rows. All experts' weights,
+                gradients and optimizer states count (spec.params). One device only; recompute plans
+                other than the matmul-saving ones. Checked against traces (tests/test_moe_training.py).
 
     The step's phases are forward end, backward start (the logits' gradient), the LM head's
     backward, a recomputed block's backward, and optimizer.step(); the peak is their maximum.
@@ -335,7 +343,8 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     against one GPU (an H100); other GPUs pick other kernels in places. PEFT (`trainable_params`)
     assumes adapters on the attention projections and leaves the adapters' own bytes out.
     """
-    spec = _resolve(model)
+    spec = _inference_spec(model)  # a mixture of experts passes (its MLPs: `moe.training_layer_saved`)
+    capacity_factor = _moe.check_trainable(spec, capacity_factor)
     batch_size, seq_len = _check_positive(batch_size=batch_size, seq_len=seq_len)
     _check_positions(spec, seq_len)
     _check_choice(precision, PRECISIONS, "precision")
@@ -386,7 +395,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     inputs = (ids if first else 0) + (b * s * 8 if last and not first else 0)  # a last stage gets the labels
     act = activation_bytes(spec, batch_size=b, seq_len=s, precision=precision, attention=attention,
                            recompute=plan, device=device, frozen_base=n_train < n_all, share=share,
-                           use_cache=bool(use_cache))
+                           use_cache=bool(use_cache), capacity_factor=capacity_factor)
     A = act["layers"] + act["outside"] + act["weight_copies"]
     nb = _dtype_bytes(precision, device)
     # a non-last pipeline stage keeps the output it sent until that micro-batch's backward
@@ -604,7 +613,7 @@ def _block_transient(spec: ModelSpec, *, tokens: int, batch_size: int, seq_len: 
 
 
 def _inference_spec(model: ModelSpec | str) -> ModelSpec:
-    """`resolve`, except that a mixture of experts passes: inference is modelled for it, training not yet."""
+    """`resolve`, except that a mixture of experts passes (inference and one-device training are modelled)."""
     if isinstance(model, str) and model in _moe_preset_names():
         return _preset(model)
     if isinstance(model, ModelSpec) and model.is_moe:

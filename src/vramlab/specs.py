@@ -5,9 +5,10 @@ A `ModelSpec` names every weight tensor a transformers model of a supported fami
 Families: GPT-2, GPT-NeoX, OPT, Llama / Mistral / Qwen2 (grouped-query attention, gated MLP),
 BERT (masked-LM head) and T5 / mT5 (encoder-decoder); mixture-of-experts decoders (Mixtral, Qwen2-
 and Qwen3-MoE, OLMoE, DeepSeek-V2/V3 with multi-head latent attention) as the family "moe", whose
-`active_params` counts what one token's forward uses (issue 33). The calculators do not model MoE
-training memory yet: `resolve` refuses an MoE spec, and `preset_names` lists the dense presets only
-(`moe_preset_names` the others); `vramlab.moe` prices an MoE model's parameters and KV cache.
+`active_params` counts what one token's forward uses (issue 33). `resolve` refuses an MoE spec (the
+parallel, ZeRO and fitting calculators do not model one yet), and `preset_names` lists the dense
+presets only (`moe_preset_names` the others); `vramlab.moe` prices an MoE model's parameters, KV
+cache and saved tensors, and `memory.estimate_training` its one-device training step.
 
 Build one with `from_config` (a transformers config object, a config dict, or a `config.json` path)
 or `preset("gpt2")`. What-if questions: `dataclasses.replace(spec, num_layers=48)`.
@@ -57,7 +58,8 @@ MOE_MODEL_TYPES = tuple(t for t, f in MODEL_TYPES.items() if f == "moe")
 # every layer of these is a mixture of experts whose expert width is the config's intermediate_size
 _ALL_MOE_TYPES = ("mixtral", "olmoe")
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3")
-MOE_NOT_MODELLED = "mixture-of-experts training memory is not modelled yet (issue 33)"
+MOE_NOT_MODELLED = ("a mixture of experts is not modelled yet by this calculator (issue 33; one-device training is: "
+                    "vramlab.memory.estimate_training)")
 
 
 class SpecError(ValueError):
@@ -1068,7 +1070,8 @@ def preset_names() -> tuple[str, ...]:
 @cache
 def moe_preset_names() -> tuple[str, ...]:
     """The mixture-of-experts presets (Mixtral, Qwen-MoE, OLMoE, DeepSeek): `preset` builds them and
-    `vramlab.moe` prices them; `resolve`, and so every training calculator, refuses them (issue 33)."""
+    `vramlab.moe` prices them; `resolve`, and so the calculators built on it (parallel layouts, ZeRO,
+    fitting), refuses them; `memory.estimate_training` takes them (issue 33)."""
     return tuple(sorted(n for n, t in _preset_types().items() if MODEL_TYPES.get(t) == "moe"))
 
 

@@ -503,7 +503,7 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
                      device: str | None = None, model_hook: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
                      warmup_steps: int | None = None, timing_steps: int | None = None,
                      accumulation_steps: int = 1, loss: Loss = "whole",
-                     loss_chunk_tokens: int | None = None) -> Measurement:
+                     loss_chunk_tokens: int | None = None, capacity_factor: float | None = None) -> Measurement:
     """Peak of one steady-state training step of `spec`: optimizer states already exist; forward,
     backward, optimizer.step(), zero_grad(set_to_none=True). Same arguments as
     `vramlab.estimate_training`, plus `mode` (auto = cuda if available, else trace).
@@ -519,7 +519,15 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     loss: "whole" is the model's own (`model(**batch).loss`); "chunked" and "fused" run the base
     model to its final hidden states and then `chunked_cross_entropy` (torchtune's way) or
     `fused_cross_entropy` (Liger's algorithm in plain torch), in chunks of `loss_chunk_tokens`
-    tokens (None: each method's own default, `vramlab.memory.loss_chunk_size`). Causal LMs only."""
+    tokens (None: each method's own default, `vramlab.memory.loss_chunk_size`). Causal LMs only.
+
+    capacity_factor: a mixture of experts with drop-and-pad routing (`vramlab.measure.moe.use_capacity`);
+    None runs transformers' dropless experts (in trace mode through transformers' fallback op where
+    the weights are not bf16: `vramlab.measure.moe.grouped_mm_fallback_unless_bf16`)."""
+    from ..moe import check_trainable
+    from .moe import grouped_mm_fallback_unless_bf16, use_capacity
+
+    capacity_factor = check_trainable(spec, capacity_factor)
     _check_positive(batch_size=batch_size, seq_len=seq_len)
     k = _check_positive(accumulation_steps=accumulation_steps)[0]
     chunk = loss_chunk_size(spec, tokens=batch_size * seq_len, loss=loss, loss_chunk_tokens=loss_chunk_tokens)
@@ -534,7 +542,11 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
                                   "or 'cuda'")
     dev = device or ("cuda" if mode_ == "cuda" else "cpu")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    with _fake_mode(mode_ == "trace"):
+    fallback = grouped_mm_fallback_unless_bf16() if spec.is_moe and mode_ == "trace" else contextlib.nullcontext()
+    if capacity_factor is not None:
+        hook = model_hook
+        model_hook = lambda m: use_capacity(hook(m) if hook else m, capacity_factor)  # noqa: E731
+    with _fake_mode(mode_ == "trace"), fallback:
         model = training_model(spec, attention=attention, dtype=dtype, device=dev, recompute=recompute,
                                model_hook=model_hook)
         params = [p for p in model.parameters() if p.requires_grad]
