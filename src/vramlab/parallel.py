@@ -939,6 +939,7 @@ __all__ = ["Layout", "SCHEDULES", "korthikanti_layer_activations", "bubble_fract
 #   attention runs on whole sequences, and a fourth all-to-all brings the output back; cp must divide
 #   the heads and the key/value heads (GQA).
 CP_METHODS: tuple[str, ...] = ("ring", "ulysses")
+CP_RECOMPUTE: tuple[str, ...] = ("none", "full")  # the recompute plans priced with context parallelism
 MAX_CP = 1 << 12
 
 
@@ -973,15 +974,18 @@ def _ring_step_flops(b: int, n: int, qd: int, cp: int, zigzag: bool) -> list[Fra
 def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", batch_size: int, seq_len: int,
                      precision: str = "bf16-mixed", device: str = "cuda", zigzag: bool = True,
                      link: str | _coll.Link = "nvlink4", gpu="h100", mfu: float = 0.4,
-                     optimizer: str = "adamw", optimizer_impl: str = "foreach") -> dict[str, Any]:
+                     optimizer: str = "adamw", optimizer_impl: str = "foreach", recompute: str = "none",
+                     loss: str = "whole", loss_chunk_tokens: int | None = None) -> dict[str, Any]:
     """One CP rank of `cp` training on `batch_size` sequences of `seq_len` tokens (`method` "ring" or
     "ulysses"; `zigzag` for the ring's load balance; Ulysses uses contiguous shards).
 
     Memory (bytes):
     - saved_per_layer / activations: what one block / the whole model saves for backward on the rank,
-      the ledger (`activations.activation_bytes`) at its s/cp tokens -- ring attention saves what a
-      flash kernel saves; Ulysses also keeps the all-to-all's output that feeds the attention's output
-      projection (the projection saves its input; the kernel saves its own, head-sharded, output);
+      the ledger (`activations.activation_bytes`, under `recompute`) at its s/cp tokens -- ring attention
+      saves what a flash kernel saves; Ulysses also keeps the all-to-all's output that feeds the attention's
+      output projection (the projection saves its input; the kernel saves its own, head-sharded, output);
+      `activations` counts the tensors outside the blocks as the whole loss saves them; `blocks_saved` is
+      the blocks' alone (what CP divides, whatever the loss);
     - in_flight_forward / in_flight_backward: what CP holds on top during one block's attention, on
       the busiest rank. Ring: forward, the current and the next K/V blocks (receive buffers, 2 x 2 b
       (s/cp) kv_dim) and the partial outputs being merged (four b (s/cp) q_dim tensors, three
@@ -996,6 +1000,13 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
       extra saved outputs where the blocks' activations are alive, and two moments inside the last
       block's attention: the states, the earlier blocks' saved tensors and the last block's up to
       its attention core, plus the in-flight bytes (and, backward, the gradient entering the block).
+      `recompute` "full" (activation checkpointing of every block, as long-context recipes run CP):
+      each block keeps its input; the two moments are then inside the last block's recomputation
+      (its forward re-run with the gradient entering it alive, then its backward), and the re-run
+      forward sends its K/V round the ring (or through Ulysses' all-to-alls) again: `sent_per_layer`
+      and `comm_seconds_per_layer` name it "recompute". `loss` / `loss_chunk_tokens`: the loss's
+      implementation over the rank's tokens (`memory.training_phases`: whole, torchtune's chunked,
+      Liger's fused), which sets the peak at the logits' gradient that long context meets first.
 
     Communication per layer and rank (bytes sent): ring forward (cp-1) K/V blocks; backward (cp-1)
     K/V blocks and cp dK/dV blocks (the accumulators' way home included). Ulysses: four all-to-alls
@@ -1016,6 +1027,10 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     _checks.one_of("optimizer", optimizer, _mem.OPTIMIZERS)
     _checks.one_of("optimizer_impl", optimizer_impl, _mem.OPTIMIZER_IMPLS)
     zigzag = _checks.flag("zigzag", zigzag)
+    if not isinstance(recompute, str) or recompute not in CP_RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(CP_RECOMPUTE)} with context parallelism (every block "
+                         f"checkpointed or none), got {_checks.show(recompute)}")
+    _checks.one_of("loss", loss, _mem.LOSSES)
     mfu = _checks.number("mfu", mfu, lo=0, lo_open=True, hi=1, what="a fraction of the peak FLOP/s in (0, 1]")
     lk = _coll.LINKS[_checks.one_of("link", link, _coll.LINKS)] if not isinstance(link, _coll.Link) else link
     g = _mem._gpu(gpu)
@@ -1040,7 +1055,8 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     xh, qd = nb["half"], spec.q_dim
     kvd = spec.kv_dim if device == "cpu" or precision != "fp32" or kv == 1 else qd  # as `layer_saved` keeps k, v
     L = spec.num_layers
-    act = _act.activation_bytes(spec, batch_size=b, seq_len=n, precision=precision, attention="sdpa", device=device)
+    act = _act.activation_bytes(spec, batch_size=b, seq_len=n, precision=precision, attention="sdpa", device=device,
+                                recompute=recompute)
     q_b, kv_b = b * n * qd * xh, b * n * kvd * xh  # one rank's q (or output) and k (or v)
     extra_saved = q_b if method == "ulysses" and cp > 1 else 0  # the all-to-all's output, o_proj's input
     saved_layer = act["one_layer"] + extra_saved
@@ -1085,6 +1101,7 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     compute_b = 2 * compute_f
     if cp == 1:
         exposed_f = exposed_b = comm_f = comm_b = 0.0
+    again = recompute == "full"  # the re-run forward of each block passes K/V (or its all-to-alls) once more
     # the rank's whole step: one device's phases at s/cp tokens (gradients kept between steps, all-reduced
     # in place), Ulysses' extra saved outputs wherever the blocks' activations are alive, and two moments
     # CP adds inside the last block's attention, where the most is alive: the states, every earlier block's
@@ -1093,8 +1110,8 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     # in-flight bytes (and in the backward the gradient flowing into the block)
     phases = _mem.training_phases(spec, batch_size=b, seq_len=n, precision=precision, optimizer=optimizer,
                                   optimizer_impl=optimizer_impl, attention="sdpa", device=device,
-                                  gpu=g if device == "cuda" else None,
-                                  share=_act.DeviceShare(keep_gradients=True))
+                                  gpu=g if device == "cuda" else None, recompute=recompute, loss=loss,
+                                  loss_chunk_tokens=loss_chunk_tokens, share=_act.DeviceShare(keep_gradients=True))
     block = _act.layer_saved(spec, attention="sdpa", device=device, precision=precision, batch_size=b)
     core = max(i for i, z in enumerate(block) if z.name == "logsumexp")  # a flash kernel's last saved tensor
     after_core = _act._ledger_bytes(block[core + 1:], tokens=b * n, scores=b * a * n * n,
@@ -1102,26 +1119,46 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     totals = []
     for ph in phases:
         t = ph.total
-        if "embedding" in ph.phase or ph.phase.startswith("optimizer"):  # every block's activations are gone
-            pass
+        if "embedding" in ph.phase or ph.phase.startswith("optimizer") or again:
+            pass  # every block's activations are gone (under recompute a block keeps its input, not the output)
         else:
             t += L * extra_saved
+        if again and ph.phase.startswith("backward of a recomputed block"):
+            t += extra_saved  # the recomputed block's own all-to-all output, kept for its o_proj's backward
         totals.append((t, ph.phase))
-        if cp > 1 and ph.phase.startswith("forward end"):
-            base = ph.total - ph.temporaries - ph.kv_cache - (ph.activations - act["layers"]) - after_core
+        if cp > 1 and not again and ph.phase.startswith("backward of the last block"):
+            # the blocks run before the loss: the moments are those of the whole loss's forward end, less
+            # everything outside the blocks
+            end = next(x for x in (phases if loss == "whole" else _mem.training_phases(
+                spec, batch_size=b, seq_len=n, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
+                attention="sdpa", device=device, gpu=g if device == "cuda" else None,
+                share=_act.DeviceShare(keep_gradients=True))) if x.phase.startswith("forward end"))
+            base = end.total - end.temporaries - end.kv_cache - (end.activations - act["layers"]) - after_core
             totals.append((base + (L - 1) * extra_saved + fwd_flight, "attention forward of the last block"))
             totals.append((base + L * extra_saved + act["block_grad_in"] + bwd_flight,
                            "attention backward of the last block"))
+        if cp > 1 and again and ph.phase.startswith("backward of a recomputed block"):
+            # the last block re-run: the states, every block's input, the gradient entering the block and its
+            # saved tensors up to the attention core (what it saves after the core is not made yet in the re-run
+            # forward, and freed again by its backward before attention's), plus what CP holds in flight
+            base = ph.total - ph.temporaries - ph.kv_cache - after_core
+            totals.append((base + fwd_flight, "attention forward of the recomputed last block"))
+            totals.append((base + extra_saved + bwd_flight, "attention backward of the recomputed last block"))
     peak, peak_phase = max(totals)
     return {"model": spec.name, "cp": cp, "method": method, "zigzag": zigzag, "tokens_per_rank": n,
             "saved_per_layer": saved_layer, "activations": activations, "in_flight_forward": fwd_flight,
+            "blocks_saved": act["layers"] + (0 if again else L * extra_saved),
             "in_flight_backward": bwd_flight, "activation_peak": activations + max(fwd_flight, bwd_flight),
             "peak": peak, "peak_phase": peak_phase, "moments": {phase: t for t, phase in totals},
-            "sent_per_layer": {"forward": sent_f, "backward": sent_b},
-            "messages_per_layer": {"forward": messages_f, "backward": messages_b},
-            "comm_seconds_per_layer": {"forward": comm_f, "backward": comm_b},
-            "attention_seconds_per_layer": {"forward": compute_f, "backward": compute_b},
-            "exposed_seconds_per_layer": {"forward": exposed_f, "backward": exposed_b},
+            "recompute": recompute, "loss": loss,
+            "sent_per_layer": {"forward": sent_f, "backward": sent_b, "recompute": sent_f if again else 0},
+            "messages_per_layer": {"forward": messages_f, "backward": messages_b,
+                                   "recompute": messages_f if again else 0},
+            "comm_seconds_per_layer": {"forward": comm_f, "backward": comm_b, "recompute": comm_f if again else 0.0},
+            "attention_seconds_per_layer": {"forward": compute_f, "backward": compute_b,
+                                            "recompute": compute_f if again else 0.0},
+            "exposed_seconds_per_layer": {"forward": exposed_f, "backward": exposed_b,
+                                          "recompute": exposed_f if again else 0.0},
             "verdict": "hidden" if exposed_f + exposed_b == 0 else "exposed", "link": lk.name, "gpu": g.name}
 
 
@@ -1377,3 +1414,13 @@ def expert_parallel(model: "ModelSpec | str", *, ep: int, dp: int, batch_size: i
 
 
 __all__ += ["expert_parallel", "MAX_EP"]
+def context_fit(model: ModelSpec | str, gpu, *, cp: int, batch_size: int, seq_len: int,
+                expandable_segments: bool = False, **kw) -> "tuple[dict[str, Any], _fitting.Fit]":
+    """One CP rank (`context_parallel(model, cp=cp, ...)`, `kw` its options) and `fitting.device_fit` of its
+    peak: the one definition of "fits" at s/cp tokens a rank (the allocator's block for the rank's largest
+    tensor under the same precision, recompute and loss), as the context calculator and CLI use it."""
+    r = context_parallel(model, cp=cp, batch_size=batch_size, seq_len=seq_len, gpu=gpu, **kw)
+    frag_kw = {k: kw[k] for k in ("precision", "recompute", "loss", "loss_chunk_tokens") if k in kw}
+    largest = _fitting.fragmentation_bytes(model, batch_size=batch_size, seq_len=r["tokens_per_rank"],
+                                           **{"precision": "bf16-mixed", **frag_kw})
+    return r, _fitting.device_fit(r["peak"], gpu, largest_tensor=largest, expandable_segments=expandable_segments)

@@ -442,3 +442,22 @@ def test_context_bad_input_one_line_exit_2(args, needle):
     assert len(r.stderr.strip().splitlines()) == 1
     r = run("context", "--model", "bert-base", "--gpu", "h100", "--seq-len", "512", "--cp", "2")
     assert r.returncode == 2 and "causal decoders" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_context_with_recompute_and_the_fused_loss(capsys):
+    """--recompute full and --loss fused are `context_parallel`'s; at 128 k tokens they are the first levers
+    (the logits' gradient and the blocks' saved tensors before more ranks)."""
+    from vramlab import parallel
+
+    out = _json(capsys, "context", "--model", "llama-3.2-1b", "--seq-len", "131072", "--cp", "2", "--recompute", "full",
+                "--loss", "fused", "--gpu", "h100")
+    r, fit = parallel.context_fit("llama-3.2-1b", "h100", cp=2, batch_size=1, seq_len=131072, recompute="full",
+                                  loss="fused", precision="bf16-mixed")
+    assert out["peak_bytes"] == r["peak"] and out["gpu"]["fits"] is fit.fits is True
+    assert out["sent_per_layer_bytes"]["recompute"] == out["sent_per_layer_bytes"]["forward"] > 0
+    plain = _json(capsys, "context", "--model", "llama-3.2-1b", "--seq-len", "131072", "--cp", "2", "--gpu", "h100")
+    tries = [s["try"] for s in plain["suggestions"]]
+    assert any("--loss" in t for t in tries) or any("--recompute full" in t for t in tries), tries
+    bad = run("context", "--model", "llama-3.2-1b", "--seq-len", "4096", "--cp", "2", "--recompute", "selective",
+              "--gpu", "h100")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -71,6 +71,7 @@ from typing import Any
 
 from .. import checks
 from .. import parallel as P
+from ..memory import LOSSES, loss_chunk_size
 from ..specs import ModelSpec, from_config
 
 # The lab's model: Llama's architecture (nn.Linear everywhere, so DTensor's plans apply), small
@@ -1544,11 +1545,19 @@ class _CPState:
 
     def __init__(self, method: str, rank: int, cp: int, zigzag: bool):
         self.method, self.rank, self.cp, self.zigzag = method, rank, cp, zigzag
-        self.sent = {"forward": 0, "backward": 0}
-        self.messages = {"forward": 0, "backward": 0}
+        self.sent = {"forward": 0, "backward": 0, "recompute": 0}
+        self.messages = {"forward": 0, "backward": 0, "recompute": 0}
 
 
 _CP: _CPState | None = None
+
+
+def _forward_kind() -> str:
+    """'recompute' for a forward that runs inside the backward (activation checkpointing re-runs the block),
+    else 'forward'."""
+    import torch
+
+    return "recompute" if torch._C._current_graph_task_id() != -1 else "forward"
 
 
 @contextlib.contextmanager
@@ -1626,7 +1635,7 @@ def _ring_function():
                 src = (st.rank - i) % st.cp
                 nxt = None
                 if i < st.cp - 1:  # the next block is received while this one is attended to
-                    nxt, reqs = _rotate(cur, st, "forward")
+                    nxt, reqs = _rotate(cur, st, _forward_kind())
                 blk = _ring_block(st.rank, src, n, st.zigzag)
                 if blk is not None:
                     rows, cols, causal = blk
@@ -1725,7 +1734,7 @@ def _ulysses_function():
         @staticmethod
         def forward(ctx, x, to_heads):
             ctx.to_heads = to_heads
-            return _a2a(x, to_heads, "forward")
+            return _a2a(x, to_heads, _forward_kind())
 
         @staticmethod
         def backward(ctx, g):
@@ -1785,6 +1794,34 @@ def _cp_loss(logits, labels, count: int):
                            reduction="sum") / count
 
 
+def _cp_step_loss(model, mine, pos, labels, count: int, loss: str, chunk: int):
+    """The rank's share of the mean loss, by the loss's implementation: the whole one (the LM head's logits,
+    then cross-entropy), torchtune's chunked loss (the head on each chunk of `chunk` tokens, each chunk's
+    logits upcast and reduced) or Liger's fused linear cross-entropy (`measure.memory`), on the rank's tokens
+    with the targets already shifted over the whole sequence."""
+    import torch.nn.functional as F
+
+    from .memory import FusedLinearCrossEntropy
+
+    if loss == "whole":
+        logits = model(input_ids=mine, position_ids=pos[None]).logits
+        out = _cp_loss(logits, labels, count)
+        del logits
+        return out
+    hidden = model.model(input_ids=mine, position_ids=pos[None])[0]
+    flat, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    head = model.get_output_embeddings()
+    if loss == "chunked":
+        logits = [F.linear(x, head.weight) for x in flat.split(chunk)]
+        total = 0.0
+        for z, y in zip(logits, targets.split(chunk)):
+            total = total + F.cross_entropy(z.float(), y, ignore_index=-100, reduction="sum")
+        del logits
+        return total / count
+    mean = FusedLinearCrossEntropy.apply(flat, head.weight, targets, chunk)  # over the rank's valid targets
+    return mean * (int((targets != -100).sum()) / count)
+
+
 def _run_cp(rank: int, world: int, args, dev) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -1804,8 +1841,16 @@ def _run_cp(rank: int, world: int, args, dev) -> dict[str, Any]:
     count = int((labels_all != -100).sum())
     mine = batch[:, pos]
     # 1. outputs and gradients against one process on the whole sequence
+    recompute = getattr(args, "recompute", "none") == "full"
+
+    def checkpointed(m):  # every block re-run in its backward (torch.utils.checkpoint, non-reentrant)
+        if recompute:
+            m.train()
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return m
+
     ref = _build(spec, dev)
-    model = _build(spec, dev)
+    model = checkpointed(_build(spec, dev))
     model.config._attn_implementation = CP_ATTENTION
     logits_ref = ref(batch).logits
     _cp_loss(logits_ref, labels_all, count).backward()
@@ -1822,8 +1867,10 @@ def _run_cp(rank: int, world: int, args, dev) -> dict[str, Any]:
     del ref, model, logits, logits_ref, want, g, p, q  # (p, q: the last parameters of both models)
     gc.collect()
     # 2. a steady-state step: forward and backward on the rank's tokens, gradients all-reduced over the group
-    model = _build(spec, dev)
+    model = checkpointed(_build(spec, dev))
     model.config._attn_implementation = CP_ATTENTION
+    loss_kind = getattr(args, "loss", "whole")
+    chunk = loss_chunk_size(spec, tokens=b * len(pos), loss=loss_kind, loss_chunk_tokens=getattr(args, "loss_chunk", None))
     params = list(model.parameters())
     opt = _optimizer(params, args.foreach)
     _steady(opt, params)
@@ -1831,10 +1878,7 @@ def _run_cp(rank: int, world: int, args, dev) -> dict[str, Any]:
     def step(tr=None):
         phase = tr.set_phase if tr else (lambda name: None)
         phase("forward")
-        logits = model(input_ids=mine, position_ids=pos[None]).logits
-        phase("loss")
-        loss = _cp_loss(logits, labels_all[:, pos], count)
-        del logits
+        loss = _cp_step_loss(model, mine, pos, labels_all[:, pos], count, loss_kind, chunk)
         if tr:
             tr.mark("forward end")
         phase("backward")
@@ -1848,8 +1892,8 @@ def _run_cp(rank: int, world: int, args, dev) -> dict[str, Any]:
 
     step()
     step()
-    _CP.sent = {"forward": 0, "backward": 0}
-    _CP.messages = {"forward": 0, "backward": 0}
+    _CP.sent = {"forward": 0, "backward": 0, "recompute": 0}
+    _CP.messages = {"forward": 0, "backward": 0, "recompute": 0}
     memory = _ledger_step(step, [model], opt, [batch, pos, labels_all])
     sent = {k: v // spec.num_layers for k, v in _CP.sent.items()}
     messages = {k: v // spec.num_layers for k, v in _CP.messages.items()}
@@ -1859,17 +1903,22 @@ def _run_cp(rank: int, world: int, args, dev) -> dict[str, Any]:
 
 
 def cp_prediction(spec: ModelSpec, *, cp: int, method: str, batch_size: int, seq_len: int, zigzag: bool = True,
-                  foreach: bool = True) -> dict[str, Any]:
+                  foreach: bool = True, recompute: str = "none", loss: str = "whole",
+                  loss_chunk: int | None = None) -> dict[str, Any]:
     """What `vramlab.parallel` predicts for one rank of a CP run (fp32 on the CPU, AdamW)."""
     return P.context_parallel(spec, cp=cp, method=method, batch_size=batch_size, seq_len=seq_len, precision="fp32",
-                              device="cpu", zigzag=zigzag, optimizer_impl="foreach" if foreach else "for-loop")
+                              device="cpu", zigzag=zigzag, optimizer_impl="foreach" if foreach else "for-loop",
+                              recompute=recompute, loss=loss, loss_chunk_tokens=loss_chunk)
 
 
 def cp_rows(result: dict) -> list[dict[str, Any]]:
     """One row per rank: measured peak against the prediction, bytes sent per layer against it."""
     spec = cp_model_spec(result["model_name"])
+    recompute = result.get("recompute", "none")  # (runs stored before recompute and the loss were options)
     pred = cp_prediction(spec, cp=result["ranks"], method=result["method"], batch_size=result["micro_batch_size"],
-                         seq_len=result["seq_len"], zigzag=result["zigzag"], foreach=result["foreach"])
+                         seq_len=result["seq_len"], zigzag=result["zigzag"], foreach=result["foreach"],
+                         recompute=recompute, loss=result.get("loss", "whole"), loss_chunk=result.get("loss_chunk"))
+    block = "the recomputed last block" if recompute == "full" else "the last block"
     # the calculator's in-flight moments are the busiest rank's (zig-zag ranks differ in which rows a step updates)
     busiest = {ph: max(r["memory"]["phases"][ph]["peak"] for r in result["per_rank"] if ph in r["memory"]["phases"])
                for ph in ("attention forward", "attention backward")
@@ -1883,10 +1932,12 @@ def cp_rows(result: dict) -> list[dict[str, Any]]:
                     "sent_forward": r["sent_per_layer"]["forward"], "sent_backward": r["sent_per_layer"]["backward"],
                     "predicted_sent_forward": pred["sent_per_layer"]["forward"],
                     "predicted_sent_backward": pred["sent_per_layer"]["backward"],
+                    "sent_recompute": r["sent_per_layer"].get("recompute", 0),
+                    "predicted_sent_recompute": pred["sent_per_layer"]["recompute"],
                     "logits_max_rel_diff": r["logits_max_rel_diff"], "grad_max_rel_diff": r["grad_max_rel_diff"]})
         # the peaks inside CP's attention (the last block's, where the most is alive) against those moments
         for phase in ("attention forward", "attention backward"):
-            got, want = mem["phases"].get(phase), pred["moments"].get(f"{phase} of the last block")
+            got, want = mem["phases"].get(phase), pred["moments"].get(f"{phase} of {block}")
             if got is not None and want is not None:
                 key = phase.replace(" ", "_")
                 out[-1] |= {f"{key}_measured": got["peak"], f"{key}_busiest_rank": busiest[phase],
@@ -1901,6 +1952,7 @@ def _cp_report(ranks: list[dict], args, world: int) -> None:
     out = {"experiment": "cp", "backend": "gloo", "ranks": world, "method": args.method, "zigzag": args.zigzag,
            "model": {**MODELS, **CP_MODELS}[args.model][1], "model_name": args.model,
            "micro_batch_size": args.micro_batch, "seq_len": args.seq, "foreach": args.foreach, "precision": "fp32",
+           "recompute": args.recompute, "loss": args.loss, "loss_chunk": args.loss_chunk,
            "command": " ".join([PROG, *sys.argv[1:]]), "provenance": provenance("cpu"), "per_rank": ranks}
     out["rows"] = cp_rows(out)
     print(f"# vramlab.measure.parallel cp: {args.method}{' zig-zag' if args.zigzag and args.method == 'ring' else ''}, "
@@ -1931,10 +1983,18 @@ def cp_main(argv: list[str]) -> int:
     p.add_argument("--no-zigzag", dest="zigzag", action="store_false",
                    help="ring: contiguous sequence shards instead of the zig-zag (chunks r and 2cp-1-r)")
     p.add_argument("--optimizer-impl", default="foreach", choices=("foreach", "for-loop"))
+    p.add_argument("--recompute", default="none", choices=P.CP_RECOMPUTE,
+                   help="full: every block checkpointed (torch.utils.checkpoint), its attention re-run in the backward")
+    p.add_argument("--loss", default="whole", choices=LOSSES,
+                   help="whole, chunked (torchtune's) or fused (Liger's linear cross-entropy) on the rank's tokens")
+    p.add_argument("--loss-chunk", type=A(whole, int), default=None, metavar="N",
+                   help="with --loss chunked or fused: tokens a chunk (default: torchtune's 8 chunks, Liger's rule)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--port", type=A(whole, int, lo=0, hi=65535), default=0)
     p.add_argument("--timeout", type=A(checks.positive, float, hi=86400), default=120.0)
     args = p.parse_args(argv)
+    if args.loss_chunk is not None and args.loss == "whole":
+        p.error("--loss-chunk applies to --loss chunked or fused")
     args.foreach = args.optimizer_impl == "foreach"
     args.backend, args.experiment = "gloo", "cp"  # _worker runs it as it runs ddp, tp and pp
     if args.method == "ulysses":
@@ -1954,7 +2014,8 @@ def cp_main(argv: list[str]) -> int:
 
 
 # the campaign stored in benchmarks/results/context_parallel/cpu.json: both methods, 2 and 4 ranks, MHA (lab 3's
-# Llama) and GQA (8 query / 2 key-value heads), two shapes each, zig-zag and contiguous rings
+# Llama) and GQA (8 query / 2 key-value heads), two shapes each, zig-zag and contiguous rings; full recompute and
+# the chunked and fused losses
 CP_CAMPAIGN: tuple[dict[str, Any], ...] = (
     dict(model="lab", method="ring", nproc=2, micro_batch=2, seq=256),
     dict(model="lab", method="ring", nproc=4, micro_batch=2, seq=256),
@@ -1969,6 +2030,12 @@ CP_CAMPAIGN: tuple[dict[str, Any], ...] = (
     dict(model="cp-val", method="ring", nproc=2, micro_batch=2, seq=1024),
     dict(model="cp-val", method="ring", nproc=4, micro_batch=2, seq=1024),
     dict(model="cp-val", method="ulysses", nproc=4, micro_batch=2, seq=1024),
+    # with every block checkpointed (the re-run forward passes K/V again) and the loss chunked or fused
+    dict(model="cp-val", method="ring", nproc=2, micro_batch=2, seq=1024, recompute="full"),
+    dict(model="cp-val", method="ulysses", nproc=4, micro_batch=2, seq=1024, recompute="full", loss="chunked"),
+    dict(model="llama-gqa-val", method="ring", nproc=2, micro_batch=4, seq=512, recompute="full", loss="chunked"),
+    dict(model="lab", method="ring", nproc=4, micro_batch=2, seq=512, loss="fused"),
+    dict(model="cp-val", method="ring", nproc=4, micro_batch=2, seq=1024, zigzag=False, loss="fused"),
 )
 
 
@@ -1976,6 +2043,9 @@ def cp_argv(config: dict[str, Any], out: str) -> list[str]:
     """The command line of one CP run (`CP_CAMPAIGN`'s keys)."""
     argv = ["cp", "--model", config["model"], "--method", config["method"], "--nproc", str(config["nproc"]),
             "--micro-batch", str(config["micro_batch"]), "--seq", str(config["seq"]), "--out", out]
+    argv += [] if config.get("recompute", "none") == "none" else ["--recompute", config["recompute"]]
+    argv += [] if config.get("loss", "whole") == "whole" else ["--loss", config["loss"]]
+    argv += [] if config.get("loss_chunk") is None else ["--loss-chunk", str(config["loss_chunk"])]
     return argv + ([] if config.get("zigzag", True) else ["--no-zigzag"])
 
 

@@ -381,11 +381,11 @@ CP_CHOICES = (1, 2, 4, 8, 16, 32)
 
 
 def _context(*, model: str, method: str, cp: int, batch_size: int, seq_len: int, precision: str, zigzag: str,
-             gpu: str, link: str) -> Result:
+             gpu: str, link: str, recompute: str = "none", loss: str = "whole") -> Result:
     """One context-parallel rank (`parallel.context_parallel`), beside the same step at every other CP size."""
     spec, g = specs.preset(model), specs.gpu(gpu)
     kw = dict(method=method, batch_size=batch_size, seq_len=seq_len, precision=precision, zigzag=zigzag == "yes",
-              link=link, gpu=g)
+              link=link, gpu=g, recompute=recompute, loss=loss)
     r = PAR.context_parallel(spec, cp=cp, **kw)
     bars = []
     for n in CP_CHOICES:
@@ -393,38 +393,40 @@ def _context(*, model: str, method: str, cp: int, batch_size: int, seq_len: int,
             x = PAR.context_parallel(spec, cp=n, **kw)
         except ValueError:  # this size does not split the heads or the sequence: left out of the sweep
             continue
-        rest = x["peak"] - x["activations"]
-        bars.append((f"cp {n}", [("activations", x["activations"] / GiB, COLORS["activations"]),
-                                 ("states, logits and the rest", rest / GiB, COLORS["other"])]))
-    svg, narrow = _both(stacked_bars, bars, title=f"{spec.name}, {batch_size} x {seq_len:,} tokens, {method}: "
-                                                  "one rank's peak against the CP size",
+        rest = x["peak"] - x["blocks_saved"]
+        bars.append((f"cp {n}", [("saved by the blocks", x["blocks_saved"] / GiB, COLORS["activations"]),
+                                 ("states, the loss and the rest", rest / GiB, COLORS["other"])]))
+    svg, narrow = _both(stacked_bars, bars, title=f"{spec.name}, {batch_size} x {seq_len:,} tokens, {method}"
+                                                  + (", recompute" if recompute == "full" else "")
+                                                  + (f", {loss} loss" if loss != "whole" else "")
+                                                  + ": one rank's peak against the CP size",
                         line=(g.usable_bytes / GiB, f"{g.name} usable"))
-    fits = fitting.device_fit(r["peak"], g, largest_tensor=fitting.fragmentation_bytes(
-        spec, batch_size=batch_size, seq_len=r["tokens_per_rank"], precision=precision)).fits
+    fits = PAR.context_fit(spec, g, cp=cp, **{k: v for k, v in kw.items() if k != "gpu"})[1].fits
     f, b = r["comm_seconds_per_layer"], r["attention_seconds_per_layer"]
     lines = [f"{method} attention over {cp} ranks ({'zig-zag chunks' if r['zigzag'] else 'contiguous shards'}): "
              f"{r['tokens_per_rank']:,} tokens a rank",
-             f"  saved for backward: {fmt_bytes(r['saved_per_layer'])} a layer, {fmt_bytes(r['activations'])} in all",
+             f"  saved for backward: {fmt_bytes(r['saved_per_layer'])} a layer, {fmt_bytes(r['blocks_saved'])} by the blocks"
+             + (" (each keeps its input; the last re-run holds a layer's)" if recompute == "full" else ""),
              f"  in flight inside attention: forward {fmt_bytes(r['in_flight_forward'])}, backward "
              f"{fmt_bytes(r['in_flight_backward'])}",
              f"  the rank's peak: {fmt_bytes(r['peak'])} ({r['peak_phase']}); "
              f"{'fits' if fits else 'does NOT fit'} on {g.name} (fit's verdict: + margin, fragmentation, context)",
              f"  sent per layer: forward {fmt_bytes(r['sent_per_layer']['forward'])} in "
              f"{r['messages_per_layer']['forward']} messages, backward {fmt_bytes(r['sent_per_layer']['backward'])} in "
-             f"{r['messages_per_layer']['backward']}",
+             f"{r['messages_per_layer']['backward']}"
+             + (f", the recomputed forward {fmt_bytes(r['sent_per_layer']['recompute'])} again" if recompute == "full" else ""),
              f"  per layer on {link}: communication {1e3 * f['forward']:.2f} / {1e3 * f['backward']:.2f} ms against "
              f"attention's {1e3 * b['forward']:.2f} / {1e3 * b['backward']:.2f} ms (forward / backward, at 40 % of "
              f"{g.name}'s peak): {r['verdict']}"]
     return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
-        "peak": (r["peak"], fmt_bytes(r["peak"])), "activations": (r["activations"], fmt_bytes(r["activations"])),
-        "sent": (r["sent_per_layer"]["forward"] + r["sent_per_layer"]["backward"],
-                 fmt_bytes(r["sent_per_layer"]["forward"] + r["sent_per_layer"]["backward"])),
+        "peak": (r["peak"], fmt_bytes(r["peak"])), "activations": (r["blocks_saved"], fmt_bytes(r["blocks_saved"])),
+        "sent": (sum(r["sent_per_layer"].values()), fmt_bytes(sum(r["sent_per_layer"].values()))),
         "verdict": (int(r["verdict"] == "hidden"), r["verdict"])})
 
 
 CONTEXT = Calculator(
     name="context", title="Context parallelism: one rank of ring attention or Ulysses", compute=_context,
-    number_labels={"peak": "a rank's peak", "activations": "its saved activations", "sent": "sent per layer",
+    number_labels={"peak": "a rank's peak", "activations": "saved by its blocks", "sent": "sent per layer",
                    "verdict": "communication"},
     inputs=(Input(name="model", label="model", kind="choice", default="llama-3.2-1b", choices=DECODER_PRESETS),
             Input(name="method", label="method", kind="choice", default="ring", choices=PAR.CP_METHODS),
@@ -434,7 +436,9 @@ CONTEXT = Calculator(
             Input(name="precision", label="precision", kind="choice", default="bf16-mixed", choices=P.PRECISIONS),
             Input(name="zigzag", label="zig-zag (ring)", kind="choice", default="yes", choices=("yes", "no")),
             Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
-            Input(name="link", label="link", kind="choice", default="nvlink4", choices=tuple(C.LINKS))))
+            Input(name="link", label="link", kind="choice", default="nvlink4", choices=tuple(C.LINKS)),
+            Input(name="recompute", label="recompute", kind="choice", default="none", choices=PAR.CP_RECOMPUTE),
+            Input(name="loss", label="loss", kind="choice", default="whole", choices=memory.LOSSES)))
 
 
 PARALLEL = Calculator(

@@ -185,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ring: contiguous shards instead of zig-zag chunks (the causal load imbalance)")
     cx.add_argument("--precision", default="bf16-mixed", choices=P.PRECISIONS, help="default bf16-mixed")
     cx.add_argument("--optimizer", default="adamw", choices=memory.OPTIMIZERS, help="default adamw")
+    cx.add_argument("--recompute", default="none", choices=PAR.CP_RECOMPUTE,
+                    help="full: every block checkpointed (its attention and its K/V transfers run again); default none")
+    cx.add_argument("--loss", default="whole", choices=memory.LOSSES,
+                    help="the loss on the rank's tokens: whole, chunked (torchtune's) or fused (Liger's); default whole")
     _gpu_arg(cx)
     cx.add_argument("--link", default="nvlink4", choices=tuple(COLL.LINKS), help="between the CP ranks (default nvlink4)")
     cx.add_argument("--json", action="store_true", help="print one JSON object")
@@ -502,17 +506,11 @@ CP_SWEEP = (1, 2, 4, 8, 16, 32, 64)  # the CP sizes the context command sets bes
 
 
 def _cp_rank(ns, cp: int, batch_size: int | None = None) -> tuple[dict, fitting.Fit]:
-    """One CP rank (`parallel.context_parallel`) and `fitting.device_fit` of its peak."""
-    b = ns.batch_size if batch_size is None else batch_size
-    r = PAR.context_parallel(_spec(ns), cp=cp, method=ns.method, batch_size=b, seq_len=ns.seq_len,
-                             precision=ns.precision, optimizer=ns.optimizer, zigzag=not ns.contiguous,
-                             link=ns.link, gpu=_gpu(ns))
-    return r, _context_fit(_spec(ns), r, _gpu(ns), batch_size=b, precision=ns.precision)
-
-
-def _context_fit(spec, r: dict, gpu, *, batch_size: int, precision: str) -> fitting.Fit:  # TODO move to parallel
-    largest = fitting.fragmentation_bytes(spec, batch_size=batch_size, seq_len=r["tokens_per_rank"], precision=precision)
-    return fitting.device_fit(r["peak"], gpu, largest_tensor=largest)
+    """One CP rank and its fit (`parallel.context_fit`)."""
+    return PAR.context_fit(_spec(ns), _gpu(ns), cp=cp, method=ns.method,
+                           batch_size=ns.batch_size if batch_size is None else batch_size, seq_len=ns.seq_len,
+                           precision=ns.precision, optimizer=ns.optimizer, zigzag=not ns.contiguous, link=ns.link,
+                           recompute=ns.recompute, loss=ns.loss)
 
 
 def _answer_context(ns, search: bool = True) -> tuple[Answer, tuple[dict, fitting.Fit]]:
@@ -703,8 +701,9 @@ def _levers(ns, here: Answer) -> list[Lever]:
                                  for k in (2, 4, 8, 16, 32, 64, 128, 256)), monotone=True))
         L.append(Lever(_seq_lens(ns.seq_len), monotone=True))
         if spec.is_causal_lm and spec.family in PAR.DECODER_FAMILIES:  # split the sequence over GPUs
-            L.append(Lever(tuple({"command": "context", "cp": k, "precision": ns.precision or "fp32", **same}
-                                 for k in CP_SWEEP[1:]), monotone=True))
+            L.append(Lever(tuple({"command": "context", "cp": k, "precision": ns.precision or "fp32",
+                                  "recompute": "full" if (ns.recompute or "none") != "none" else "none",
+                                  "loss": ns.loss or "whole", **same} for k in CP_SWEEP[1:]), monotone=True))
         L.append(Lever(({"command": "lora", "method": "qlora", "recompute": ns.recompute or "none", **same},)))
         L.append(Lever(tuple({"command": "offload", "scheme": s, **same} for s in OFFLOAD_SCHEMES)))
         return L
@@ -727,6 +726,14 @@ def _levers(ns, here: Answer) -> list[Lever]:
         L.append(Lever(({"command": "lora", "method": "qlora", "recompute": "full", **same},)))
         return L
     if ns.command == "context":
+        # the logits' gradient (b x s/cp x V in fp32) and the blocks' saved tensors before more ranks: the loss
+        # chunked or fused, full recompute, or both, the least change first
+        cheap = [c for c in ({"loss": "chunked"}, {"loss": "fused"}, {"recompute": "full"},
+                             {"loss": "chunked", "recompute": "full"}, {"loss": "fused", "recompute": "full"})
+                 if any(getattr(ns, k) != v for k, v in c.items())
+                 and not (ns.loss == "fused" and c.get("loss") == "chunked")]
+        if cheap:
+            L.append(Lever(tuple(cheap)))
         L.append(Lever(_doublings(ns.cp, "cp"), monotone=True))
         L.append(Lever(tuple({"method": m, "contiguous": False} for m in PAR.CP_METHODS if m != ns.method)))
         if ns.precision == "fp32":
@@ -1073,28 +1080,32 @@ def _context(ns) -> int:
         except ValueError:  # this size does not split the heads or the sequence: left out of the sweep
             continue
         c, a = r["comm_seconds_per_layer"], r["attention_seconds_per_layer"]
-        sweep[n] = {"tokens_per_rank": r["tokens_per_rank"], "peak_bytes": r["peak"], "activations_bytes": r["activations"],
+        sweep[n] = {"tokens_per_rank": r["tokens_per_rank"], "peak_bytes": r["peak"], "blocks_saved_bytes": r["blocks_saved"],
                     "needed_bytes": f.needed, "fits": f.fits,
-                    "sent_per_layer_bytes": r["sent_per_layer"]["forward"] + r["sent_per_layer"]["backward"],
-                    "comm_seconds_per_layer": c["forward"] + c["backward"],
-                    "attention_seconds_per_layer": a["forward"] + a["backward"], "verdict": r["verdict"]}
+                    "sent_per_layer_bytes": sum(r["sent_per_layer"].values()),
+                    "comm_seconds_per_layer": sum(c.values()),
+                    "attention_seconds_per_layer": sum(a.values()), "verdict": r["verdict"]}
         s = sweep[n]
         rows.append([Cell(str(n), "strong") if n == ns.cp else str(n), f"{s['tokens_per_rank']:,}",
-                     fmt_bytes(s["activations_bytes"]), fmt_bytes(s["peak_bytes"]), fmt_bytes(s["needed_bytes"]),
+                     fmt_bytes(s["blocks_saved_bytes"]), fmt_bytes(s["peak_bytes"]), fmt_bytes(s["needed_bytes"]),
                      Cell("yes", "good") if s["fits"] else Cell("NO", "bad"), fmt_bytes(s["sent_per_layer_bytes"]),
                      f"{1e3 * s['comm_seconds_per_layer']:.2f} / {1e3 * s['attention_seconds_per_layer']:.2f} ms",
                      "—" if n == 1 else s["verdict"]])
     shards = "contiguous shards" if not mine["zigzag"] else "zig-zag chunks"
-    table = Table(["cp", "tokens a rank", "activations", "peak", "needs", "fits", "sent a layer",
+    table = Table(["cp", "tokens a rank", "blocks save", "peak", "needs", "fits", "sent a layer",
                    "comm / attention a layer", "communication"], rows,
-                  caption=f"{spec.name}, {ns.batch_size} x {ns.seq_len:,} tokens, {ns.precision}, {ns.method}"
+                  caption=f"{spec.name}, {ns.batch_size} x {ns.seq_len:,} tokens, {ns.precision}, "
+                          + (f"recompute {ns.recompute}, " if ns.recompute != "none" else "")
+                          + (f"{ns.loss} loss, " if ns.loss != "whole" else "") + f"{ns.method}"
                           + (f" ({shards})" if ns.method == "ring" else "") + f", on {g.name}: one rank at each CP size",
-                  notes=[f"comm / attention: forward + backward seconds a layer, the transfers on {ns.link} (alpha-beta), "
+                  notes=[f"comm / attention: forward + backward (+ the recomputed forward) seconds a layer, the transfers "
+                         f"on {ns.link} (alpha-beta), "
                          f"attention at 40 % of {g.name}'s peak FLOP/s; hidden: the ring's transfers run under its "
                          "attention; Ulysses' all-to-alls are exposed by construction"], align="rrrrrcrrl")
-    out = {"model": spec.name, "method": ns.method, "cp": ns.cp, "zigzag": mine["zigzag"], "batch_size": ns.batch_size,
+    out = {"model": spec.name, "method": ns.method, "cp": ns.cp, "zigzag": mine["zigzag"], "recompute": ns.recompute,
+           "loss": ns.loss, "batch_size": ns.batch_size,
            "seq_len": ns.seq_len, "precision": ns.precision, "link": ns.link, "tokens_per_rank": mine["tokens_per_rank"],
-           "peak_bytes": mine["peak"], "peak_phase": mine["peak_phase"], "activations_bytes": mine["activations"],
+           "peak_bytes": mine["peak"], "peak_phase": mine["peak_phase"], "blocks_saved_bytes": mine["blocks_saved"],
            "in_flight_bytes": {"forward": mine["in_flight_forward"], "backward": mine["in_flight_backward"]},
            "sent_per_layer_bytes": mine["sent_per_layer"], "messages_per_layer": mine["messages_per_layer"],
            "comm_seconds_per_layer": mine["comm_seconds_per_layer"],
