@@ -17,7 +17,7 @@ from .checks import MAX_BYTES
 from .memory import (MemoryBreakdown, _INFER_BYTES, _estimate_options, _inference_spec, estimate_inference,
                      estimate_training, param_bytes)
 from .precision import PRECISIONS
-from .specs import GPUSpec, ModelSpec, gpu as _gpu, resolve as _resolve
+from .specs import GPUSpec, ModelSpec, gpu as _gpu
 from .units import fmt_bytes
 
 
@@ -125,8 +125,8 @@ def largest_tensor_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: in
     logits on the last stage, the embedding's gradient on the first, both split by t; DTensor's
     dense embedding gradient whole). Other keywords of `estimate_training`/`estimate_inference` are
     accepted (and ignored), so that one set of options serves both; any other is an error. A mixture
-    of experts is taken for inference only (its gate-and-up output, top-k rows a token, is a candidate)."""
-    spec = _inference_spec(model) if mode == "infer" else _resolve(model)
+    of experts' gate-and-up output (top-k rows a token) is a candidate too."""
+    spec = _inference_spec(model)  # a mixture of experts too (estimate_training says which it prices)
     _checks.no_unknown("largest_tensor_bytes", _ignored, _estimate_options())
     batch_size, seq_len = _checks.whole("batch_size", batch_size), _checks.whole("seq_len", seq_len)
     _checks.one_of("mode", mode, ("train", "infer"))
@@ -153,7 +153,10 @@ def largest_tensor_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: in
         experts = b * s * spec.num_experts_per_tok * 2 * spec.moe_intermediate_size * nb if spec.is_moe else 0
         return max(tokens * V * nb, scores, b * s * spec.intermediate_size * nb, experts)
     scores = b * spec.num_heads * s * s * 4 if attention == "eager" else 0
-    return max(b * s * V * 4, V * e * param_bytes(precision), scores)
+    # a mixture of experts' gate-and-up output, top-k rows a token (transformers runs the experts in the
+    # weights' dtype: fp32 under autocast)
+    experts = b * s * spec.num_experts_per_tok * 2 * spec.moe_intermediate_size * 4 if spec.is_moe else 0
+    return max(b * s * V * 4, V * e * param_bytes(precision), scores, experts)
 
 
 def fragmentation_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: int, precision: str = "fp32",
@@ -165,7 +168,7 @@ def fragmentation_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: int
     to 104: reserved minus allocated at the peak 0.83-0.97 of the 16-bit logits; the estimate's
     largest batch is then the measured one, 104). Otherwise one block of the largest tensor
     (`largest_tensor_bytes`), which is safe without a measurement that says more."""
-    spec = _inference_spec(model) if kw.get("mode", "train") == "infer" else _resolve(model)
+    spec = _inference_spec(model)
     _checks.no_unknown("fragmentation_bytes", kw, _estimate_options() | {"mode"})
     largest = largest_tensor_bytes(spec, batch_size=batch_size, seq_len=seq_len, precision=precision, share=share, **kw)
     batch_size, seq_len = operator.index(batch_size), operator.index(seq_len)  # checked there
@@ -371,7 +374,7 @@ def longest_sequence(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: 
     est = estimate_training if mode == "train" else estimate_inference
     options = _gpu_step_options(est, options, "longest_sequence()", f"longest_sequence(mode={mode!r})",
                                 chosen=("seq_len",))
-    spec = _inference_spec(model) if mode == "infer" else _resolve(model)
+    spec = _inference_spec(model)
     est(spec, batch_size=batch_size, seq_len=1, gpu=g, **options)  # every option checked once
     limit = spec.max_position_embeddings if spec.family != "t5" and spec.max_position_embeddings else MAX_SEQ_SEARCH
     _positions(spec, limit)

@@ -360,8 +360,15 @@ def test_presets_lists_the_mixture_of_experts_with_their_active_parameters():
     assert r.returncode == 0
     for name in specs.moe_preset_names():
         assert f"{moe.active_params(specs.preset(name)):>15,d} active a token" in r.stdout, name
-    bad = run("estimate", "train", "--model", "mixtral-8x7b", "--batch-size", "1", "--seq-len", "8")
+    bad = run("estimate", "train", "--model", "deepseek-v2-lite", "--batch-size", "1", "--seq-len", "8")
     assert bad.returncode == 2 and "not modelled yet" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    from vramlab import estimate_training
+
+    train = run("estimate", "train", "--model", "mixtral-8x7b", "--batch-size", "1", "--seq-len", "4096", "--precision",
+                "bf16-mixed", "--capacity-factor", "1.25", "--json")
+    assert train.returncode == 0, train.stderr
+    assert json.loads(train.stdout)["total_bytes"] == estimate_training(
+        "mixtral-8x7b", batch_size=1, seq_len=4096, precision="bf16-mixed", capacity_factor=1.25).total
     ok = run("estimate", "infer", "--model", "mixtral-8x7b", "--batch-size", "1", "--seq-len", "4096", "--json")
     from vramlab import estimate_inference
 

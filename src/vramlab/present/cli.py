@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "fused: Liger's fused linear cross-entropy)")
     est.add_argument("--loss-chunk-tokens", type=_COUNT, default=None, metavar="N",
                      help="train, with --loss chunked or fused: tokens a chunk (default: torchtune's 8 chunks, Liger's rule)")
+    est.add_argument("--capacity-factor", type=float, default=None, metavar="F",
+                     help="train, a mixture of experts: each expert's buffer holds F x tokens x top-k / experts rows, "
+                          "the rest dropped (GShard, DeepSpeed, Megatron's drop-and-pad; default: dropless, as transformers)")
     est.add_argument("--new-tokens", type=checks.argtype(_count, int, lo=0), default=None,
                      help="infer: model.generate() with this many new tokens (default: one prefill, all logits)")
     _gpu_arg(est, required=False)
@@ -302,7 +305,7 @@ def _estimate_options(ns) -> tuple[dict, argparse.Namespace]:
     """estimate's options for the library, after every check that spans flags."""
     spec, gpu = _spec(ns), _gpu(ns)
     only = {"train": ("optimizer", "optimizer_impl", "recompute", "zero", "gpus", "recipe", "accumulation_steps", "loss",
-                      "loss_chunk_tokens"),
+                      "loss_chunk_tokens", "capacity_factor"),
             "infer": ("new_tokens",)}
     for mode, flags in only.items():
         given = [f for f in flags if getattr(ns, f) is not None] + (["fsdp2"] if mode == "train" and ns.fsdp2 else [])
@@ -327,10 +330,13 @@ def _estimate_options(ns) -> tuple[dict, argparse.Namespace]:
                     optimizer_impl=ns.optimizer_impl or "foreach", attention=ns.attention,
                     recompute=ns.recompute or "none", device=ns.device,
                     accumulation_steps=ns.accumulation_steps or 1, loss=ns.loss or "whole",
-                    loss_chunk_tokens=ns.loss_chunk_tokens), ns
+                    loss_chunk_tokens=ns.loss_chunk_tokens, capacity_factor=ns.capacity_factor), ns
     if ns.loss is not None or ns.loss_chunk_tokens is not None:
         raise ValueError("--loss prices one GPU's step: leave it out with --zero/--fsdp2 (zero.estimate_rank models the "
                          "whole loss)")
+    if ns.capacity_factor is not None or spec.is_moe:
+        raise ValueError("a mixture of experts is priced on one GPU (`estimate train`) or split over ranks by expert "
+                         "parallelism (parallel.expert_parallel); ZeRO and FSDP ranks are modelled for dense models")
     if ns.fsdp2 and ns.zero not in (None, 3):
         raise ValueError(f"--fsdp2 shards like ZeRO-3: leave --zero out (or give --zero 3), not --zero {ns.zero}")
     if ns.recompute is not None:
@@ -1152,7 +1158,8 @@ def _main(args: argparse.Namespace) -> int:
                 print(f"{name:16s}{s.model_type:10s}{s.params:>16,d} params  ({fmt_bytes(memory.checkpoint_bytes(s))} in fp32)")
             from .. import moe
 
-            print("mixture of experts (inference: `estimate infer`; their training memory is not modelled yet):")
+            print("mixture of experts (`estimate infer`, and `estimate train` on one GPU with --capacity-factor; "
+                  "DeepSeek-V2's training is not modelled yet):")
             for name in specs.moe_preset_names():
                 s = specs.preset(name)
                 print(f"{name:18s}{s.model_type:12s}{s.params:>16,d} params, {moe.active_params(s):>15,d} active a token")
