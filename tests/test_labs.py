@@ -72,6 +72,7 @@ def test_release_is_regenerated_exactly(tmp_path, lab):
     ("lab05_mixed_precision", "7.5e-13", "min_loss_scale(1e-9)"),  # lab 5: hidden gradients
     ("lab03_parallelism", "(3, 1, 2, 6, 10)", "(2, 2, 3, 8, 16)"),  # lab 3: the hidden 3-rank MLP check
     ("lab03_parallelism", "worlds=(4,)", "worlds=(2, 3)"),  # lab 3: the hidden 4-rank ring attention
+    ("lab03_parallelism", "(64, 8, 2, 2.0)", "(24, 4, 2, 1.0)"),  # lab 3: the hidden dispatch cases
     ("lab04_zero", "(4, 48, 2)", "(2, 64, 3)"),  # lab 4: the hidden 4-rank ZeRO-1 check
     ("lab07_checkpointing", "seed=7, n=12", "seed=0"),  # lab 7: the hidden random models
     ("lab06_offload", "seed=11, n=12", "seed=0"),  # lab 6: the hidden random stacks
@@ -120,7 +121,7 @@ def test_instructor_version_full_marks_and_cpu_run(tmp_path):
     assert "No GPU found" in out and "largest batch that fits" in out
 
 
-@pytest.mark.parametrize("lab, points", [(LAB, 18), ("lab02_collectives", 8), ("lab03_parallelism", 15),
+@pytest.mark.parametrize("lab, points", [(LAB, 18), ("lab02_collectives", 8), ("lab03_parallelism", 18),
                                          ("lab04_zero", 13), ("lab05_mixed_precision", 7),
                                          ("lab06_offload", 14), ("lab07_checkpointing", 12), ("lab08_compression", 20)])
 def test_student_version_scores_zero(lab, points):
@@ -299,7 +300,7 @@ def test_lab5_wrong_scaler_loses_its_points():
 # ----------------------------------------------------------------------------- lab 3
 
 def test_lab3_instructor_full_marks_and_cpu_run(tmp_path):
-    saved, executed = _run_instructor("lab03_parallelism", 15, tmp_path)
+    saved, executed = _run_instructor("lab03_parallelism", 18, tmp_path)
     assert "not a GPU measurement" in saved["note"] and {"date", "torch", "platform"} <= set(saved["provenance"])
     assert {"ddp", "tp", "tp_sp", "tp_full", "pp", "pp4"} == set(saved["runs"])
     assert all(r["ranks"] == 2 for k, r in saved["runs"].items() if k != "pp4") and saved["runs"]["pp4"]["ranks"] == 4
@@ -480,9 +481,12 @@ def test_lab3_wrong_answers_lose_their_points():
     after = (ddp.replace("self.in_flight.append((k, flat, dist.all_reduce(flat, async_op=True)))",
                          "self.in_flight.append((k, flat, None))")
              .replace("handle.wait()", "dist.all_reduce(flat)  # after the backward, one bucket at a time"))
-    assert no_backward != tp and after != ddp
+    dispatch = _solution("lab03_parallelism", "ex5-solution")
+    off_by_one = dispatch.replace("if filled[e] < capacity:", "if filled[e] <= capacity:")
+    assert no_backward != tp and after != ddp and off_by_one != dispatch
     scores = _graded_with("lab03_parallelism", {"ex1-solution": WRONG_1F1B, "ex2-solution": no_backward,
-                                                "ex3-solution": after})
+                                                "ex3-solution": after, "ex5-solution": off_by_one})
+    assert scores["ex5-test"][0] == 0 and "off by one" in scores["ex5-test"][2], scores["ex5-test"]
     assert scores["ex1-test"][0] == 0 and "GPipe" in scores["ex1-test"][2], scores["ex1-test"]
     assert scores["ex2-test"][0] == 0 and "CopyToTP.backward called dist.all_reduce 0 times" in scores["ex2-test"][2]
     assert scores["ex3-test"][0] == 0 and "after loss.backward() returned" in scores["ex3-test"][2], scores["ex3-test"]

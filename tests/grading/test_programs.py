@@ -20,7 +20,7 @@ from vramlab.grading.programs import common
 PROGRAMS = Path(run.PROGRAMS)
 MODULES = sorted(p.stem for p in PROGRAMS.glob("*.py") if p.stem != "__init__")
 RANK_HARNESSES = ("ring", "tp", "ddp", "zero1", "zero2", "ddp_accum", "ring_attn")
-CASE_HARNESSES = ("sac", "stream", "link_rate", "accum", "chunk_ce", "inplace", "disk")
+CASE_HARNESSES = ("sac", "stream", "link_rate", "accum", "chunk_ce", "inplace", "disk", "dispatch")
 
 LINK_GBPS = '''
 import statistics

@@ -5,7 +5,8 @@ One module a chapter, named like the course's calculator modules:
 
 - `memory` (lab 1): check_int, diagnose_param_count, check_accumulate, check_reserved_after, check_inplace_mlp;
 - `collectives` (lab 2): check_ring_all_reduce;
-- `parallel` (lab 3): check_one_f_one_b, check_tp_mlp, check_bucketed_ddp, check_ring_attention;
+- `parallel` (lab 3): check_one_f_one_b, check_tp_mlp, check_bucketed_ddp, check_ring_attention,
+  check_dispatch;
 - `zero` (lab 4): check_zero1, check_zero2, check_accumulate_ddp;
 - `offload` (lab 6): check_stream_pass, check_fewest_resident, check_stream_forward, check_link_GBps,
   check_forward_from_disk;

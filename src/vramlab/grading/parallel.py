@@ -3,7 +3,9 @@ DDP and ring attention run on ranks that reach each other only through the check
 (`run.Switchboard`), which logs every collective and message a rank sends; the ranks run
 `programs/tp.py`, `programs/ddp.py` and `programs/ring_attn.py`. Every expected value is computed
 here, from data drawn here afresh for every grading (each rank is dealt only its own). Lab 4's
-ZeRO-2 check (`zero`) runs on the DDP check's MLP (`check_mlp_ranks`)."""
+ZeRO-2 check (`zero`) runs on the DDP check's MLP (`check_mlp_ranks`). The MoE token dispatch
+(`check_dispatch`: top-k routing with a capacity, first choices first, drops) runs the answer in a
+process of its own (`programs/dispatch.py`) against `dispatch_reference`."""
 
 from __future__ import annotations
 
@@ -665,3 +667,274 @@ def check_ring_attention(fn: Callable, *, worlds=(2, 3), timeout: float = 60.0) 
                 why = _ring_attn_traffic_problem(report.get("log"), rank, world, inp)
                 if why:
                     raise AssertionError(f"{what}: rank {rank} {why}.")
+
+
+# ----------------------------------------------------------------------------- MoE token dispatch
+# Expert parallelism sends each token to the experts its router picks, into a buffer of `capacity`
+# rows per expert (E x C x h, what the all-to-all moves). The answer's dispatch(router_logits, top_k,
+# capacity) returns, per token and choice, the expert, its row in that expert's buffer (-1: dropped),
+# the combine weight and whether the choice was kept. The rule (GShard, Lepikhin+20 §2.2, top-2 gating;
+# DeepSpeed's deepspeed/moe/sharded_moe.py top1gating/top2gating): softmax over the experts, the
+# top_k by probability (highest first); rows given in token order, every token's first choice before
+# any token's second choice; a choice past its expert's `capacity` rows is dropped; top-1 keeps the
+# probability as the weight (Switch), top-k > 1 divides the kept choices' probabilities by their sum
+# (DeepSpeed's top2gating renormalises after the capacity mask); a dropped choice weighs 0.
+
+# (tokens, experts, top_k, capacity factor: capacity = vramlab.moe.expert_capacity(...); None = dropless,
+# capacity = tokens)
+DISPATCH_CASES = ((16, 4, 1, 1.0), (24, 4, 2, 1.0), (12, 3, 2, None))
+DISPATCH_HIDDEN = ((40, 8, 2, 1.25), (33, 5, 1, 1.0), (30, 6, 3, 1.0), (64, 8, 2, 2.0), (1, 2, 2, 1.0))
+
+# the usual mistakes, each a variant of `dispatch_reference`, with what the check says when an answer
+# matches it (the first that matches: order matters where two coincide)
+_DISPATCH_MISTAKES: tuple[tuple[dict, str], ...] = (
+    ({"probs": "logits"}, "the weights are the raw logits: turn the logits into probabilities over the experts "
+                          "(a softmax along the last dimension) first"),
+    ({"probs": "tokens"}, "the probabilities were normalised over the tokens (softmax along dimension 0): each token's "
+                          "router probabilities sum to 1 over the experts (the last dimension)"),
+    ({"order": "token"}, "the rows were numbered in token order over all choices (token 0's first and second choice, "
+                         "then token 1's, ...). GShard's priority: every token's first choice takes its row before any "
+                         "token's second choice, so a second choice is dropped before a first choice is"),
+    ({"order": "rank-reversed"}, "the second choices were placed before the first choices: the first choices (the "
+                                 "higher probabilities) take an expert's first rows, in token order, then the second "
+                                 "choices"),
+    ({"order": "probability"}, "each expert's rows were given by decreasing probability (Megatron's 'probs' drop "
+                               "policy); here the rows go by position: token order, first choices before second choices"),
+    ({"order": "reversed"}, "the tokens are out of order: the later tokens took the first rows. Rows go to tokens in "
+                            "the order they come (row 0 to the first token that chose the expert)"),
+    ({"keep": "le"}, "the capacity is off by one: an expert kept capacity + 1 choices. Rows are numbered from 0, so "
+                     "row `capacity` is already past the buffer: keep a choice only if its row is below capacity"),
+    ({"keep": "lt-1"}, "the capacity is off by one: an expert kept only capacity - 1 choices, leaving its last row "
+                       "empty"),
+    ({"keep": "all"}, "no choice was dropped: an expert that more than `capacity` choices pick keeps only the first "
+                      "`capacity` of them (slot -1, kept False and weight 0 for the rest)"),
+    ({"norm": "none"}, "the weights were not renormalised: with top_k > 1 the kept choices share the token's whole "
+                       "weight (divide their probabilities by the sum of the kept choices' probabilities)"),
+    ({"norm": "chosen"}, "the weights were renormalised over all top_k choices before the drops: renormalise over the "
+                         "kept choices only, so that a token whose second choice was dropped gives its first choice the "
+                         "whole weight"),
+    ({"norm": "always"}, "top-1 weights were renormalised (every kept weight is 1): with top_k = 1 the weight is the "
+                         "router's probability itself, as in the Switch Transformer, which keeps the router's gradient"),
+)
+
+
+def dispatch_case(seed: int, tokens: int, experts: int, top_k: int, capacity_factor: float | None) -> dict:
+    """One case as the program receives it: sizes, top_k, the capacity (rows per expert) from the factor
+    (`vramlab.moe.expert_capacity`; None: dropless, every token fits) and the router's skew."""
+    from ..moe import expert_capacity
+
+    return {"seed": seed, "tokens": tokens, "experts": experts, "top_k": top_k,
+            "capacity": expert_capacity(tokens, experts, top_k, capacity_factor),
+            "skew": 0.5 if capacity_factor is None else 1.0}
+
+
+def dispatch_logits(case: dict):
+    """The case's router logits, as `programs/dispatch.py`'s `build` draws them in the answer's process
+    (the programs are copied beside the answer, never imported; tests hold the two equal)."""
+    import torch
+
+    g = torch.Generator().manual_seed(case["seed"])
+    bias = torch.randn(case["experts"], generator=g, dtype=torch.float64) * case["skew"]
+    return torch.randn(case["tokens"], case["experts"], generator=g, dtype=torch.float64) + bias
+
+
+def dispatch_reference(logits, top_k: int, capacity: int, *, probs: str = "softmax", order: str = "rank",
+                       keep: str = "lt", norm: str = "rule") -> dict:
+    """Top-k routing with a capacity, one token and choice at a time: {"expert", "slot", "weight",
+    "kept"}, each a (tokens, top_k) tensor. The defaults are the exercise's rule (the comment above);
+    the other values are the usual mistakes: probs "logits" (no softmax) or "tokens" (softmax over
+    dimension 0); order "token" (rows in token order over all choices), "rank-reversed" (second choices
+    first), "probability" (rows by decreasing probability), "reversed" (last token first); keep "le"
+    (capacity + 1 kept), "lt-1" (capacity - 1), "all" (no drop); norm "none" (never renormalise),
+    "chosen" (over the top_k chosen, before drops), "always" (top-1 too)."""
+    import torch
+
+    p = {"softmax": lambda x: x.softmax(-1), "logits": lambda x: x, "tokens": lambda x: x.softmax(0)}[probs](logits)
+    top_p, expert = p.topk(top_k, dim=-1)  # (T, k), highest first
+    t_n, k = expert.shape
+    visits = [(j, t) for j in range(k) for t in range(t_n)]  # GShard: choice rank, then token
+    if order == "token":
+        visits = [(j, t) for t in range(t_n) for j in range(k)]
+    elif order == "rank-reversed":
+        visits = [(j, t) for j in reversed(range(k)) for t in range(t_n)]
+    elif order == "reversed":
+        visits = [(j, t) for j in range(k) for t in reversed(range(t_n))]
+    elif order == "probability":
+        visits = sorted(visits, key=lambda jt: -float(top_p[jt[1], jt[0]]))
+    limit = {"lt": capacity, "le": capacity + 1, "lt-1": capacity - 1, "all": t_n * k}[keep]
+    slot = torch.full((t_n, k), -1, dtype=torch.int64)
+    filled = [0] * logits.shape[1]  # rows taken in each expert's buffer
+    for j, t in visits:
+        e = int(expert[t, j])
+        if filled[e] < limit:
+            slot[t, j] = filled[e]
+        filled[e] += 1
+    kept = slot >= 0
+    if norm == "chosen" or (norm == "always" and k == 1):
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+    weight = torch.where(kept, top_p, torch.zeros_like(top_p))
+    if (k > 1 and norm == "rule") or norm == "always":  # the kept choices share the token's weight
+        weight = weight / weight.sum(-1, keepdim=True).clamp_min(1e-300)
+    return {"expert": expert, "slot": slot, "weight": weight, "kept": kept}
+
+
+def _dispatch_applies(variant: dict, top_k: int) -> bool:
+    """Whether a usual mistake can show at this top_k: with one choice a token there is nothing to put
+    first and nothing to renormalise over (its weight is its probability, which only "always" breaks);
+    with more, "always" is the rule itself."""
+    if top_k == 1:
+        return variant.get("order") not in ("token", "rank-reversed") and variant.get("norm") not in ("none", "chosen")
+    return variant.get("norm") != "always"
+
+
+def _dispatch_separates(case: dict, *, whole: bool = False) -> bool:
+    """A case with a capacity below the dropless one drops some choice (with `whole`, every choice of
+    some token: its weights have nothing to renormalise over), and every usual mistake that applies to
+    its top_k gives another answer than the reference (so each is caught, and named)."""
+    import torch
+
+    logits, k, c = dispatch_logits(case), case["top_k"], case["capacity"]
+    ref = dispatch_reference(logits, k, c)
+    if c >= case["tokens"]:
+        return True
+    if bool(ref["kept"].all()) or (whole and not bool((~ref["kept"]).all(-1).any())):
+        return False
+    for variant, _ in _DISPATCH_MISTAKES:
+        if not _dispatch_applies(variant, k):
+            continue
+        other = dispatch_reference(logits, k, c, **variant)
+        if all(torch.equal(ref[f], other[f]) for f in ("expert", "slot", "kept")) and torch.allclose(
+                ref["weight"], other["weight"], rtol=1e-9, atol=1e-12):
+            return False
+    return True
+
+
+def dispatch_cases(seed: int, cases=DISPATCH_CASES) -> list[dict]:
+    """The cases drawn from `seed`: for each (tokens, experts, top_k, capacity factor), the first seed from
+    seed + 1000 i on whose logits every usual mistake shows (`_dispatch_separates`); at top-2 with a
+    factor up to 1.25, where it is common, one on which some token loses both its choices."""
+    out = []
+    for i, spec in enumerate(cases):
+        whole = spec[2] == 2 and spec[3] is not None and spec[3] <= 1.25
+        for tries in range(200):
+            case = dispatch_case(seed + 1000 * i + tries, *spec)
+            if _dispatch_separates(case, whole=whole):
+                break
+        out.append(case)
+    return out
+
+
+def _dispatch_shape_problem(rep: dict, t_n: int, k: int) -> str | None:
+    """What is wrong with the returned tensors' types, shapes and dtypes, or None."""
+    kinds = {"expert": ("int", "an integer tensor"), "slot": ("int", "an integer tensor"),
+             "weight": ("float", "a floating-point tensor"), "kept": ("bool", "a bool tensor")}
+    for name, (kind, words) in kinds.items():
+        r = rep.get(name)
+        if not isinstance(r, dict) or r.get("type") != "Tensor":
+            return f"{name} is {(r or {}).get('type', 'missing')}: return {words} of shape ({t_n}, {k})"
+        if r.get("shape") != [t_n, k]:
+            return (f"{name} has shape {tuple(r.get('shape') or ())}: one row a token, one column a choice, "
+                    f"({t_n}, {k})")
+        dtype = str(r.get("dtype"))
+        if not (dtype.startswith(kind) or (kind == "int" and dtype.startswith("uint"))):
+            return f"{name} is {dtype}: return {words}"
+        if not isinstance(r.get("values"), list) or len(r["values"]) != t_n * k:
+            return f"{name}'s values could not be read back"
+    if rep["weight"]["dtype"] != "float64":
+        return f"weight is {rep['weight']['dtype']}: keep the logits' dtype (float64)"
+    return None
+
+
+def _dispatch_problem(case: dict, rep: dict) -> str | None:
+    """What is wrong with one case's answer (the program's report), or None: the tensors' form, then the
+    experts, the consistency of slot, kept and weight, the slots (naming the mistake whose rows they
+    match), then the weights (likewise)."""
+    import torch
+
+    t_n, k, c = case["tokens"], case["top_k"], case["capacity"]
+    why = _dispatch_shape_problem(rep, t_n, k)
+    if why:
+        return why
+    got = {f: torch.tensor(rep[f]["values"]).reshape(t_n, k) for f in ("expert", "slot", "kept")}
+    got["weight"] = torch.tensor(rep["weight"]["values"], dtype=torch.float64).reshape(t_n, k)
+    logits = dispatch_logits(case)
+    ref = dispatch_reference(logits, k, c)
+    variants = [(dispatch_reference(logits, k, c, **v), msg) for v, msg in _DISPATCH_MISTAKES if _dispatch_applies(v, k)]
+
+    def named(fields) -> str | None:
+        for other, msg in variants:
+            if all(torch.equal(got[f], other[f]) if f != "weight" else
+                   torch.allclose(got[f], other[f], rtol=1e-9, atol=1e-12) for f in fields):
+                if not all(torch.equal(ref[f], other[f]) if f != "weight" else
+                           torch.allclose(ref[f], other[f], rtol=1e-9, atol=1e-12) for f in fields):
+                    return msg
+        return None
+
+    if not torch.equal(got["expert"], ref["expert"]):
+        if torch.equal(got["expert"].sort(-1).values, ref["expert"].sort(-1).values):
+            return ("each token chose the right experts, in the wrong order: column 0 is its most probable expert, "
+                    "column 1 the next, ...")
+        bad = int((got["expert"] != ref["expert"]).any(-1).nonzero()[0, 0])
+        return (named(("expert",)) or
+                f"token {bad} chose experts {got['expert'][bad].tolist()}; its {k} most probable are "
+                f"{ref['expert'][bad].tolist()}, highest first")
+    if not torch.equal(got["kept"], got["slot"] >= 0):
+        return "kept must be True exactly where slot >= 0 (slot is -1 for a dropped choice)"
+    if bool(got["weight"].isnan().any()):
+        t = int(got["weight"].isnan().any(-1).nonzero()[0, 0])
+        return (f"token {t}'s weights are NaN" + (" (all its choices were dropped: it has nothing to renormalise over, "
+                                                 "and its weights are 0)" if not bool(got["kept"][t].any()) else ""))
+    if bool((got["weight"][~got["kept"]] != 0).any()):
+        return "a dropped choice has a non-zero weight: it is not computed by its expert, so it weighs 0"
+    if not torch.equal(got["slot"], ref["slot"]):
+        msg = named(("slot",))
+        if msg:
+            return msg
+        bad = (got["slot"] != ref["slot"]).nonzero()[0].tolist()
+        t, j = bad
+        return (f"token {t}'s choice {j} (expert {int(ref['expert'][t, j])}) got slot {int(got['slot'][t, j])}, "
+                f"expected {int(ref['slot'][t, j])}: rows go in token order, every first choice before any second "
+                f"choice, and a choice past its expert's {c} rows is dropped (slot -1)")
+    if not torch.allclose(got["weight"], ref["weight"], rtol=1e-9, atol=1e-12):
+        msg = named(("weight",))
+        if msg:
+            return msg
+        err = float((got["weight"] - ref["weight"]).abs().max())
+        return (f"the weights differ from the reference by up to {err:.3g}: "
+                + ("top-1 keeps the router's probability" if k == 1 else
+                   "the kept choices' probabilities, divided by their sum") + "; 0 where dropped")
+    return None
+
+
+def check_dispatch(fn: Callable, *, cases=DISPATCH_CASES, timeout: float = 60.0) -> list[dict]:
+    """`fn(router_logits, top_k, capacity)` routes tokens to experts with a capacity (the rule in the
+    comment above this section) and returns Routing(expert, slot, weight, kept), four (tokens, top_k)
+    tensors. Run in a process of its own (`programs/dispatch.py`) on router logits drawn afresh from a
+    seed drawn here (float64, continuous: no ties), for each (tokens, experts, top_k, capacity factor)
+    of `cases`, each draw one on which every usual mistake shows; compared with `dispatch_reference`,
+    computed here. A wrong answer's message names the mistake it matches (`_DISPATCH_MISTAKES`).
+    Returns, a case, its sizes, capacity and the choices dropped."""
+    import torch
+
+    from .run import run_program
+
+    seed = int(torch.randint(0, 2**31 - 2, (1,), generator=fresh_generator()))
+    specs = dispatch_cases(seed, cases)
+    reports = run_program("dispatch", fn, specs, what="dispatch run", timeout=timeout,
+                          on_timeout=f"the dispatch run gave no answer within {timeout:.0f} s (a loop that never ends?)")
+    results = []
+    for case, rep in zip(specs, reports):
+        what = (f"{case['tokens']} tokens, {case['experts']} experts, top_k={case['top_k']}, "
+                f"capacity {case['capacity']}")
+        if not isinstance(rep, dict):
+            raise AssertionError(f"{what}: the run's report is not one the harness writes (did the answer change it?)")
+        if rep.get("error"):
+            if str(rep["error"]).startswith("NotImplementedError"):  # the stub: say so as the other exercises do
+                raise NotImplementedError(f"{what}: {rep['error']}")
+            raise AssertionError(f"{what}: {str(rep['error'])[:300]}")
+        why = _dispatch_problem(case, rep)
+        if why:
+            raise AssertionError(f"{what}: {why}.")
+        dropped = int((torch.tensor(rep["kept"]["values"]) == 0).sum())
+        results.append({k: case[k] for k in ("tokens", "experts", "top_k", "capacity")} | {"dropped": dropped})
+    return results

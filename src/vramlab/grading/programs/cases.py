@@ -1,4 +1,4 @@
-"""The program of labs 6-7's single-process checks, in a folder that holds `programs/` (this package)
+"""The program of labs 1, 3, 6 and 7's single-process checks, in a folder that holds `programs/` (this package)
 and `answer.json`:
 
     python -I -c <vramlab.grading.run.launch("cases")> HARNESS CASES OUT
