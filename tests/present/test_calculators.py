@@ -507,3 +507,32 @@ def test_moe_calculator_is_the_moe_estimators():
     assert "need 16 x h100-80gb" in big.text  # 1,250 GiB of bf16 weights over 78.4 GiB a GPU (usable less context)
     bad = C.get("moe").run(model="olmoe-1b-7b", seq_len=131072)
     assert "4,096 positions" in bad.error and "\n" not in bad.error
+
+
+def test_moe_calculator_prices_training_as_estimate_training():
+    from vramlab import fitting, memory
+
+    r = C.get("moe").run(model="olmoe-1b-7b", batch_size=2, seq_len=2048, dtype="bf16", gpu="h200", step="training",
+                         capacity="1.25", recompute="full")
+    kw = dict(seq_len=2048, precision="bf16-mixed", recompute="full", capacity_factor=1.25)
+    assert r.numbers["peak"][0] == memory.estimate_training("olmoe-1b-7b", batch_size=2, gpu="h200", **kw).total
+    assert r.numbers["max_batch"][0] == fitting.fit("olmoe-1b-7b", "h200", batch_size=2, **kw).max_batch_size
+    dropless = C.get("moe").run(model="olmoe-1b-7b", batch_size=2, seq_len=2048, gpu="h200", step="training")
+    assert dropless.numbers["peak"][0] == memory.estimate_training("olmoe-1b-7b", batch_size=2, seq_len=2048,
+                                                                    precision="bf16-mixed", gpu="h200").total
+    for kw, says in ((dict(model="deepseek-v2-lite"), "not modelled yet"), (dict(dtype="int8"), "int8")):
+        bad = C.get("moe").run(step="training", **kw)
+        assert says in bad.error and "\n" not in bad.error
+
+
+def test_experts_calculator_is_expert_parallel():
+    from vramlab import parallel as PAR
+
+    r = C.get("experts").run(model="qwen1.5-moe-a2.7b", ep=4, dp=8, capacity="dropless", zero=1, batch_size=2,
+                             seq_len=2048, link="nvlink4")
+    want = PAR.expert_parallel("qwen1.5-moe-a2.7b", ep=4, dp=8, batch_size=2, seq_len=2048, zero_stage=1)
+    assert not r.error and r.numbers["states"][0] == want["states"] and r.numbers["experts_per_rank"][0] == 15
+    assert r.numbers["a2a"][0] == want["sent_per_layer"]["forward"] + want["sent_per_layer"]["backward"]
+    assert "<svg" in r.svg and "ep 4" in r.svg and "ep 8" not in r.svg.split("ep 4")[0]
+    bad = C.get("experts").run(model="mixtral-8x7b", ep=16, dp=16)
+    assert bad.error and "\n" not in bad.error  # 8 experts cannot be split over 16 ranks

@@ -229,32 +229,51 @@ TRAINING = Calculator(
             Input(name="loss", label="loss", kind="choice", default="whole", choices=memory.LOSSES)))
 
 
-MOE_SEQ_CHOICES = (1024, 4096, 8192, 16384, 32768, 65536, 131072)
+MOE_SEQ_CHOICES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _ROLE_COLORS = {"embeddings": "#DA8BC3", "attention": "#4C72B0", "norms": "#8C8C8C", "dense_mlp": "#937860",
                 "router": "#8172B3", "routed_experts": "#C44E52", "shared_experts": "#DD8452", "head": "#55A868"}
 
 
-def _moe(*, model: str, batch_size: int, seq_len: int, dtype: str, gpu: str) -> Result:
-    """A mixture of experts served on one GPU: where its parameters sit (`moe.param_breakdown`), what a
-    token uses (`active_params`), the KV cache, and a prefill's peak (`memory.estimate_inference`) and fit."""
+CAPACITIES = ("dropless", "1.0", "1.25", "1.5", "2.0")
+
+
+def _capacity(value: str) -> float | None:
+    return None if value == "dropless" else float(value)
+
+
+def _moe(*, model: str, batch_size: int, seq_len: int, dtype: str, gpu: str, step: str = "inference",
+         capacity: str = "dropless", recompute: str = "none") -> Result:
+    """A mixture of experts on one GPU: where its parameters sit (`moe.param_breakdown`), what a token uses
+    (`active_params`), the KV cache, and an inference prefill's (`memory.estimate_inference`) or a training
+    step's (`memory.estimate_training`, dropless or at a capacity factor) peak and fit."""
     from .. import moe as MOE
 
     spec, g = specs.preset(model), specs.gpu(gpu)
     e = memory._INFER_BYTES[dtype]
-    est = memory.estimate_inference(spec, batch_size=batch_size, seq_len=seq_len, dtype=dtype, gpu=g)
-    verdict = fitting.fit(spec, g, batch_size=batch_size, mode="infer", seq_len=seq_len, dtype=dtype)
+    if step == "training":
+        precision = "fp32" if dtype == "fp32" else "bf16-mixed"
+        if dtype == "int8":
+            raise ValueError("weights int8: training keeps its weights in fp32 (bf16-mixed) or bf16; choose bf16 or fp32")
+        opts = dict(seq_len=seq_len, precision=precision, recompute=recompute, capacity_factor=_capacity(capacity))
+        est = memory.estimate_training(spec, batch_size=batch_size, gpu=g, **opts)
+        verdict = fitting.fit(spec, g, batch_size=batch_size, **opts)
+        what = (f"training step of {batch_size} x {seq_len:,} tokens, {precision}, AdamW, "
+                f"{'dropless' if capacity == 'dropless' else 'capacity factor ' + capacity}, recompute {recompute}")
+    else:
+        est = memory.estimate_inference(spec, batch_size=batch_size, seq_len=seq_len, dtype=dtype, gpu=g)
+        verdict = fitting.fit(spec, g, batch_size=batch_size, mode="infer", seq_len=seq_len, dtype=dtype)
+        what = f"prefill of {batch_size} x {seq_len:,} tokens, {dtype}"
     roles = MOE.param_breakdown(spec)
     bars = [(f"weights ({dtype}) by role", [(k.replace("_", " "), v * e / GiB, _ROLE_COLORS[k]) for k, v in roles.items() if v]),
-            (f"prefill peak, b={batch_size}", [(c.replace("_", " "), getattr(est, c) / GiB, COLORS[c])
-                                               for c in memory.CATEGORIES])]
+            (f"{step} peak, b={batch_size}", [(c.replace("_", " "), getattr(est, c) / GiB, COLORS[c])
+                                              for c in memory.CATEGORIES])]
     svg, narrow = _both(stacked_bars, bars, title=f"{spec.name}: {spec.params / 1e9:.1f} B parameters, "
                                                   f"{spec.active_params / 1e9:.1f} B active a token",
                         line=(g.usable_bytes / GiB, f"{g.name} usable"))
     per_token = MOE.kv_cache_bytes(spec, batch_size=1, seq_len=1, dtype="bf16" if dtype != "fp32" else "fp32")
     weights = spec.params * e
     gpus = -(-weights // max(1, g.usable_bytes - g.context_bytes))
-    lines = [MOE.describe(spec), "", est.table(title=f"prefill of {batch_size} x {seq_len:,} tokens, {dtype}"), "",
-             str(verdict), verdict.explain(),
+    lines = [MOE.describe(spec), "", est.table(title=what), "", str(verdict), verdict.explain(),
              f"the weights alone ({fmt_bytes(weights)}) need {gpus:,} x {g.name} at the least: chapter 3 splits the "
              "experts over GPUs" if not verdict.fits else ""]
     return Result(text="\n".join(lines).rstrip(), svg=svg, svg_narrow=narrow, numbers={
@@ -266,12 +285,78 @@ def _moe(*, model: str, batch_size: int, seq_len: int, dtype: str, gpu: str) -> 
 MOE = Calculator(
     name="moe", title="Mixture of experts: every expert resident, a few used", compute=_moe,
     number_labels={"params": "parameters", "active": "active a token", "kv_token": "KV cache a token",
-                   "peak": "prefill peak", "max_batch": "largest batch that fits"},
+                   "peak": "peak", "max_batch": "largest batch that fits"},
     inputs=(Input(name="model", label="model", kind="choice", default="mixtral-8x7b", choices=specs.moe_preset_names()),
             Input(name="batch_size", label="batch size", kind="int", default=1, min=1, max=256),
             Input(name="seq_len", label="sequence length", kind="choice", default=4096, choices=MOE_SEQ_CHOICES),
             Input(name="dtype", label="weights", kind="choice", default="bf16", choices=tuple(memory._INFER_BYTES)),
-            Input(name="gpu", label="GPU", kind="choice", default="h200", choices=GPU_CHOICES)))
+            Input(name="gpu", label="GPU", kind="choice", default="h200", choices=GPU_CHOICES),
+            Input(name="step", label="step", kind="choice", default="inference", choices=("inference", "training")),
+            Input(name="capacity", label="capacity factor (training)", kind="choice", default="dropless",
+                  choices=CAPACITIES),
+            Input(name="recompute", label="recompute (training)", kind="choice", default="none", choices=("none", "full"))))
+
+
+def _experts(*, model: str, ep: int, dp: int, capacity: str, zero: int, batch_size: int, seq_len: int,
+             link: str) -> Result:
+    """One expert-parallel rank (`parallel.expert_parallel`): its states, dispatch buffers and all-to-all
+    traffic, beside every other EP size that divides the experts and the ranks."""
+    spec = specs.preset(model)
+    kw = dict(dp=dp, batch_size=batch_size, seq_len=seq_len, capacity_factor=_capacity(capacity), zero_stage=zero,
+              link=link)
+    r = PAR.expert_parallel(spec, ep=ep, **kw)
+    bars = []
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        try:
+            x = PAR.expert_parallel(spec, ep=n, **kw)
+        except ValueError:  # this size does not divide the experts or the ranks: left out of the sweep
+            continue
+        dense = sum(x[k]["dense"] for k in ("parameters", "gradients", "optimizer_states"))
+        expert = sum(x[k]["experts"] for k in ("parameters", "gradients", "optimizer_states"))
+        bars.append((f"ep {n}", [("dense states", dense / GiB, COLORS["parameters"]),
+                                 ("expert states", expert / GiB, COLORS["optimizer_states"]),
+                                 ("dispatch buffers (worst, all layers)",
+                                  len(spec.moe_layer_ids) * (x["dispatch_bytes"]["sent"] + x["dispatch_bytes"]["received_worst"]) / GiB,
+                                  COLORS["activations"])]))
+    svg, narrow = _both(stacked_bars, bars, title=f"{spec.name} on {dp} ranks, ZeRO-{zero}: one rank's states against "
+                                                  "the EP size")
+    b = r["dispatch_bytes"]
+    per_layer = r["sent_per_layer"]["forward"] + r["sent_per_layer"]["backward"]
+    secs = r["a2a_seconds_per_layer"]["forward"] + r["a2a_seconds_per_layer"]["backward"]
+    lines = [f"{spec.name}: experts split over ep = {ep} of {dp} ranks (each expert on dp/ep = {r['edp']}); "
+             f"{r['experts_per_rank']} of {spec.num_experts} routed experts a rank in each of {len(spec.moe_layer_ids)} "
+             "MoE layers",
+             f"  states a rank: {fmt_bytes(r['states'])} (dense {fmt_bytes(sum(r[k]['dense'] for k in ('parameters', 'gradients', 'optimizer_states')))}, "
+             f"experts {fmt_bytes(sum(r[k]['experts'] for k in ('parameters', 'gradients', 'optimizer_states')))}), "
+             f"bf16-mixed AdamW" + (f", ZeRO-{zero}: dense over {dp}, experts over {r['edp']}" if zero else ""),
+             f"  dispatch a layer: sends {r['dispatch_rows']['sent']:,} rows ({fmt_bytes(b['sent'])}), receives "
+             f"{r['dispatch_rows']['received_expected']:,} expected, {r['dispatch_rows']['received_worst']:,} at worst "
+             f"({fmt_bytes(b['received_worst'])})" + (f"; capacity {r['capacity']:,} rows an expert"
+                                                     if capacity != "dropless" else "; dropless"),
+             f"  all-to-all a layer: {fmt_bytes(per_layer)} leave the rank (dispatch and combine, forward and backward), "
+             f"{1e3 * secs:.2f} ms on {link}",
+             f"  gradients a step: dense {fmt_bytes(r['grad_allreduce_bytes']['dense'])} all-reduced over {dp}, experts "
+             f"{fmt_bytes(r['grad_allreduce_bytes']['experts'])} over {r['edp']}",
+             "  (the states and the bytes are exact; a step's activations depend on the kernels: the chapter-1 "
+             "calculator prices one device's)"]
+    return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
+        "states": (r["states"], fmt_bytes(r["states"])),
+        "experts_per_rank": (r["experts_per_rank"], str(r["experts_per_rank"])),
+        "a2a": (per_layer, fmt_bytes(per_layer))})
+
+
+EXPERTS = Calculator(
+    name="experts", title="Expert parallelism: one rank's experts, buffers and all-to-alls", compute=_experts,
+    number_labels={"states": "states a rank", "experts_per_rank": "experts a rank (a layer)",
+                   "a2a": "all-to-all a layer"},
+    inputs=(Input(name="model", label="model", kind="choice", default="mixtral-8x7b", choices=specs.moe_preset_names()),
+            Input(name="ep", label="expert parallel", kind="choice", default=8, choices=(1, 2, 4, 8, 16, 32, 64, 128, 256)),
+            Input(name="dp", label="data-parallel ranks", kind="choice", default=8, choices=(1, 2, 4, 8, 16, 32, 64, 128, 256)),
+            Input(name="capacity", label="capacity factor", kind="choice", default="1.25", choices=CAPACITIES),
+            Input(name="zero", label="ZeRO stage", kind="choice", default=1, choices=(0, 1, 2)),
+            Input(name="batch_size", label="batch size (a rank)", kind="int", default=1, min=1, max=256),
+            Input(name="seq_len", label="sequence length", kind="choice", default=4096, choices=MOE_SEQ_CHOICES),
+            Input(name="link", label="link", kind="choice", default="nvlink4", choices=tuple(C.LINKS))))
 
 
 # ----------------------------------------------------------------------------- chapter 2
@@ -946,7 +1031,8 @@ COMPRESSION = Calculator(
             Input(name="active", label="active experts a token (MoEfication)", kind="int", default=4, min=1,
                   max=65536)))
 
-CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, MOE, COLLECTIVES, PRECISION, PARALLEL, CONTEXT, LAYOUTS, ZERO,
+CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, MOE, COLLECTIVES, PRECISION, PARALLEL, CONTEXT, EXPERTS,
+                                                           LAYOUTS, ZERO,
                                                            OFFLOAD, STREAMING, CHECKPOINTING, COMPRESSION)}
 
 
