@@ -359,8 +359,8 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
         raise ValueError(f"loss={loss!r} is modelled for causal LMs (decoder-only), not {spec.family}; use loss='whole'")
     if loss != "whole" and not (share.blocks is None and share.first and share.last and share.tp == 1
                                 and share.in_flight == 1 and not share.loss_parallel):
-        raise ValueError(f"loss={loss!r} is modelled with the whole model on each device (one GPU, ZeRO, context "
-                         "parallelism), not a pipeline stage or a tensor-parallel shard; use loss='whole'")
+        raise ValueError(f"loss={loss!r} is modelled with the whole model on one device (one GPU, or a context-"
+                         "parallel rank), not a pipeline stage or a tensor-parallel shard; use loss='whole'")
     gpu = _gpu_or_none(gpu)
     if not isinstance(share, DeviceShare):
         raise ValueError(f"share must be a vramlab.memory.DeviceShare, got {_checks.show(share)}")

@@ -1376,7 +1376,7 @@ def _report(ranks: list[dict], args, world: int) -> None:
     from ..units import fmt_bytes
 
     spec = model_spec(args.model)
-    extra = [f"--sp" if args.sp else "", f"recompute {args.recompute}" if args.recompute != "none" else "",
+    extra = ["--sp" if args.sp else "", f"recompute {args.recompute}" if args.recompute != "none" else "",
              "bf16 autocast" if args.precision == "bf16" else "",
              "gradient_as_bucket_view" if args.gradient_as_bucket_view else ""]
     print(f"# vramlab.measure.parallel {args.experiment}: backend {args.backend}, {world} ranks, {spec.name}, "
@@ -2049,15 +2049,15 @@ def cp_argv(config: dict[str, Any], out: str) -> list[str]:
     return argv + ([] if config.get("zigzag", True) else ["--no-zigzag"])
 
 
-def run_cp(config: dict[str, Any], *, timeout: float = 600) -> dict[str, Any]:
-    """One CP run in a subprocess (its ranks spawned there), its results read back; a ParlabError in one
-    line when it fails or runs past `timeout` seconds."""
+def _run_in_subprocess(argv_of, config: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """`python -m vramlab.measure.parallel <argv_of(config, out)>` in a subprocess (its ranks spawned there), the
+    JSON it wrote to `out` read back; a ParlabError in one line when it fails or runs past `timeout` seconds."""
     import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "cp.json")
-        cmd = [sys.executable, "-m", "vramlab.measure.parallel", *cp_argv(config, out)]
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "vramlab.measure.parallel", *argv_of(config, out)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -2066,6 +2066,11 @@ def run_cp(config: dict[str, Any], *, timeout: float = 600) -> dict[str, Any]:
             last = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
             raise ParlabError(f"{' '.join(cmd[2:])}: {last[-1] if last else f'exit status {done.returncode}'}")
         return json.loads(Path(out).read_text())
+
+
+def run_cp(config: dict[str, Any], *, timeout: float = 600) -> dict[str, Any]:
+    """One CP run in a subprocess, its results read back (`_run_in_subprocess`)."""
+    return _run_in_subprocess(cp_argv, config, timeout)
 
 
 def cp_campaign(path: str, configs=CP_CAMPAIGN) -> dict[str, Any]:
@@ -2686,21 +2691,8 @@ def ep_argv(config: dict[str, Any], out: str) -> list[str]:
 
 
 def run_ep(config: dict[str, Any], *, timeout: float = 600) -> dict[str, Any]:
-    """One EP run in a subprocess, its results read back; a ParlabError in one line when it fails."""
-    import subprocess
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "ep.json")
-        cmd = [sys.executable, "-m", "vramlab.measure.parallel", *ep_argv(config, out)]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise ParlabError(f"{' '.join(cmd[2:])}: no result within {timeout:g} s") from None
-        if done.returncode or not os.path.exists(out):
-            last = [ln for ln in (done.stderr + done.stdout).splitlines() if ln.strip()]
-            raise ParlabError(f"{' '.join(cmd[2:])}: {last[-1] if last else f'exit status {done.returncode}'}")
-        return json.loads(Path(out).read_text())
+    """One EP run in a subprocess, its results read back (`_run_in_subprocess`)."""
+    return _run_in_subprocess(ep_argv, config, timeout)
 
 
 def ep_campaign(path: str, configs=EP_CAMPAIGN) -> dict[str, Any]:
