@@ -218,3 +218,21 @@ def test_chapter3_context_parallelism(built):
     assert "computed, not measured" in cp and "not a GPU measurement" in cp and "exact" in cp
     assert 'id="vl-context"' in page
     assert "Traceback" not in page
+
+
+def test_issue33_mixture_of_experts_and_long_context(built):
+    """Chapter 1's mixture-of-experts presets and calculator; chapter 3's expert parallelism (computed states
+    and traffic, the gloo runs labelled as CPU measurements, its calculator) and what 32k-128k tokens take."""
+    html, _ = built
+    ch1 = (html / "book" / "01_where_memory_goes.html").read_text()
+    moe = ch1.split('id="mixture-of-experts-every-expert-resident-a-few-of-them-used"')[1]
+    for name in ("mixtral-8x7b", "deepseek-v3", "qwen3-30b-a3b", "olmoe-1b-7b"):
+        assert name in moe, name
+    assert "MLA" in moe and 'id="vl-moe"' in moe and "capacity" in moe
+    ch3 = (html / "book" / "03_parallelism.html").read_text()
+    ep = ch3.split('id="expert-parallelism-split-the-experts"')[1]
+    assert "all-to-all" in ep and "computed, not measured" in ep and "not a GPU measurement" in ep
+    assert "exact" in ep and 'id="vl-experts"' in ep
+    long = ch3.split('id="k-to-128-k-tokens-what-it-takes"')[1].split('id="expert-parallelism')[0]
+    assert "fused loss + full recompute" in long and "none fits" in long and "--recompute" in long
+    assert "Traceback" not in ch1 and "Traceback" not in ch3
