@@ -468,3 +468,24 @@ def test_context_with_recompute_and_the_fused_loss(capsys):
     bad = run("context", "--model", "llama-3.2-1b", "--seq-len", "4096", "--cp", "2", "--recompute", "selective",
               "--gpu", "h100")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_experts_answers_as_expert_parallel(capsys):
+    """`vramlab experts` is `parallel.expert_parallel` at --ep and at every EP size that divides the experts
+    and the ranks; bad input is one line."""
+    from vramlab import parallel
+
+    out = _json(capsys, "experts", "--model", "qwen3-30b-a3b", "--ep", "8", "--dp", "16", "--batch-size", "2",
+                "--seq-len", "4096", "--capacity-factor", "1.25", "--zero", "1")
+    want = parallel.expert_parallel("qwen3-30b-a3b", ep=8, dp=16, batch_size=2, seq_len=4096, capacity_factor=1.25,
+                                    zero_stage=1)
+    assert out["states_bytes"] == want["states"] and out["experts_per_rank"] == 16 and out["edp"] == 2
+    assert out["sent_per_layer_bytes"] == want["sent_per_layer"] and out["capacity"] == want["capacity"]
+    assert set(out["sweep"]) == {"1", "2", "4", "8", "16"}  # 128 experts, 16 ranks
+    assert out["sweep"]["16"]["expert_states_bytes"] < out["sweep"]["1"]["expert_states_bytes"]
+    for args, says in ((["--model", "gpt2", "--ep", "2", "--dp", "2"], "needs a mixture of experts"),
+                       (["--model", "mixtral-8x7b", "--ep", "16", "--dp", "16"], "8 routed experts"),
+                       (["--model", "mixtral-8x7b", "--ep", "2", "--dp", "3"], "ep must divide dp"),
+                       (["--model", "mixtral-8x7b", "--ep", "2", "--dp", "2", "--zero", "3"], "invalid choice")):
+        r = run("experts", *args, "--batch-size", "1", "--seq-len", "8")
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -5,6 +5,7 @@
     vramlab offload ...                save_on_cpu, ZeRO-Offload, FSDP2's CPU offload (chapter 6)
     vramlab checkpoint ...             every recompute plan's peak and cost, the cheapest that fits (chapter 7)
     vramlab context ...                context parallelism: one rank of ring attention or Ulysses (chapter 3)
+    vramlab experts ...                expert parallelism: one rank's experts, states and all-to-alls (chapter 3)
     vramlab lora ...                   full fine-tuning, LoRA, LoRA on INT8, QLoRA (chapter 8)
     vramlab presets | gpus
 
@@ -195,6 +196,20 @@ def build_parser() -> argparse.ArgumentParser:
     _gpu_arg(cx)
     cx.add_argument("--link", default="nvlink4", choices=tuple(COLL.LINKS), help="between the CP ranks (default nvlink4)")
     cx.add_argument("--json", action="store_true", help="print one JSON object")
+
+    xp = commands["experts"] = sub.add_parser("experts", help="expert parallelism: one rank's experts, states, dispatch "
+                                                              "buffers and all-to-alls, against every EP size")
+    xp.add_argument("--model", required=True, help=f"a mixture-of-experts preset: {', '.join(specs.moe_preset_names())}")
+    xp.add_argument("--ep", type=_COUNT, required=True, help="ranks each MoE layer's routed experts are split over")
+    xp.add_argument("--dp", type=_COUNT, required=True, help="data-parallel ranks in all (ep divides it)")
+    _sizes(xp, "sequences a rank a step")
+    xp.add_argument("--capacity-factor", type=float, default=None, metavar="F",
+                    help="each expert's buffer holds F x tokens x top-k / experts rows, the rest dropped (default: dropless)")
+    xp.add_argument("--zero", type=int, choices=(0, 1, 2), default=0,
+                    help="ZeRO stage over the dense (dp) and the expert (dp/ep) groups (default 0)")
+    xp.add_argument("--precision", default="bf16-mixed", choices=P.PRECISIONS, help="default bf16-mixed")
+    xp.add_argument("--link", default="nvlink4", choices=tuple(COLL.LINKS), help="between the EP ranks (default nvlink4)")
+    xp.add_argument("--json", action="store_true", help="print one JSON object")
 
     commands["presets"] = sub.add_parser("presets", help="list the built-in models")
     commands["gpus"] = sub.add_parser("gpus", help="list the GPU catalogue")
@@ -1130,6 +1145,58 @@ def _context(ns) -> int:
     return _answer_out(ns, out, here, fits=fit.fits)
 
 
+EP_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _experts(ns) -> int:
+    """`parallel.expert_parallel` at --ep and at every other EP size that divides the experts and the ranks.
+    No fit verdict: the states and bytes are exact, a real model's activations depend on its kernels."""
+    if ns.model not in specs.moe_preset_names():
+        raise ValueError(f"--model {ns.model!r}: expert parallelism needs a mixture of experts; presets: "
+                         f"{', '.join(specs.moe_preset_names())}")
+    spec = specs.preset(ns.model)
+    kw = dict(dp=ns.dp, batch_size=ns.batch_size, seq_len=ns.seq_len, capacity_factor=ns.capacity_factor,
+              zero_stage=ns.zero, precision=ns.precision, link=ns.link)
+    mine = PAR.expert_parallel(spec, ep=ns.ep, **kw)
+    sweep = {}
+    for n in sorted(set(EP_SWEEP) | {ns.ep}):
+        try:
+            r = mine if n == ns.ep else PAR.expert_parallel(spec, ep=n, **kw)
+        except ValueError:  # does not divide the experts or the ranks
+            continue
+        states = {k: sum(r[c][k] for c in ("parameters", "gradients", "optimizer_states")) for k in ("dense", "experts")}
+        sweep[n] = {"experts_per_rank": r["experts_per_rank"], "dense_states_bytes": states["dense"],
+                    "expert_states_bytes": states["experts"], "states_bytes": r["states"],
+                    "dispatch_bytes": r["dispatch_bytes"], "sent_per_layer_bytes": r["sent_per_layer"],
+                    "a2a_seconds_per_layer": r["a2a_seconds_per_layer"], "grad_allreduce_bytes": r["grad_allreduce_bytes"]}
+    rows = [[Cell(str(n), "strong") if n == ns.ep else str(n), f"{s['experts_per_rank']:,}", fmt_bytes(s["dense_states_bytes"]),
+             fmt_bytes(s["expert_states_bytes"]), fmt_bytes(s["states_bytes"]), fmt_bytes(s["dispatch_bytes"]["received_worst"]),
+             fmt_bytes(sum(s["sent_per_layer_bytes"].values())), f"{1e3 * sum(s['a2a_seconds_per_layer'].values()):.2f} ms"]
+            for n, s in sweep.items()]
+    routing = "dropless" if ns.capacity_factor is None else f"capacity factor {ns.capacity_factor:g}"
+    table = Table(["ep", "experts a rank", "dense states", "expert states", "states", "receive buffer (worst)",
+                   "all-to-all a layer", "its time"], rows,
+                  caption=f"{spec.name} on {ns.dp} ranks, {ns.batch_size} x {ns.seq_len:,} tokens a rank, {routing}, "
+                          f"{ns.precision} AdamW, ZeRO-{ns.zero}: one rank at each EP size",
+                  notes=["parallel.expert_parallel: states exact (dense over dp, experts over dp/ep under ZeRO); buffers "
+                         "and all-to-all bytes (dispatch and combine, forward and backward) per MoE layer; time on "
+                         f"{ns.link} (alpha-beta). A step's activations depend on the kernels: `estimate train` prices "
+                         "one device's"], align="rrrrrrrr")
+    out = {"model": spec.name, "ep": ns.ep, "dp": ns.dp, "edp": mine["edp"], "batch_size": ns.batch_size,
+           "seq_len": ns.seq_len, "capacity_factor": ns.capacity_factor, "capacity": mine["capacity"], "zero": ns.zero,
+           "precision": ns.precision, "link": ns.link, "experts_per_rank": mine["experts_per_rank"],
+           "parameters_bytes": mine["parameters"], "gradients_bytes": mine["gradients"],
+           "optimizer_states_bytes": mine["optimizer_states"], "states_bytes": mine["states"],
+           "dispatch_rows": mine["dispatch_rows"], "dispatch_bytes": mine["dispatch_bytes"],
+           "sent_per_layer_bytes": mine["sent_per_layer"], "a2a_seconds_per_layer": mine["a2a_seconds_per_layer"],
+           "grad_allreduce_bytes": mine["grad_allreduce_bytes"], "sweep": {str(n): s for n, s in sweep.items()}}
+    if ns.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(table)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `vramlab` with `argv` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
     if argv is not None and (isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence)
@@ -1145,7 +1212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 COMMANDS: dict[str, Callable] = {"estimate": _estimate, "plan": _plan, "lora": _lora, "offload": _offload,
-                                 "checkpoint": _checkpoint, "context": _context}
+                                 "checkpoint": _checkpoint, "context": _context, "experts": _experts}
 
 
 def _main(args: argparse.Namespace) -> int:
