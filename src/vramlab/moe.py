@@ -260,6 +260,20 @@ def _gated_mlp_saved(width: int, *, tokens: int, nb: dict[str, int], name: str) 
     return {f"{name}: gate (act input), act(gate), up, down input": tokens * 4 * width * nb["half"]}
 
 
+def _layer_args(model, layer, tokens, precision, device, capacity_factor):
+    """The checked arguments of the per-layer training functions: (spec, capacity_factor, layer, tokens, bytes
+    per kind)."""
+    from .precision import PRECISIONS, _dtype_bytes
+
+    s = resolve_moe(model)
+    capacity_factor = check_trainable(s, capacity_factor)
+    layer = _checks.whole("layer", layer, lo=0, hi=max(s.num_layers - 1, 0))
+    T = _checks.whole("tokens", tokens)
+    _checks.one_of("precision", precision, PRECISIONS)
+    _checks.one_of("device", device, ("cuda", "cpu"))
+    return s, capacity_factor, layer, T, _dtype_bytes(precision, device)
+
+
 def training_layer_saved(model: "ModelSpec | str", *, layer: int, tokens: int, precision: str = "fp32",
                          device: str = "cuda", capacity_factor: "float | None" = None) -> dict[str, int]:
     """Bytes the MLP part of decoder layer `layer` saves for backward over `tokens` tokens, by tensor
@@ -281,14 +295,7 @@ def training_layer_saved(model: "ModelSpec | str", *, layer: int, tokens: int, p
     of that block while its gradients flow, as for dense blocks: up to ~5 % over the trace there.
     Pure bf16: the Llama twin's norms keep their 2-byte inputs, not the fp32 copies transformers makes
     (DeepSeek-V3 ~3 % under the trace; Mixtral within 1 %)."""
-    from .precision import PRECISIONS, _dtype_bytes
-    s = resolve_moe(model)
-    capacity_factor = check_trainable(s, capacity_factor)
-    li = _checks.whole("layer", layer, lo=0, hi=max(s.num_layers - 1, 0))
-    T = _checks.whole("tokens", tokens)
-    _checks.one_of("precision", precision, PRECISIONS)
-    _checks.one_of("device", device, ("cuda", "cpu"))
-    nb = _dtype_bytes(precision, device)
+    s, capacity_factor, li, T, nb = _layer_args(model, layer, tokens, precision, device, capacity_factor)
     h = s.hidden_size
     amp = precision in ("bf16-mixed", "fp16-mixed")  # autocast casts each linear's input
     if not s.is_moe or li not in s.moe_layer_ids:
@@ -390,14 +397,7 @@ def training_block_bytes(model: "ModelSpec | str", *, layer: int, tokens: int, p
     tensors at once on CUDA, two on the CPU, as `activations` models dense blocks), over the
     routed experts' rows (S = tokens x top-k, dropless; E x C buffers with a capacity), plus the
     gradient of the rows' token copies (rows x h) before it is scattered back to the tokens."""
-    from .precision import PRECISIONS, _dtype_bytes
-    s = resolve_moe(model)
-    capacity_factor = check_trainable(s, capacity_factor)
-    layer = _checks.whole("layer", layer, lo=0, hi=max(s.num_layers - 1, 0))
-    T = _checks.whole("tokens", tokens)
-    _checks.one_of("precision", precision, PRECISIONS)
-    _checks.one_of("device", device, ("cuda", "cpu"))
-    nb = _dtype_bytes(precision, device)
+    s, capacity_factor, layer, T, nb = _layer_args(model, layer, tokens, precision, device, capacity_factor)
     n = 3 if device == "cuda" else 2
     if not s.is_moe or layer not in s.moe_layer_ids:
         return n * T * s.intermediate_size * nb["half"]
