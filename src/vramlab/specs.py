@@ -58,8 +58,8 @@ MOE_MODEL_TYPES = tuple(t for t, f in MODEL_TYPES.items() if f == "moe")
 # every layer of these is a mixture of experts whose expert width is the config's intermediate_size
 _ALL_MOE_TYPES = ("mixtral", "olmoe")
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3")
-MOE_NOT_MODELLED = ("a mixture of experts is not modelled yet by this calculator (issue 33; one-device training is: "
-                    "vramlab.memory.estimate_training)")
+MOE_NOT_MODELLED = ("a mixture of experts is not modelled yet by this calculator (it prices dense models; a mixture of "
+                    "experts: memory.estimate_training on one device, parallel.expert_parallel over ranks)")
 
 
 class SpecError(ValueError):
