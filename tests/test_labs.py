@@ -497,7 +497,16 @@ def test_lab4_instructor_full_marks_and_cpu_run(tmp_path):
     saved, executed = _run_instructor("lab04_zero", 13, tmp_path)
     assert "not a GPU measurement" in saved["note"] and {"date", "torch", "platform"} <= set(saved["provenance"])
     assert set(saved["run"]["setups"]) == {"0", "1", "2", "3", "fsdp2"}
-    assert all(s["max_abs_diff_vs_one_process"] < 1e-5 * saved["run"]["steps"] for s in saved["run"]["setups"].values())
+    # trained as one process trains, to rounding: Adam turns rounding in near-zero gradients into whole updates,
+    # so the floor is this machine's own (its BLAS's summation order), measured as benchmarks/zero_validation.py
+    # does: one process adding the ranks' micro-batch gradients against one taking the whole batch
+    from vramlab.measure import zero as zerolab
+
+    run = saved["run"]
+    floor = zerolab.accumulation_noise(run["ranks"], run["micro_batch_size"], run["seq_len"], run["steps"],
+                                       run["model_name"])
+    tol = max(1e-5 * run["steps"], 5 * floor)
+    assert all(s["max_abs_diff_vs_one_process"] < tol for s in run["setups"].values()), (tol, run["setups"])
     out = "".join(o.get("text", "") for c in executed.cells for o in c.get("outputs", []))
     assert "ZeRO-3" in out and "FSDP2" in out and "max |diff|" in out and "step peak: predicted" in out
 
