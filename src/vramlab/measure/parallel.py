@@ -2073,28 +2073,37 @@ def run_cp(config: dict[str, Any], *, timeout: float = 600) -> dict[str, Any]:
     return _run_in_subprocess(cp_argv, config, timeout)
 
 
-def cp_campaign(path: str, configs=CP_CAMPAIGN) -> dict[str, Any]:
-    """Run every configuration and store them, with each row's error, in one JSON file at `path`."""
+def _campaign(path: str, configs, run, label, *, what: str, name: str) -> dict[str, Any]:
+    """Run every configuration (`run(config)`), keep each rank's ledger summary, print each run's worst error
+    (`label(config)` names it) and store them all with provenance in one JSON file at `path`."""
     from .record import provenance
 
     runs = []
     for config in configs:
-        result = run_cp(config)
+        result = run(config)
         for r in result["per_rank"]:
             r["memory"] = {k: r["memory"][k] for k in ("peak", "peak_phase", "at_peak", "phases")}
         runs.append({"config": dict(config), "result": result})
-        argv = cp_argv(config, path)
-        del argv[argv.index("--out"):argv.index("--out") + 2]
-        print(f"{' '.join(argv)}: worst error "
-              f"{max(abs(r['error']) for r in result['rows']):.2%}", flush=True)
-    out = {"what": "context parallelism on gloo ranks (CPU): each rank's peak through a steady-state training "
-                   "step (the ledger) and the bytes its attention sent per layer, against "
-                   "vramlab.parallel.context_parallel",
-           "command": f"python -c \"from vramlab.measure.parallel import cp_campaign; cp_campaign('{path}')\"",
+        print(f"{label(config)}: worst error {max(abs(r['error']) for r in result['rows']):.2%}", flush=True)
+    out = {"what": what, "command": f"python -c \"from vramlab.measure.parallel import {name}; {name}('{path}')\"",
            "provenance": provenance("cpu"), "runs": runs}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=1) + "\n")
     return out
+
+
+def _cp_label(config: dict[str, Any]) -> str:
+    argv = cp_argv(config, "")
+    del argv[argv.index("--out"):argv.index("--out") + 2]
+    return " ".join(argv)
+
+
+def cp_campaign(path: str, configs=CP_CAMPAIGN) -> dict[str, Any]:
+    """Run every configuration and store them, with each row's error, in one JSON file at `path`."""
+    return _campaign(path, configs, run_cp, _cp_label, name="cp_campaign",
+                     what="context parallelism on gloo ranks (CPU): each rank's peak through a steady-state training "
+                          "step (the ledger) and the bytes its attention sent per layer, against "
+                          "vramlab.parallel.context_parallel")
 
 
 
@@ -2697,23 +2706,10 @@ def run_ep(config: dict[str, Any], *, timeout: float = 600) -> dict[str, Any]:
 
 def ep_campaign(path: str, configs=EP_CAMPAIGN) -> dict[str, Any]:
     """Run every configuration and store them, with each row's error, in one JSON file at `path`."""
-    from .record import provenance
-
-    runs = []
-    for config in configs:
-        result = run_ep(config)
-        for r in result["per_rank"]:
-            r["memory"] = {k: r["memory"][k] for k in ("peak", "peak_phase", "at_peak", "phases")}
-        runs.append({"config": dict(config), "result": result})
-        print(f"{config}: worst error {max(abs(r['error']) for r in result['rows']):.2%}", flush=True)
-    out = {"what": "expert parallelism on gloo ranks (CPU): each rank's states, peak through a steady-state training "
-                   "step (the ledger) and the bytes its all-to-alls sent per MoE layer, against "
-                   "vramlab.parallel.expert_parallel",
-           "command": f"python -c \"from vramlab.measure.parallel import ep_campaign; ep_campaign('{path}')\"",
-           "provenance": provenance("cpu"), "runs": runs}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(out, indent=1) + "\n")
-    return out
+    return _campaign(path, configs, run_ep, str, name="ep_campaign",
+                     what="expert parallelism on gloo ranks (CPU): each rank's states, peak through a steady-state "
+                          "training step (the ledger) and the bytes its all-to-alls sent per MoE layer, against "
+                          "vramlab.parallel.expert_parallel")
 
 
 if __name__ == "__main__":
