@@ -31,6 +31,9 @@ Steps (each configuration measured in its own process, so nothing of one can cou
              caching host allocator's peak (torch.cuda.host_memory_stats) against
              vramlab.offload.loader_memory, one batch's copy pinned vs pageable
              -> benchmarks/results/offload/gpu/<gpu>_pinned.json
+- serving:   vLLM's own KV-cache pool, blocks and concurrency for a few presets with dummy weights, beside
+             vramlab.serving (benchmarks/vllm_serving_probe.py; skipped where vLLM is not installed)
+             -> benchmarks/results/serving/<gpu>_vllm.json
 - labs:      every lab's instructor version, run without a Jupyter kernel (labs/kernelless.py)
              -> labs/results/<gpu>/<lab>_<gpu>.json (<gpu>: the catalogue's key, h100 on an H100, else
              the device's name; labs/results/<lab>.json holds each lab's CPU run)
@@ -62,7 +65,8 @@ def _use_this_checkout() -> None:
     sys.path.insert(0, str(ROOT / "src"))
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *rest])
-STEPS = ("accuracy", "inference", "maxbatch", "fsdp2", "offload", "allocator", "pinned", "inplace", "compile", "labs")
+STEPS = ("accuracy", "inference", "maxbatch", "fsdp2", "offload", "allocator", "pinned", "inplace", "compile", "serving",
+         "labs")
 LABS = ("lab01_where_memory_goes", "lab02_collectives", "lab03_parallelism", "lab04_zero", "lab05_mixed_precision",
         "lab06_offload", "lab07_checkpointing", "lab08_compression")
 INFERENCE = [  # (preset, batch, prompt, new tokens or None for a prefill with all logits, dtype)
@@ -296,6 +300,20 @@ def compile_step(dry: bool, tag: str) -> None:
                        f"failed ({r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}"))
 
 
+def serving_vllm(dry: bool, tag: str) -> None:
+    """Chapter 1's serving section on a GPU: vLLM's pool and blocks (benchmarks/vllm_serving_probe.py)."""
+    import subprocess
+
+    dest = RESULTS / "serving" / f"{tag}_vllm.json"
+    say(f"serving: vLLM's KV blocks and concurrency for 3 presets, dummy weights -> {dest.relative_to(ROOT)}")
+    if dry:
+        return
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_serving_probe.py"), "--out", str(dest)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=3600, env={**os.environ, "VRAMLAB_GPU": tag})
+    say("serving: " + ((r.stdout.strip().splitlines() or ["done"])[-1] if r.returncode == 0 else
+                       f"failed ({r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}"))
+
+
 def gpu_tag(name: str) -> str:
     """The folder a GPU's lab runs go in: the catalogue's name for the device where it has one
     (labs/results/h100/ on any H100, t4/ on a Colab T4), else the device's name as a file name."""
@@ -381,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         inplace_ops(args.dry_run, gpu_tag(name))
     if "compile" in steps:
         compile_step(args.dry_run, gpu_tag(name))
+    if "serving" in steps:
+        serving_vllm(args.dry_run, gpu_tag(name))
     if "labs" in steps:
         labs(args.dry_run, gpu_tag(name))
     say("done" + (" (dry run: nothing measured)" if args.dry_run else ""))

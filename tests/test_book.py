@@ -235,4 +235,23 @@ def test_issue33_mixture_of_experts_and_long_context(built):
     assert "exact" in ep and 'id="vl-experts"' in ep
     long = ch3.split('id="k-to-128-k-tokens-what-it-takes"')[1].split('id="expert-parallelism')[0]
     assert "fused loss + full recompute" in long and "none fits" in long and "--recompute" in long
+    assert "FSDP2 over the CP ranks" in long and "--fsdp" in long
+    folded = ch3.split('id="experts-beside-tensor-and-pipeline-parallelism"')[1].split('id="beyond-one-machine"')[0]
+    assert "2,048" in folded and "Megatron-Core" in folded and "tests/test_moe_layout.py" in folded
     assert "Traceback" not in ch1 and "Traceback" not in ch3
+
+
+def test_issue34_serving(built):
+    """Chapter 1's serving section: vLLM's start-up line computed, the KV dtypes side by side, transformers'
+    paged cache measured on the CPU (labelled so) against the calculator, and the live calculator; chapter 8's
+    quantized KV cache, byte for byte."""
+    html, _ = built
+    ch1 = (html / "book" / "01_where_memory_goes.html").read_text()
+    serve = ch1.split('id="serving-a-paged-kv-cache-and-the-requests-it-holds"')[1].split('id="the-calculator"')[0]
+    assert "Maximum concurrency for 2,000 tokens per request" in serve and "KV fp8" in serve
+    assert "not a GPU measurement" in serve and "exact" in serve and "differs" not in serve
+    assert 'id="vl-serving"' in serve and "vramlab serve" in serve
+    ch8 = (html / "book" / "08_compression.html").read_text()
+    kvq = ch8.split('id="the-kv-cache-quantized"')[1]
+    assert "int8 + fp32 scales" in kvq and "33,792 B" in kvq and "predicted" not in kvq.split("</table>")[0]
+    assert "Traceback" not in ch1 and "Traceback" not in ch8

@@ -59,7 +59,7 @@ def run_cli(*args, timeout=300, env=None):
 def test_structure_attacks_score_the_honest_score():
     """Correct answers (one of them warning on stderr), with every test tampered with: turned into
     markdown, renamed to a bonus-free `pass`, deleted, plus a forged 100-point cell and a solution that
-    tries to read and rewrite the instructor source. The honest score: 18/18, out of 18."""
+    tries to read and rewrite the instructor source. The honest score: 21/21, out of 21."""
     nb = student()
     sol = solutions()
     for gid, src in sol.items():
@@ -81,7 +81,7 @@ def test_structure_attacks_score_the_honest_score():
     before = INSTRUCTOR_SOURCE.read_bytes()
     scores = tools.grade(nb, LAB, timeout=300)
     assert INSTRUCTOR_SOURCE.read_bytes() == before  # graded in a scratch directory
-    assert set(scores) == {"ex1-test", "ex2-test", "ex3-test", "accum-test", "alloc-test", "inplace-test"} and tools.total(scores) == (18, 18), scores
+    assert set(scores) == {"ex1-test", "ex2-test", "ex3-test", "accum-test", "alloc-test", "inplace-test", "serve-test"} and tools.total(scores) == (21, 21), scores
 
 
 def test_stubs_with_forged_and_deleted_tests_score_zero_of_the_real_total():
@@ -91,7 +91,7 @@ def test_stubs_with_forged_and_deleted_tests_score_zero_of_the_real_total():
         if c.metadata.get("nbgrader", {}).get("grade_id") in ("ex2-test", "ex3-test"):
             c.metadata = {}  # metadata deleted
     scores = tools.grade(nb, LAB, timeout=300)
-    assert tools.total(scores) == (0, 18), scores
+    assert tools.total(scores) == (0, 21), scores
 
 
 def test_an_endless_solution_ends_with_a_reason():
@@ -102,14 +102,14 @@ def test_an_endless_solution_ends_with_a_reason():
     t0 = time.perf_counter()
     scores = tools.grade(nb, LAB, timeout=5)
     assert time.perf_counter() - t0 < HANG  # a hang guard, not a budget
-    assert tools.total(scores) == (0, 18) and "ran past the 5 s limit" in scores["ex1-test"][2], scores
+    assert tools.total(scores) == (0, 21) and "ran past the 5 s limit" in scores["ex1-test"][2], scores
 
 
 @pytest.mark.parametrize("sandbox", [None, False])
 def test_background_processes_huge_output_memory_and_an_exit(tmp_path, sandbox):
     """Correct answers to exercises 1 and 2, the second of which starts a background process that
     leaves its process group (setsid) and prints 30 MB; a third answer that asks for 8 GiB and then
-    ends its process: 6/18, the third's 0 with its reason; no process the answers started outlives
+    ends its process: 6/21, the third's 0 with its reason; no process the answers started outlives
     grading, with the sandbox (a PID namespace) and without (the grader is their subreaper)."""
     pidfile = tmp_path / "bg.pid"
     dur = f"300.{os.getpid()}{int(time.time() * 1000) % 10**6}"  # this run's own sleep: not another session's
@@ -125,7 +125,7 @@ def test_background_processes_huge_output_memory_and_an_exit(tmp_path, sandbox):
     t0 = time.perf_counter()
     scores = tools.grade(nb, LAB, timeout=120, sandbox=sandbox, report=report)
     assert time.perf_counter() - t0 < HANG  # a hang guard, not a budget
-    assert scores["ex1-test"][0] == 3 and scores["ex2-test"][0] == 3 and tools.total(scores) == (6, 18), scores
+    assert scores["ex1-test"][0] == 3 and scores["ex2-test"][0] == 3 and tools.total(scores) == (6, 21), scores
     assert "ended" in scores["ex3-test"][2] and "exit code 3" in scores["ex3-test"][2]
     time.sleep(0.5)
     if pidfile.exists() and sandbox is False:  # (in the sandbox the pid is the namespace's own)
@@ -145,7 +145,7 @@ def test_invalid_notebooks_get_a_report_not_a_traceback(tmp_path, content, name)
     path.write_text(content)
     r = run_cli("grade", str(path), timeout=300)
     assert r.returncode == 0 and "Traceback" not in r.stderr
-    assert "total 0/18" in r.stdout and ("not" in r.stdout)
+    assert "total 0/21" in r.stdout and ("not" in r.stdout)
 
 
 def test_names_folders_and_missing_files(tmp_path):
@@ -153,13 +153,13 @@ def test_names_folders_and_missing_files(tmp_path):
     for name in ("alice.ipynb", f"{LAB} (1).ipynb"):  # found by its cells, or by its name
         nbformat.write(nb, tmp_path / name)
         r = run_cli("grade", str(tmp_path / name), "--timeout", "300")
-        assert r.returncode == 0 and "total 0/18" in r.stdout and f"({LAB})" in r.stdout, r.stdout + r.stderr
+        assert r.returncode == 0 and "total 0/21" in r.stdout and f"({LAB})" in r.stdout, r.stdout + r.stderr
     (tmp_path / "folder").mkdir()
     for target in (tmp_path / "folder", tmp_path / "missing.ipynb"):
         r = run_cli("grade", str(target), timeout=300)
         assert r.returncode == 2 and "pass --lab" in r.stderr and "Traceback" not in r.stderr
         r = run_cli("grade", str(target), "--lab", LAB, timeout=300)
-        assert r.returncode == 0 and "total 0/18" in r.stdout and "not a file" in r.stdout
+        assert r.returncode == 0 and "total 0/21" in r.stdout and "not a file" in r.stdout
     r = run_cli("grade", str(tmp_path / "alice.ipynb"), "--lab", "lab99", timeout=300)
     assert r.returncode == 2 and "unknown lab 'lab99'" in r.stderr
 
@@ -167,7 +167,7 @@ def test_names_folders_and_missing_files(tmp_path):
 def test_unwritable_json_report_is_a_reason(tmp_path):
     nbformat.write(student(), tmp_path / f"{LAB}.ipynb")
     r = run_cli("grade", str(tmp_path / f"{LAB}.ipynb"), "--json", "/proc/nope/scores.json")
-    assert r.returncode == 1 and "cannot write /proc/nope/scores.json" in r.stderr and "total 0/18" in r.stdout
+    assert r.returncode == 1 and "cannot write /proc/nope/scores.json" in r.stderr and "total 0/21" in r.stdout
 
 
 def test_instructor_commands_fail_cleanly():
@@ -337,7 +337,7 @@ if _found:
 '''
     before = INSTRUCTOR_SOURCE.read_bytes()
     scores = _graded_with(LAB, "ex1-solution", probe)
-    assert tools.total(scores) == (18, 18), scores
+    assert tools.total(scores) == (21, 21), scores
     assert INSTRUCTOR_SOURCE.read_bytes() == before
 
 
@@ -347,7 +347,7 @@ def test_without_a_sandbox_a_changed_file_voids_the_grading():
     readme = ROOT / "labs" / "README.md"
     code = solutions()["ex1-solution"] + f"\nimport os\nos.utime({str(readme)!r})\n"
     scores = _graded_with(LAB, "ex1-solution", code, sandbox=False)
-    assert tools.total(scores) == (0, 18) and "labs/README.md" in scores["ex1-test"][2], scores
+    assert tools.total(scores) == (0, 21) and "labs/README.md" in scores["ex1-test"][2], scores
 
 
 def test_two_gradings_at_once_do_not_interfere(tmp_path):
@@ -377,7 +377,7 @@ def test_several_submissions_in_one_command(tmp_path):
     r = run_cli("grade", *map(str, paths), "--json", str(tmp_path / "scores.json"), "--timeout", "120")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     totals = [(Path(x["notebook"]).parent.name, x["total"]) for x in json.loads((tmp_path / "scores.json").read_text())]
-    assert totals == [("alice", [18, 18]), ("bob", [0, 18]), ("carol", [0, 18])]
+    assert totals == [("alice", [21, 21]), ("bob", [0, 21]), ("carol", [0, 21])]
     assert r.stdout.count("total ") == 3
 
 
@@ -764,7 +764,7 @@ def test_the_sandbox_holds_nothing_but_what_grading_needs(tmp_path):
         scores = _graded_with(LAB, "ex1-solution", probe, sandbox=True)
     finally:
         listener.close()
-    assert tools.total(scores) == (18, 18), scores["ex1-test"]
+    assert tools.total(scores) == (21, 21), scores["ex1-test"]
     assert not [w for w in writes if Path(w).exists()]
 
 
@@ -891,9 +891,9 @@ def test_the_command_grades_without_a_sandbox_only_when_told(tmp_path):
     assert "Traceback" not in r.stderr and not r.stdout
     out = tmp_path / "scores.json"
     r = run_cli("grade", str(path), "--no-sandbox", "--json", str(out), "--timeout", "120", timeout=300)
-    assert r.returncode == 0 and "PROVISIONAL" in r.stdout and "total 18/18" in r.stdout, (r.stdout, r.stderr)
+    assert r.returncode == 0 and "PROVISIONAL" in r.stdout and "total 21/21" in r.stdout, (r.stdout, r.stderr)
     got = json.loads(out.read_text())
-    assert got["provisional"] is True and got["total"] == [18, 18]
+    assert got["provisional"] is True and got["total"] == [21, 21]
 
 
 ANSWER_FROM_THE_INSTRUCTOR_SOURCE = '''

@@ -49,7 +49,8 @@ def _exercises_only(nb):
     """Setup, solutions and tests only: grading the exercises without re-running the measurements."""
     nb = copy.deepcopy(nb)
     keep = ("setup", "ex", "stream-", "accum-solution", "accum-test", "alloc-solution", "alloc-test", "moe-",
-            "prefix-", "chunk-solution", "chunk-test", "inplace-solution", "inplace-test", "disk-solution", "disk-test")
+            "prefix-", "chunk-solution", "chunk-test", "inplace-solution", "inplace-test", "disk-solution", "disk-test",
+            "serve-solution", "serve-test")
     nb.cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id", "").startswith(keep)]
     return nb
 
@@ -110,7 +111,7 @@ def _run_instructor(lab, points, tmp_path):
 
 
 def test_instructor_version_full_marks_and_cpu_run(tmp_path):
-    saved, executed = _run_instructor(LAB, 18, tmp_path)
+    saved, executed = _run_instructor(LAB, 21, tmp_path)
     assert saved["mode"] == "trace" and "not a GPU measurement" in saved["note"]
     assert {"date", "torch", "platform"} <= set(saved["provenance"])
     train = [r for r in saved["rows"] if r["kind"] == "train"]
@@ -121,7 +122,7 @@ def test_instructor_version_full_marks_and_cpu_run(tmp_path):
     assert "No GPU found" in out and "largest batch that fits" in out
 
 
-@pytest.mark.parametrize("lab, points", [(LAB, 18), ("lab02_collectives", 8), ("lab03_parallelism", 18),
+@pytest.mark.parametrize("lab, points", [(LAB, 21), ("lab02_collectives", 8), ("lab03_parallelism", 18),
                                          ("lab04_zero", 13), ("lab05_mixed_precision", 7),
                                          ("lab06_offload", 14), ("lab07_checkpointing", 12), ("lab08_compression", 20)])
 def test_student_version_scores_zero(lab, points):
@@ -220,7 +221,7 @@ def test_wrong_answers_lose_their_points():
     assert "tie" in scores["ex1-test"][2]  # the feedback explains the mistake
     # a wrong answer that passes the visible test still fails the hidden ones
     scores = tools.grade(_with_solution(base, "ex2-solution", WRONG_EX2), LAB)
-    assert scores["ex2-test"][0] == 0 and tools.total(scores) == (15, 18)
+    assert scores["ex2-test"][0] == 0 and tools.total(scores) == (18, 21)
 
 
 def test_tampered_tests_are_restored():
@@ -256,7 +257,7 @@ def test_real_nbgrader_generate_and_autograde(tmp_path):
 
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
         submission = gb.find_submission(LAB, "alice")
-        assert (submission.score, submission.max_score) == (18, 18)
+        assert (submission.score, submission.max_score) == (21, 21)
 
 
 def test_lab5_instructor_full_marks_and_cpu_run(tmp_path):

@@ -4,7 +4,7 @@ The folder tells the layer (see README, "The package"):
 
 - `vramlab.*` — the calculators, one module per concept, pure Python (no torch, ever): `checks`,
   `units`, `specs`, `precision`, `activations`, `memory`, `fitting`, `collectives`, `parallel`,
-  `zero`, `offload`, `checkpointing`, `compression`;
+  `zero`, `offload`, `checkpointing`, `compression`, `moe`, `serving`, `allocator`;
 - `vramlab.measure.*` — what the calculators predict, measured with torch (one module per chapter,
   named like its calculator: `vramlab.zero` predicts, `vramlab.measure.zero` measures);
 - `vramlab.present.*` — the calculators' declarations, their widgets, figures and the CLI;

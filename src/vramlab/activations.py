@@ -742,6 +742,8 @@ def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision:
             norms = [x for x in enc_saved if x.name.startswith(("input_layernorm", "post_attention_layernorm"))]
             attn = _ledger_bytes(norms, **sizes) + sum(_moe.mla_attention_saved(
                 moe_spec, tokens=tokens, precision=precision, device=device).values())
+            if nb["up32"]:  # DeepSeek's RMSNorms save an fp32 copy of a 16-bit input (traced: V2 and V3, pure bf16)
+                attn += 2 * tokens * moe_spec.hidden_size * (nb["up32"] - nb["x"])
         else:
             attn = _ledger_bytes([x for x in enc_saved if x.part == "attn"], **sizes) + _qk_norm_bytes(moe_spec, tokens, nb)
         mlps = [sum(_moe.training_layer_saved(moe_spec, layer=i, tokens=tokens, precision=precision, device=device,
@@ -792,6 +794,8 @@ def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision:
         copies = 0
     outside_saved = [x for x in keep(model_saved(spec)) if (share.first if x.stage == "first" else share.last)]
     outside = _ledger_bytes(outside_saved, **sizes)
+    if moe_spec is not None and moe_spec.is_mla and nb["up32"] and share.last:  # the final norm's fp32 copy, as above
+        outside += tokens * moe_spec.hidden_size * (nb["up32"] - nb["x"])
     if spec.family == "t5":
         # relative-position buckets: an (s, s) int64 index per stack, kept by the bias embedding
         outside += 2 * s * s * nb["i64"]

@@ -6,7 +6,7 @@ Qwen3-MoE, OLMoE, DeepSeek-V2/V3); this module reads them. A token goes through 
 and the num_experts_per_tok routed experts its router picks in each MoE layer, so its compute and
 its activations follow `active_params`, while memory for weights, gradients and optimizer states
 follows `params`. Training memory on one device is modelled below (`training_layer_saved`,
-`mla_attention_saved`, `training_block_bytes`, used by `memory.estimate_training`); `specs.resolve`
+`mla_attention_saved`, `training_block_bytes`, used by `memory.estimate_training`; every family above); `specs.resolve`
 still refuses an MoE spec for the other calculators, and this module takes one through `resolve_moe`.
 
 The KV cache of multi-head latent attention (DeepSeek) is the reason MLA exists: keys and values
@@ -236,12 +236,13 @@ def prefill_block_bytes(model: "ModelSpec | str", *, tokens: int, dtype_bytes: i
 # families whose router renormalises the top-k weights (transformers' config defaults: Mixtral
 # always; norm_topk_prob defaults to False in Qwen2-MoE, Qwen3-MoE and OLMoE configs)
 _NORM_TOPK = ("mixtral",)
-TRAINING_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+TRAINING_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
 
 
 def check_trainable(s: ModelSpec, capacity_factor: "float | None" = None) -> "float | None":
-    """One line where the training ledger cannot price `s`: multi-head latent attention (DeepSeek)
-    is not modelled for training yet. Returns the checked capacity_factor (None: dropless)."""
+    """One line where the training ledger cannot price `s`: a mixture-of-experts family outside
+    TRAINING_FAMILIES (every MoE family `specs` knows is in it today), or a capacity_factor for a dense
+    model. Returns the checked capacity_factor (None: dropless)."""
     if capacity_factor is not None:
         if not s.is_moe:
             raise ValueError(f"capacity_factor applies to a mixture of experts; {s.name} is a dense "
@@ -249,8 +250,8 @@ def check_trainable(s: ModelSpec, capacity_factor: "float | None" = None) -> "fl
         capacity_factor = _checks.number("capacity_factor", capacity_factor, lo=0, lo_open=True,
                                          hi=MAX_CAPACITY_FACTOR)
     if s.is_moe and s.model_type not in TRAINING_FAMILIES:
-        raise ValueError(f"{s.name}: {s.model_type} training memory (its router and rotary attention) is not "
-                         f"modelled yet; modelled: {', '.join(TRAINING_FAMILIES)}")
+        raise ValueError(f"{s.name}: {s.model_type} training memory is not modelled yet; modelled: "
+                         f"{', '.join(TRAINING_FAMILIES)}")
     return capacity_factor
 
 
@@ -283,18 +284,24 @@ def training_layer_saved(model: "ModelSpec | str", *, layer: int, tokens: int, p
     `capacity_factor` None; else drop-and-pad buffers of `expert_capacity` rows per expert) and its
     shared experts (Qwen2-MoE: a gated MLP and a sigmoid gate). Integer bytes.
 
-    Validated against trace-mode steps of the transformers models (tests/test_moe_training.py: the
-    activations within 0.3 % in fp32 and bf16-mixed, all five families, dropless and capacity 1.0/1.25).
+    DeepSeek-V2 (transformers' DeepseekV2TopkRouter): an fp32 softmax, then top-k ("greedy") or, with
+    n_group > 1, "group_limited_greedy" (each group's max, the top topk_group groups, the other groups'
+    experts masked to 0 before the top-k); routed_scaling_factor multiplies by a number (nothing saved),
+    no renormalisation; the weights stay fp32. DeepSeek-V3: sigmoid scores, group top-2 sums, renormalised.
 
-    Known limitations: DeepSeek-V2 (softmax routing, its rotary attention) is refused. The
-    load-balancing loss is left out: transformers 5.23 computes it only with
+    Validated against trace-mode steps of the transformers models (tests/test_moe_training.py: the
+    activations within 0.3 % in fp32 and bf16-mixed, all six families, dropless and capacity 1.0/1.25;
+    DeepSeek-V2 greedy and group-limited, top-3 and top-6, within 0.15 %).
+
+    Known limitations: the load-balancing loss is left out: transformers 5.23 computes it only with
     config.output_router_logits (False in every family's config; DeepSeek has none), layer by layer
     (`load_balancing_loss_func`: each layer's softmax, T x E, and its top-k indices saved: T x (4E + 8k)
     bytes per MoE layer, < 0.1 % of a layer's activations for the presets). Where the step's peak
     falls inside the last block's backward (small vocabularies) the estimate keeps every saved tensor
     of that block while its gradients flow, as for dense blocks: up to ~5 % over the trace there.
     Pure bf16: the Llama twin's norms keep their 2-byte inputs, not the fp32 copies transformers makes
-    (DeepSeek-V3 ~3 % under the trace; Mixtral within 1 %)."""
+    ((2L + 1) x tokens x h x 2 bytes: DeepSeek-V2 and V3 ~5 % under the trace in activations, ~3 % in the
+    peak; exactly that gap, within 1 %, in tests/test_moe_training.py; Mixtral within 1 %)."""
     s, capacity_factor, li, T, nb = _layer_args(model, layer, tokens, precision, device, capacity_factor)
     h = s.hidden_size
     amp = precision in ("bf16-mixed", "fp16-mixed")  # autocast casts each linear's input
@@ -311,24 +318,30 @@ def training_layer_saved(model: "ModelSpec | str", *, layer: int, tokens: int, p
     out = {"router and shared experts' input": T * h * (readers * nb["half"] if amp else nb["x"]),
            "router softmax (fp32)": T * E * 4,
            "top-k indices": T * k * 8}
+    G, tg = s.num_expert_groups, s.topk_expert_groups
+    if s.model_type in ("deepseek_v2", "deepseek_v3") and precision in ("bf16", "fp16"):
+        # the router runs in fp32 (`F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))`):
+        # under pure 16 bits a copy of its input and of its weight, which the linear saves (E x h: 0.1 % of it)
+        out["router's fp32 copies of its input and weight (pure 16-bit)"] = (T + E) * h * 4
     if s.model_type == "deepseek_v3":
-        # the router runs in fp32 (`hidden_states.type(torch.float32)`): a copy under pure 16 bits, which
-        # its linear saves; sigmoid scores (not softmax); the group-limited choice: each group's top-2
-        # and the top groups' indices, the mask of allowed experts; norm_topk_prob (True by default):
-        # the sum and the weights
-        if precision in ("bf16", "fp16"):
-            out["router's fp32 copy of its input (pure 16-bit)"] = T * h * 4
-        G, tg = s.num_expert_groups, s.topk_expert_groups
+        # sigmoid scores (not softmax); the group-limited choice: each group's top-2 and the top groups'
+        # indices, the mask of allowed experts; norm_topk_prob (True by default): the sum and the weights
         del out["router softmax (fp32)"]
         out["router sigmoid (fp32)"] = T * E * 4
         out["group top-2 and top-group indices, expert mask"] = T * (G * 2 * 8 + tg * 8 + E)
         out["top-k weights and their sum (renormalised)"] = T * (k + 1) * 4
+    elif s.model_type == "deepseek_v2" and G > 1:
+        # topk_method "group_limited_greedy" (transformers' DeepseekV2TopkRouter): each group's max
+        # (its argmax saved, G int64), the top groups' indices (topk_group int64), the bool mask of the
+        # experts outside them (masked_fill); "greedy" (n_group 1) is the plain softmax top-k above.
+        # routed_scaling_factor multiplies by a Python number: nothing saved; no renormalisation
+        out["group max and top-group indices, expert mask"] = T * (G * 8 + tg * 8 + E)
     if s.model_type in _NORM_TOPK:
         out["top-k weights and their sum (renormalised)"] = T * (k + 1) * 4
     if capacity_factor is None:
         S = T * k
         # int64 indices saved by the gathers: perm // k (each row's token), perm, the inverse permutation.
-        # DeepSeek-V3's traces hold two of the three (measured in trace mode; why is not traced yet)
+        # DeepSeek-V3's traces hold two of the three (measured in trace mode; why is not traced yet); V2's all three
         n_idx = 2 if s.model_type == "deepseek_v3" else 3
         out.update({
             "permutation, token of each row, inverse permutation (int64)": n_idx * S * 8,
@@ -354,13 +367,19 @@ def training_layer_saved(model: "ModelSpec | str", *, layer: int, tokens: int, p
 
 def mla_attention_saved(model: "ModelSpec | str", *, tokens: int, precision: str = "fp32",
                         device: str = "cuda") -> dict[str, int]:
-    """Bytes DeepSeek-V3's multi-head latent attention saves for backward over `tokens` tokens, by
-    tensor, between its two norms (transformers 5.23 `DeepseekV3Attention` with SDPA's fused kernel):
+    """Bytes DeepSeek's multi-head latent attention saves for backward over `tokens` tokens, by
+    tensor, between its two norms (transformers 5.23 `DeepseekV2Attention` and `DeepseekV3Attention`
+    with SDPA's fused kernel):
     the projections' input; q's low-rank path (q_a's output and its RMSNorm); kv_a's output (the latent
     and the shared rotary key) and its RMSNorm; kv_b's input; q and k (heads x qk_head_dim, made by
     torch.cat and a copy), kv_b's output (the values' storage, heads x (nope + v)); the log-sum-exp,
     the output and o_proj's contiguous input (heads x v). Under autocast the norms' inputs are fp32
     copies and each linear saves its own 16-bit cast.
+
+    The rotary part saves nothing per layer in either: V3's cos/sin products save the model's shared
+    cos and sin; V2's complex rotation (`apply_rotary_emb`: `view_as_complex` of q_pe and k_pe, times
+    the polar `freqs_cis`) saves only `freqs_cis` (the model's, s x rope/2 complex64, once), and its fp32
+    upcasts of q_pe/k_pe under 16 bits are temporaries (traced: the same saved tensors as V3's).
 
     Known limitations: SDPA's fused kernel assumed (CPU flash takes only equal q/k and v head widths;
     a CPU trace of v_head_dim != head_dim runs the math path and saves the scores)."""
@@ -392,11 +411,22 @@ def mla_attention_saved(model: "ModelSpec | str", *, tokens: int, precision: str
 
 def training_block_bytes(model: "ModelSpec | str", *, layer: int, tokens: int, precision: str = "fp32",
                          device: str = "cuda", capacity_factor: "float | None" = None) -> int:
-    """The most the MLP part of layer `layer` holds at once in its backward beyond what it saved:
-    the gradients of its widest intermediates (the gated MLP's backward holds three row x width
-    tensors at once on CUDA, two on the CPU, as `activations` models dense blocks), over the
-    routed experts' rows (S = tokens x top-k, dropless; E x C buffers with a capacity), plus the
-    gradient of the rows' token copies (rows x h) before it is scattered back to the tokens."""
+    """The most the MLP part of layer `layer` holds at once in its backward beyond what it saved,
+    the larger of two phases: the experts' own (the gradients of their widest intermediates: the
+    gated MLP's backward holds three row x width tensors at once on CUDA, two on the CPU, as
+    `activations` models dense blocks, over the routed rows, S = tokens x top-k dropless or E x C
+    buffers with a capacity, plus the gradient of the rows' token copies, rows x h), and the routing
+    weights' product's, before it (3 x tokens x top-k x h in the weighted output's dtype, fp32 where
+    the weights are: the larger one where the experts are narrower than the model, DeepSeek-V2-Lite's
+    1408 < 2048 in pure bf16). DeepSeek's shared experts, added last, run their backward first and free
+    what they saved before the routed experts' begins. Traced on DeepSeek-V2 top-6 (full recompute:
+    a recomputed block's backward is the step's peak; pure bf16 within 1 % of the trace, where the
+    experts' phase alone left it 15 % under).
+
+    Known limitations: in that regime under fp32 and bf16-mixed the step estimate is 3-4 % over the
+    trace, from the recompute walk (`memory.estimate_training`), not this ledger: it counts the
+    blocks' gradients made so far as equal shares of all blocks' (dense first layers are smaller than
+    MoE ones: +1.1 % there) and ~1.8 % more activations alive than traced."""
     s, capacity_factor, layer, T, nb = _layer_args(model, layer, tokens, precision, device, capacity_factor)
     n = 3 if device == "cuda" else 2
     if not s.is_moe or layer not in s.moe_layer_ids:
@@ -406,7 +436,21 @@ def training_block_bytes(model: "ModelSpec | str", *, layer: int, tokens: int, p
         rows, e = T * k, nb["x"]
     else:
         rows, e = E * expert_capacity(T, E, k, capacity_factor), nb["half"]
-    return n * rows * i * e + rows * h * e
+    width = n * rows * i * e + rows * h * e
+    # the weighting's backward, before the experts' (traced: DeepSeek-V2 top-6, pure bf16): the rows'
+    # gradient (T*k x h, in the weighted output's dtype: fp32 where the routing weights are) is a copy of
+    # the summed expand, then put back in expert order (index's backward: zeros and index_put, out of
+    # place) and multiplied by the weights and by the experts' outputs: three rows x h tensors at once
+    w = 4 if s.model_type in _FP32_ROUTING else nb["half"]
+    weighting = 3 * T * k * h * max(e, w)
+    shared = s.num_shared_experts * (s.shared_expert_intermediate_size or s.moe_intermediate_size)
+    if shared and s.model_type in ("deepseek_v2", "deepseek_v3"):
+        # DeepSeek adds the shared experts' output after the routed one: their backward runs first (its
+        # own widths' gradients, everything still saved) and frees what they saved before the routed
+        # experts' backward begins (traced: the block's activations fall by that much first)
+        freed = sum(_gated_mlp_saved(shared, tokens=T, nb=nb, name="shared").values())
+        return max(n * T * shared * nb["half"], width - freed, weighting - freed)
+    return max(width, weighting)
 
 
 __all__ = ["DTYPE_BYTES", "KV_LAYOUTS", "MAX_CAPACITY_FACTOR", "active_params", "describe", "expert_capacity", "kv_cache_bytes", "kv_cache_elements_per_token",

@@ -971,11 +971,83 @@ def _ring_step_flops(b: int, n: int, qd: int, cp: int, zigzag: bool) -> list[Fra
     return [block / 2] + [block] * (cp - 1)
 
 
+# shard_states: `precision` -> (the `zero` recipe of FSDP2's policy, the engine's phases' precision)
+_CP_FSDP_RECIPES: dict[str, tuple[str, str]] = {"fp32": ("fp32-adam", "fp32"),
+                                                "bf16-mixed": ("mixed-adam", "bf16-fp32-states")}
+
+
+def _cp_fsdp_moments(spec: ModelSpec, cp: int, totals: list, ddp_states: int, recipe: str, *, b: int, n: int,
+                     L: int, device: str, gpu, optimizer_impl: str, recompute: str, loss: str,
+                     loss_chunk_tokens: int | None, extra_saved: int, kept: int) -> tuple[list, dict[str, int]]:
+    """`context_parallel`'s moments with the states sharded over the cp ranks by FSDP2: the step's phases are
+    `zero.rank_phases(implementation="fsdp2")`'s at the rank's n tokens (Ulysses' saved all-to-all outputs added
+    where the blocks' activations are alive, as with DDP), and each attention moment in `totals` (computed with
+    DDP's whole states, `ddp_states` bytes) gets FSDP2's instead: the shards, the root unit and the last block
+    gathered, in the backward the next block prefetched and the gradients made so far (under full recompute, at
+    the block where the most is alive: `kept` bytes, a block's checkpointed input, freed per later block against
+    its gradient shard kept). Every moment's shards are
+    then set to their storage (each tensor's shard ceil(numel / cp), Adam's step counters). Returns (moments,
+    states between steps)."""
+    from . import zero as _zero
+
+    fph = _zero.rank_phases(spec, cp, 3, micro_batch_size=b, seq_len=n, recipe=recipe, implementation="fsdp2",
+                            attention="sdpa", optimizer_impl=optimizer_impl, device=device, gpu=gpu,
+                            recompute=recompute, loss=loss, loss_chunk_tokens=loss_chunk_tokens)
+    between = _zero.model_states(spec, cp, 3, recipe=recipe, implementation="fsdp2")
+    pb = _zero.RECIPES[recipe][0]  # the gathered copies' and unsharded gradients' bytes
+    block, root = _zero._units(spec)
+    R, unit = root * pb, block * pb
+    prefetch = unit if L >= 2 else 0
+    # the last block's gradients made before its attention's backward: o_proj, the MLP, the second norm
+    last = [(name, x) for name, x in spec.param_tensors() if _zero._block_index(name) == L - 1]
+    before_attention = sum(x for name, x in last if not any(k in name for k in ("q_proj", "k_proj", "v_proj",
+                                                                                  "input_layernorm", "qkv")))
+    grads_block = next(p.gradients - between.gradients for p in fph if "block" in p.phase)  # the head's, made
+    grads_last = grads_block + before_attention * pb
+    fsdp = between.parameters + between.optimizer_states
+    # in the forward FSDP2 keeps a unit's flat all-gather output until the next unit's copy-out
+    # (`FSDPParamGroup.wait_for_unshard`, implicit prefetch), the last block's until the root's post-forward
+    # (`FSDPState._post_forward`): beside the last block's parameters in its attention, alone in the loss's forward
+    # (the root here runs the loss, as a model called with labels does). `zero.rank_phases` leaves it out (its runs
+    # never peaked there). A recomputed block's re-run forward runs after its pre-backward hook, which gathered it
+    # and prefetched the block before it (the non-reentrant checkpoint unpacks in the block's backward)
+    held = unit if cp > 1 else 0
+    out = []
+    again = recompute == "full"
+    # under full recompute an earlier block's attention may hold more than the last one's: each later block has
+    # freed its checkpointed input (`kept`) but left its fp32 gradient shard, and the block after it its flat fp32
+    # gradients until their reduce-scatter is waited on (measured: gloo ranks, 8 blocks); block 0 prefetches none
+    shift = 0
+    if again:
+        shard_b, flat_g = -(-block // cp) * 4, block * 4 if cp > 1 else 0
+        shift = max((L - 1 - i) * (shard_b - kept) + (flat_g if i < L - 1 else 0) - (prefetch if i == 0 else 0)
+                    for i in range(L))
+    for t, phase in totals:
+        if phase.startswith("attention forward"):
+            # (re-run in the backward: the gradients made so far are alive)
+            out.append((t - ddp_states + fsdp + R + unit + (prefetch + grads_block + shift if again else held), phase))
+        elif phase.startswith("attention backward"):
+            out.append((t - ddp_states + fsdp + grads_last + R + unit + prefetch + shift, phase))
+    for p in fph:
+        t = p.total + (held if p.phase.startswith(("forward", "loss forward")) else 0)
+        if not (p.phase.startswith(("embedding", "optimizer", "root's")) or again):
+            t += L * extra_saved
+        if again and "recomputed block" in p.phase:
+            t += extra_saved
+        out.append((t, p.phase))
+    shard = [-(-x // cp) for _, x in spec.param_tensors()]
+    states = {"parameters": 4 * sum(shard), "gradients": 0,
+              "optimizer_states": 8 * sum(shard) + 4 * len(shard)}  # Adam's m, v and step count per tensor, fp32
+    delta = states["parameters"] + states["optimizer_states"] - fsdp
+    return [(t + delta, phase) for t, phase in out], states
+
+
 def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", batch_size: int, seq_len: int,
                      precision: str = "bf16-mixed", device: str = "cuda", zigzag: bool = True,
                      link: str | _coll.Link = "nvlink4", gpu="h100", mfu: float = 0.4,
                      optimizer: str = "adamw", optimizer_impl: str = "foreach", recompute: str = "none",
-                     loss: str = "whole", loss_chunk_tokens: int | None = None) -> dict[str, Any]:
+                     loss: str = "whole", loss_chunk_tokens: int | None = None,
+                     shard_states: bool = False) -> dict[str, Any]:
     """One CP rank of `cp` training on `batch_size` sequences of `seq_len` tokens (`method` "ring" or
     "ulysses"; `zigzag` for the ring's load balance; Ulysses uses contiguous shards).
 
@@ -1016,9 +1088,35 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     contiguous shards leave the last rank 2 - 1/cp times the mean), the backward twice the forward,
     at `mfu` of `gpu`'s peak. The ring overlaps each step's transfer with the step's attention
     ("hidden" when no step waits; `exposed_seconds` what the waits add); Ulysses' all-to-alls feed
-    and follow attention, so they are exposed by construction."""
+    and follow attention, so they are exposed by construction.
+
+    `shard_states`: the model states sharded over the cp ranks as well (FSDP2, torchtitan's dp_shard x cp
+    mesh: `fully_shard` of every decoder block, then of the root -- embeddings, final norm, LM head -- over the
+    CP group), instead of whole on every rank with gradients all-reduced. The step's moments are then
+    `zero.rank_phases(implementation="fsdp2")`'s at s/cp tokens (under the same `recompute` and `loss`: the root
+    gathered from the forward to the end of the backward, a block in use and the next prefetched, a block's
+    unsharded gradients flat in fp32 until their reduce-scatter, the optimizer stepping shards; no gradients
+    between steps), and the two attention moments hold, instead of DDP's states, the shards, the root and the
+    last block gathered (the backward: the next block prefetched too, the head's gradients and those the last
+    block has made after its attention -- o_proj, the MLP, its norm). `precision` "fp32" (FSDP2 in fp32) or
+    "bf16-mixed", which here means FSDP2's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: fp32
+    shards, bf16 gathered copies and activations (no autocast weight copies); `optimizer` adam or adamw.
+    `states`: what a rank keeps between steps, exact against storage where cp divides each tensor's first
+    dimension (each shard ceil(numel / cp) elements; FSDP2 pads by rows); `state_sync`: the step's collectives
+    of the states per rank (FSDP2's all-gathers and reduce-scatter by `zero.communication`, all in the policy's
+    parameter dtype; or DDP's all-reduce of every gradient), bytes sent and alpha-beta seconds on `link`.
+    Validated on gloo ranks (`vramlab.measure.parallel cp --fsdp`, benchmarks/results/context_parallel/cpu.json):
+    ring and Ulysses, 2 and 4 ranks, full recompute, chunked and fused losses, three models; the shards exact,
+    the peak within 1 % on lab 3's and the GQA model, +3 to +6 % (over) on the attention-heavy cp-val model,
+    where the one-device moment inside the last block's MLP backward over-counts and FSDP2 makes it the peak.
+
+    Known limitations: ring attention's p2p and FSDP2's collectives share no buffers here, and
+    neither's overlap with the other is priced; sharding over a dp x cp mesh (dp > 1) is cp x dp ranks of
+    `zero` with CP's activations, not modelled here; FSDP2 measured in fp32 on gloo ranks only (its bf16
+    policy is `zero`'s, validated there without CP); no reshard_after_forward=False (ZeRO-2-like) option."""
     spec = _specs.resolve(model)
     cp = _count("cp", cp, hi=MAX_CP)
+    shard_states = _checks.flag("shard_states", shard_states)
     method = str(_checks.one_of("method", method, CP_METHODS))
     b, s = _count("batch_size", batch_size, hi=_checks.MAX_COUNT), _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
     _checks.positions(spec, s)
@@ -1034,6 +1132,14 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     mfu = _checks.number("mfu", mfu, lo=0, lo_open=True, hi=1, what="a fraction of the peak FLOP/s in (0, 1]")
     lk = _coll.LINKS[_checks.one_of("link", link, _coll.LINKS)] if not isinstance(link, _coll.Link) else link
     g = _mem._gpu(gpu)
+    if shard_states:
+        if precision not in _CP_FSDP_RECIPES:
+            raise ValueError(f"precision must be {' or '.join(_CP_FSDP_RECIPES)} with shard_states=True (FSDP2 in fp32, "
+                             f"or its bf16 MixedPrecisionPolicy with fp32 shards), got {_checks.show(precision)}")
+        if optimizer not in ("adam", "adamw"):
+            raise ValueError(f"optimizer must be adam or adamw with shard_states=True (FSDP2's sharded phases are "
+                             f"Adam's), got {_checks.show(optimizer)}")
+        fsdp_recipe, precision = _CP_FSDP_RECIPES[precision]  # the engine's phases in the policy's dtypes
     if spec.family not in DECODER_FAMILIES or not spec.is_causal_lm:
         raise ValueError(f"context parallelism is modelled for causal decoders ({', '.join(DECODER_FAMILIES)}), "
                          f"not {spec.name} ({spec.family})")
@@ -1144,8 +1250,28 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
             base = ph.total - ph.temporaries - ph.kv_cache - after_core
             totals.append((base + fwd_flight, "attention forward of the recomputed last block"))
             totals.append((base + extra_saved + bwd_flight, "attention backward of the recomputed last block"))
+    ddp_states = phases[0].parameters + phases[0].gradients + phases[0].optimizer_states  # kept whole, all step
+    states = {"parameters": phases[0].parameters, "gradients": phases[0].gradients,
+              "optimizer_states": phases[0].optimizer_states}
+    pb_sync = 4 if precision == "fp32" else 2
+    if shard_states:
+        totals, states = _cp_fsdp_moments(spec, cp, totals, ddp_states, fsdp_recipe, b=b, n=n, L=L, device=device,
+                                          gpu=g if device == "cuda" else None, optimizer_impl=optimizer_impl,
+                                          recompute=recompute, loss=loss, loss_chunk_tokens=loss_chunk_tokens,
+                                          extra_saved=extra_saved, kept=max(act["kept"], default=0))
+        from . import zero as _zero
+
+        sync = _zero.communication(spec.params, cp, 3, bytes_per_value=pb_sync, link=lk, implementation="fsdp2",
+                                   root_params=_zero._units(spec)[1]) if cp > 1 else None
+    else:
+        G = states["gradients"]  # every gradient, all-reduced over the CP group
+        sync = {"bytes_sent_per_rank": _coll.bytes_sent_per_rank("all_reduce", cp, G),
+                "seconds": _coll.collective_time("all_reduce", cp, G, lk)} if cp > 1 else None
     peak, peak_phase = max(totals)
     return {"model": spec.name, "cp": cp, "method": method, "zigzag": zigzag, "tokens_per_rank": n,
+            "shard_states": shard_states, "states": states,
+            "state_sync": {"bytes_sent_per_rank": sync["bytes_sent_per_rank"], "seconds": sync["seconds"]} if sync
+            else {"bytes_sent_per_rank": 0, "seconds": 0.0},
             "saved_per_layer": saved_layer, "activations": activations, "in_flight_forward": fwd_flight,
             "blocks_saved": act["layers"] + (0 if again else L * extra_saved),
             "in_flight_backward": bwd_flight, "activation_peak": activations + max(fwd_flight, bwd_flight),
@@ -1418,9 +1544,128 @@ def context_fit(model: ModelSpec | str, gpu, *, cp: int, batch_size: int, seq_le
                 expandable_segments: bool = False, **kw) -> "tuple[dict[str, Any], _fitting.Fit]":
     """One CP rank (`context_parallel(model, cp=cp, ...)`, `kw` its options) and `fitting.device_fit` of its
     peak: the one definition of "fits" at s/cp tokens a rank (the allocator's block for the rank's largest
-    tensor under the same precision, recompute and loss), as the context calculator and CLI use it."""
+    tensor under the same precision, recompute and loss), as the context calculator and CLI use it.
+    `shard_states=True` (in `kw`): the states sharded over the cp ranks by FSDP2 (`context_parallel`); the
+    largest tensor is then also at least a block's flat all-gather output in the policy's dtype."""
     r = context_parallel(model, cp=cp, batch_size=batch_size, seq_len=seq_len, gpu=gpu, **kw)
     frag_kw = {k: kw[k] for k in ("precision", "recompute", "loss", "loss_chunk_tokens") if k in kw}
     largest = _fitting.fragmentation_bytes(model, batch_size=batch_size, seq_len=r["tokens_per_rank"],
                                            **{"precision": "bf16-mixed", **frag_kw})
+    if r["shard_states"]:
+        from . import zero as _zero
+
+        flat = _zero._units(_specs.resolve(model))[0] * (4 if kw.get("precision", "bf16-mixed") == "fp32" else 2)
+        largest = max(largest, flat)
     return r, _fitting.device_fit(r["peak"], gpu, largest_tensor=largest, expandable_segments=expandable_segments)
+
+
+# ---------------------------------------------------------------------------- experts with tensor and pipeline parallelism
+# Megatron-Core's "MoE parallel folding" (Liu et al. 2025, arXiv:2504.14960; megatron/core/parallel_state.py's
+# expert groups, transformer/moe/experts.py): a pipeline stage's tp x dp ranks run its attention and dense
+# layers as tp-way tensor parallelism replicated dp times, and the same ranks are re-folded for its MoE
+# layers into etp x ep x edp: each rank holds E/ep routed experts, each split etp ways (gate/up by columns,
+# down by rows), and the experts' optimizer states are sharded over the edp ranks holding the same ones.
+_MLA_DUPLICATED = ("q_a_proj", "kv_a_proj_with_mqa", "q_a_layernorm", "kv_a_layernorm")  # MCore: "duplicated"
+_MLA_COLUMN = ("q_b_proj", "kv_b_proj")
+
+
+def _moe_tensor_share(spec: ModelSpec, name: str, numel: int, tp: int, ep: int, etp: int) -> tuple[str, int]:
+    """(kind, elements one rank holds) of one parameter tensor: kind "experts" for the routed experts
+    (E/ep of them, each 1/etp: transformers 5 keeps a layer's experts as 3-D tensors, E first), "dense" for
+    the rest -- tensor-parallel as Megatron splits it (`_tp_numel`: heads, MLP widths, vocabulary rows;
+    MLA's up-projections by columns, its down-projections and their norms duplicated; the router's E x h
+    weight and the norms whole on every rank)."""
+    if ".experts." in name and ".shared" not in name:
+        return "experts", numel // ep // etp
+    last = name.rsplit(".", 2)[-2] if name.endswith(".weight") or name.endswith(".bias") else name.rsplit(".", 1)[-1]
+    if last in _MLA_DUPLICATED or name.endswith("mlp.gate.weight"):
+        return "dense", numel
+    if last in _MLA_COLUMN:
+        return "dense", numel // tp
+    return "dense", _tp_numel(name, numel, tp, spec.vocab_size)
+
+
+def moe_layout_states(model: "ModelSpec | str", *, tp: int = 1, pp: int = 1, ep: int = 1, dp: int = 1,
+                      etp: int = 1, zero_stage: int = 0, precision: str = "bf16-mixed",
+                      optimizer: str = "adamw") -> dict[str, Any]:
+    """Model states (bytes) one rank holds when an MoE trains on tp x pp x dp devices with its routed experts
+    over ep ranks (Megatron-Core's parallel folding, above): per pipeline stage (`stage_layers`' even split;
+    the first holds the embeddings, the last the final norm and head, and a tied embedding's copy), the
+    dense tensors' tensor-parallel share (`_moe_tensor_share`) and E/ep of each MoE layer's experts, each
+    1/etp. etp x ep must divide tp x dp (the stage's ranks); edp = tp dp / (etp ep) ranks hold the same
+    experts. Gradients as the parameters; `zero_stage` 1 (Megatron's distributed optimizer, DeepSpeed ZeRO-1)
+    shards the optimizer states (2: and the gradients) of the dense tensors over dp and of the experts over
+    edp, evenly (ceil). Bytes per element as `memory` counts them (`param_bytes`, `optimizer_state_bytes`).
+
+    Returns "stages" (one dict per stage: params/gradients/optimizer_states split into dense and experts,
+    states, the stage's layers) and the busiest stage's "states", with the group sizes.
+
+    Known limitations: states only (activations under TP/PP with experts, the dispatch under TP -- Megatron
+    gathers a sequence-parallel shard's tokens before routing -- are not modelled here: `expert_parallel`
+    prices one data-parallel rank's dispatch and step); no uneven first/last stages
+    (`num_layers_in_first_pipeline_stage`), no context parallelism in the folding; fp32 gradient buffers
+    (Megatron's `main_grad` under bf16 parameters) as `memory`'s precision says; MTP modules are not counted."""
+    from . import moe as _moe
+
+    spec = _moe.resolve_moe(model)
+    if not spec.is_moe:
+        raise ValueError(f"{spec.name} is a dense model: expert parallelism needs routed experts (an MoE preset, "
+                         f"e.g. {', '.join(_specs.moe_preset_names()[:2])})")
+    tp, pp, ep, dp, etp = (_count(n, v, hi=MAX_EP if n in ("ep", "etp") else MAX_DEVICES)
+                           for n, v in (("tp", tp), ("pp", pp), ("ep", ep), ("dp", dp), ("etp", etp)))
+    if tp * pp * dp > MAX_DEVICES:
+        raise ValueError(f"tp x pp x dp must be at most {MAX_DEVICES:,} devices, got {tp * pp * dp:,}")
+    _checks.divides_heads(spec, tp)
+    for name, width in (("MLP width", spec.intermediate_size), ("shared experts' width",
+                        spec.shared_expert_intermediate_size or spec.moe_intermediate_size)):
+        if width and width % tp:
+            raise ValueError(f"tp={tp} must divide {spec.name}'s {name} ({width})")
+    if spec.num_experts % ep:
+        raise ValueError(f"ep must divide {spec.name}'s {spec.num_experts} routed experts, got ep={ep}")
+    if spec.moe_intermediate_size % etp:
+        raise ValueError(f"etp must divide {spec.name}'s expert width ({spec.moe_intermediate_size}), got etp={etp}")
+    if (tp * dp) % (etp * ep):
+        raise ValueError(f"etp x ep must divide tp x dp (the experts are re-folded over a stage's tp x dp ranks), "
+                         f"got etp x ep = {etp * ep}, tp x dp = {tp * dp}")
+    if pp > spec.num_layers:
+        raise ValueError(f"pp must be at most {spec.name}'s {spec.num_layers} blocks, got {pp}")
+    zero_stage = _checks.one_of("zero_stage", zero_stage, (0, 1, 2))
+    _checks.one_of("precision", precision, _prec.PRECISIONS)
+    _checks.one_of("optimizer", optimizer, _mem.OPTIMIZERS)
+    edp = tp * dp // (etp * ep)
+    layers = _stage_layers(spec.num_layers, pp)
+    pb = _mem.param_bytes(precision)
+    stages = []
+    for k in range(pp):
+        n = {"dense": 0, "experts": 0}
+        count = {"dense": 0, "experts": 0}
+        for name, numel in spec.param_tensors():
+            i = _layer_index(name)
+            if i is not None:
+                if i not in layers[k]:
+                    continue
+            elif any(name.startswith(f) for f in _FIRST):
+                tied = spec.tie_word_embeddings and name.split(".")[0] in _VOCAB
+                if not (k == 0 or (tied and k == pp - 1 and pp > 1)):
+                    continue
+            elif k != pp - 1:
+                continue
+            kind, share = _moe_tensor_share(spec, name, numel, tp, ep, etp)
+            n[kind] += share
+            count[kind] += 1
+        over = {"dense": dp, "experts": edp}
+        own = {d: (-(-n[d] // over[d]) if zero_stage else n[d]) for d in n}
+        opt = {d: _mem.optimizer_state_bytes(optimizer, own[d], precision)
+               + (4 * count[d] if optimizer in ("adam", "adamw") and not zero_stage else 0) for d in n}
+        grads = {d: (-(-n[d] // over[d]) if zero_stage >= 2 else n[d]) * pb for d in n}
+        params = {d: n[d] * pb for d in n}
+        stages.append({"stage": k, "layers": layers[k], "param_counts": n, "parameters": params,
+                       "gradients": grads, "optimizer_states": opt,
+                       "states": sum(params.values()) + sum(grads.values()) + sum(opt.values())})
+    worst = max(stages, key=lambda x: x["states"])
+    return {"model": spec.name, "tp": tp, "pp": pp, "ep": ep, "etp": etp, "dp": dp, "edp": edp,
+            "devices": tp * pp * dp, "zero_stage": zero_stage, "precision": precision, "stages": stages,
+            "states": worst["states"], "busiest_stage": worst["stage"]}
+
+
+__all__ += ["moe_layout_states"]

@@ -404,7 +404,8 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
                 persistence_threshold: int = PERSISTENCE, prefetch_bucket: int = PREFETCH,
                 max_reuse_distance: int = 1_000_000_000, optimizer_impl: str = "fused",
                 device: Literal["cuda", "cpu"] = "cuda", gpu=None, use_cache: bool = False,
-                accumulation_steps: int = 1, no_sync: bool = False) -> list[_mem.MemoryBreakdown]:
+                accumulation_steps: int = 1, no_sync: bool = False, recompute: str = "none", loss: str = "whole",
+                loss_chunk_tokens: int | None = None) -> list[_mem.MemoryBreakdown]:
     """One rank's memory at each moment of a training step that may peak, in step order (`.phase`
     names each); `estimate_rank` returns the largest. The forward and backward come from
     `memory.training_phases` (activations, the logits and their gradient, the temporaries of each
@@ -442,7 +443,12 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
     on, what each library keeps between micro-batches sits under the next forward and backward (phases
     named "micro-batch 2-k: ..."; `accumulation_held` says what and cites the code). `no_sync` (FSDP2
     only): `set_requires_gradient_sync(False)` on every micro-batch but the last, so the unsharded
-    gradients are kept instead of reduce-scattered."""
+    gradients are kept instead of reduce-scattered.
+
+    `recompute` and `loss` / `loss_chunk_tokens` (`memory.training_phases`' plans; defaults: none, the whole
+    loss, as every stored ZeRO measurement ran): FSDP2 only, as `parallel.context_parallel(shard_states=True)`
+    composes it (its measured runs: full recompute, chunked and fused losses); under recompute an earlier
+    block's backward frees the later block's checkpointed input, not its saved tensors."""
     spec = _specs.resolve(model)
     n, s = _ranks(n_ranks), _stage(stage)
     pb, gb, k = _recipe(recipe)
@@ -462,13 +468,19 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
     prefetch_bucket = _elements("prefetch_bucket", prefetch_bucket)
     reuse_distance = _elements("max_reuse_distance", max_reuse_distance)
     persistence_threshold = _elements("persistence_threshold", persistence_threshold)
+    _checks.one_of("loss", loss, _mem.LOSSES)
+    _checks.one_of("recompute", recompute, ("none", "full"))
+    if (recompute != "none" or loss != "whole") and implementation != "fsdp2":
+        raise ValueError(f"recompute and loss are modelled with implementation='fsdp2' only (the DeepSpeed phases were "
+                         f"measured without them), got recompute={_checks.show(recompute)}, loss={_checks.show(loss)}")
     between = model_states(spec, n, s, recipe=recipe, implementation=implementation, reduce_bucket=bucket,
                            persistence_threshold=persistence_threshold)
     psi = spec.params
     part = -(-psi // n)
     engine = _mem.training_phases(spec, batch_size=micro_batch_size, seq_len=seq_len, precision=_ACT_PRECISION[recipe],
                                   attention=attention, device=device, optimizer_impl="fused", gpu=gpu,
-                                  use_cache=use_cache)
+                                  use_cache=use_cache, recompute=recompute, loss=loss,
+                                  loss_chunk_tokens=loss_chunk_tokens)
     steps = [ph for ph in engine if not ph.phase.startswith("optimizer")]
     G = psi * pb  # every gradient, in the model's dtype
     V, e = spec.vocab_size, spec.word_embed_proj_dim or spec.hidden_size
@@ -487,10 +499,11 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
 
     workspaces = steps[0].other
     def one_block() -> int:  # one block's saved activations: freed by the time an earlier block's backward runs
-        return _act.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len,
-                                     precision=_ACT_PRECISION[recipe], attention=attention, device=device,
-                                     share=_act.DeviceShare(blocks=(0, 1), first=False, last=False),
-                                     use_cache=use_cache)["one_layer"]
+        r = _act.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len,
+                                  precision=_ACT_PRECISION[recipe], attention=attention, device=device,
+                                  share=_act.DeviceShare(blocks=(0, 1), first=False, last=False),
+                                  use_cache=use_cache, recompute=recompute)
+        return r["one_layer"] if recompute == "none" else max(r["kept"])  # recomputed: its checkpointed input
     inputs = steps[0].inputs
     if implementation == "fsdp2":
         block, root = _units(spec)
@@ -503,6 +516,8 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
         for ph in steps:
             if ph.phase.startswith("forward"):
                 extra, grads = R, 0
+            elif ph.phase.startswith("loss forward"):  # a fused loss: the head's gradient made in the forward
+                extra, grads = R, min(ph.gradients, head_grad)
             elif ph.phase.startswith("embedding"):  # the root's backward: the blocks' shards made, the
                 extra, grads = R + flat_grads, block_shards + untied_head  # last block's reduce-scatter input
             elif "block" in ph.phase:

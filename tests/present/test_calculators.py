@@ -520,7 +520,7 @@ def test_moe_calculator_prices_training_as_estimate_training():
     dropless = C.get("moe").run(model="olmoe-1b-7b", batch_size=2, seq_len=2048, gpu="h200", step="training")
     assert dropless.numbers["peak"][0] == memory.estimate_training("olmoe-1b-7b", batch_size=2, seq_len=2048,
                                                                     precision="bf16-mixed", gpu="h200").total
-    for kw, says in ((dict(model="deepseek-v2-lite"), "not modelled yet"), (dict(dtype="int8"), "int8")):
+    for kw, says in ((dict(dtype="int8"), "int8"),):
         bad = C.get("moe").run(step="training", **kw)
         assert says in bad.error and "\n" not in bad.error
 
@@ -536,3 +536,21 @@ def test_experts_calculator_is_expert_parallel():
     assert "<svg" in r.svg and "ep 4" in r.svg and "ep 8" not in r.svg.split("ep 4")[0]
     bad = C.get("experts").run(model="mixtral-8x7b", ep=16, dp=16)
     assert bad.error and "\n" not in bad.error  # 8 experts cannot be split over 16 ranks
+
+
+def test_serving_calculator_is_the_serving_plan():
+    from vramlab import serving
+
+    r = C.get("serving").run(model="llama-3.1-8b", gpu="h100-80gb", prompt_len=1024, output_len=1024, kv_dtype="fp8",
+                             shared_prefix=512, n_samples=2)
+    want = serving.serving_plan("llama-3.1-8b", gpu="h100", prompt_len=1024, output_len=1024, kv_dtype="fp8",
+                                shared_prefix_len=512, n_samples=2)
+    assert not r.error and r.numbers["blocks"][0] == want.num_blocks and r.numbers["requests"][0] == want.max_requests
+    assert r.numbers["pool"][0] == want.available_kv_bytes and want.log_line() in r.text
+    assert "<svg" in r.svg and f"fp8* ({want.max_requests:,})" in r.svg and "int8 (" in r.svg
+    spec = C.get("serving").run(draft="llama-3.2-1b", speculative_tokens=4)
+    assert not spec.error and "draft" in spec.text
+    for kw in (dict(model="llama-3.1-405b"), dict(utilization=2), dict(shared_prefix=4096, prompt_len=1024),
+               dict(draft="gpt2")):
+        bad = C.get("serving").run(**kw)
+        assert bad.error and "\n" not in bad.error, kw

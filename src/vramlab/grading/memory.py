@@ -660,3 +660,128 @@ def check_inplace_mlp(fn: Callable, *, seed: int | None = None, n: int = 3, time
         why = _inplace_memory(case, rep, _inplace_counted(case, ours))
         if why:
             raise AssertionError(f"{what}: {why}")
+
+
+# ----------------------------------------------------------------------------- a paged KV cache's admission
+# The student's admit(requests, *, num_blocks, block_size, shared_prefix) serves a queue of requests,
+# (prompt tokens, new tokens) each in arrival order, from a pool of num_blocks KV-cache blocks of block_size
+# tokens (vLLM's PagedAttention, Kwon et al. 2023): a request holds ceil((prompt + new) / block_size) blocks
+# for its whole life; the first shared_prefix tokens of every prompt are one system prompt whose FULL blocks
+# are cached once and shared (vLLM's prefix caching hashes full blocks only: a partly filled block is each
+# request's own); requests are admitted first come, first served -- the first that does not fit waits, and so
+# does everything behind it (vLLM's scheduler stops at it). It returns (requests running, blocks in use).
+
+def paged_admission(requests, *, num_blocks: int, block_size: int, shared_prefix: int = 0, ceil: bool = True,
+                    output: bool = True, share: str = "full", fcfs: bool = True,
+                    first_pays: bool = True) -> tuple[int, int]:
+    """The reference (defaults), or one usual mistake: `ceil` False rounds the blocks down; `output` False
+    forgets the new tokens; `share` "none" counts the system prompt in every request, "partial" shares its
+    partly filled last block too; `fcfs` False skips a request that does not fit and admits later ones;
+    `first_pays` False never counts the shared blocks at all."""
+    full = shared_prefix // block_size if share == "full" else \
+        (-(-shared_prefix // block_size) if share == "partial" else 0)
+    running = used = 0
+    paid = False
+    for prompt, new in requests:
+        tokens = prompt + (new if output else 0)
+        blocks = -(-tokens // block_size) if ceil else tokens // block_size
+        need = blocks - (full if (paid or not first_pays) else 0)
+        if used + need > num_blocks:
+            if fcfs:
+                break
+            continue
+        used += need
+        running += 1
+        paid = True
+    return running, used
+
+
+ADMISSION_MISTAKES = (
+    (dict(ceil=False), "a request's last block is allocated whole even when it is partly filled: round its blocks "
+                       "up (ceil), not down."),
+    (dict(output=False), "a request holds blocks for its new tokens as well as its prompt: both are in the cache by "
+                         "the end of its generation."),
+    (dict(share="none"), "the system prompt's full blocks are cached once and shared: count them for the first "
+                         "request admitted only."),
+    (dict(share="partial"), "only FULL blocks of the system prompt are shared: its last, partly filled block also "
+                            "holds each request's own tokens, so every request has its own copy of it."),
+    (dict(fcfs=False), "first come, first served: when a request does not fit, it waits and so does every request "
+                       "behind it (the scheduler stops there); a later, smaller request does not jump the queue."),
+    (dict(first_pays=False), "the shared blocks are in the pool once: the first request admitted pays for them."),
+)
+
+# the vLLM paper's setting, by hand: 16-token blocks, 4 requests of 100 + 28 tokens (8 blocks each), a pool of
+# 30 blocks: three run (24 blocks); with a 40-token system prompt (2 full blocks shared) all four (8 + 3 x 6 = 26)
+ADMISSION_EXAMPLES = (
+    dict(requests=[(100, 28)] * 4, num_blocks=30, block_size=16, shared_prefix=0),
+    dict(requests=[(100, 28)] * 4, num_blocks=30, block_size=16, shared_prefix=40),
+)
+
+
+def admission_cases(seed: int, n: int = 6) -> list[dict]:
+    """`n` random queues, each one on which every mistake of `ADMISSION_MISTAKES` answers differently from the
+    reference (redrawn until it does, or the set as a whole covers every mistake)."""
+    import random
+
+    rng = random.Random(seed)
+    cases: list[dict] = []
+    caught: set[int] = set()
+    while len(cases) < n or len(caught) < len(ADMISSION_MISTAKES):
+        B = rng.choice((8, 16, 32))
+        prefix = rng.choice((0, rng.randint(1, 3) * B + rng.randint(1, B - 1), rng.randint(1, 4) * B))
+        reqs = [(prefix + rng.randint(1, 6 * B), rng.randint(1, 4 * B)) for _ in range(rng.randint(3, 9))]
+        total = sum(-(-(p + o) // B) for p, o in reqs)
+        case = dict(requests=reqs, num_blocks=rng.randint(total // 3, max(total // 3 + 1, total - 1)), block_size=B,
+                    shared_prefix=prefix)
+        ref = paged_admission(**case)
+        shows = {i for i, (kw, _) in enumerate(ADMISSION_MISTAKES) if paged_admission(**case, **kw) != ref}
+        if len(cases) < n and (shows - caught or len(caught) == len(ADMISSION_MISTAKES)):
+            cases.append(case)
+            caught |= shows
+        elif len(cases) >= n and shows - caught:
+            cases.append(case)
+            caught |= shows
+    return cases
+
+
+def check_admission(fn: Callable, *, cases=ADMISSION_EXAMPLES, n: int = 6, seed: int | None = None) -> list[tuple]:
+    """`fn(requests, *, num_blocks, block_size, shared_prefix)` must return (requests running, blocks in use)
+    as `paged_admission` computes them: on `cases`, then on `n` random queues drawn from `seed` (from the OS when
+    None: afresh for every grading) that together tell every usual mistake apart. A wrong answer is matched
+    against the mistakes (`ADMISSION_MISTAKES`) to say which. Returns the answers."""
+    import secrets
+
+    if seed is None:
+        seed = secrets.randbits(62)
+    queues = [dict(c) for c in cases] + admission_cases(seed, n)
+    got = []
+    for case in queues:
+        what = (f"admit({_show_queue(case['requests'])}, num_blocks={case['num_blocks']}, "
+                f"block_size={case['block_size']}, shared_prefix={case['shared_prefix']})")
+        r = fn([tuple(x) for x in case["requests"]], num_blocks=case["num_blocks"], block_size=case["block_size"],
+               shared_prefix=case["shared_prefix"])
+        try:
+            r = tuple(r)
+        except TypeError:
+            r = None
+        if r is None or len(r) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in r):
+            raise AssertionError(f"{what}: return two ints (requests running, blocks in use), got {_kind(r)}")
+        got.append((what, r, paged_admission(**case)))
+    for what, r, ref in got:
+        if r != ref:
+            wrong = f"{what} returned {r}, expected {ref}"
+            for kw, why in ADMISSION_MISTAKES:
+                if all(paged_admission(**c, **kw) == g for c, (_, g, _) in zip(queues, got)):
+                    raise AssertionError(f"{wrong}. {why}")
+            raise AssertionError(f"{wrong}. Check each rule on this queue: blocks a request holds, the shared "
+                                 "system prompt, the order of admission.")
+    return [r for _, r, _ in got]
+
+
+def _show_queue(requests) -> str:
+    return repr(list(requests)) if len(requests) <= 5 else f"[{len(requests)} requests: {requests[0]!r}, ...]"
+
+
+def _kind(r) -> str:
+    kind = getattr(r, "__vramlab_type__", None) or type(r).__name__
+    return f"{kind} {r!r:.80}"

@@ -1520,6 +1520,10 @@ def main(argv: list[str] | None = None) -> int:
 # Each rank's outputs and (all-reduced) gradients are checked against one process on the whole sequence,
 # its peak through a steady-state training step is measured with the ledger (`_Ledger`), and the bytes
 # each attention sends are counted, against `vramlab.parallel.context_parallel`.
+# `--fsdp`: the model states sharded over the CP ranks too (torchtitan's dp_shard x cp mesh): FSDP2's
+# `fully_shard` of every block, then of the root (a module running the loss), fp32; its gradients gathered
+# whole are checked against one process, the ledger sees its in-place storage resizes (`_track_resizes`), and
+# each rank's shards are counted in storage bytes (`shard_states=True` of the calculator).
 
 CP_METHODS = ("ring", "ulysses")
 CP_ATTENTION = "vramlab_cp"  # the name the attention function is registered under
@@ -1823,6 +1827,11 @@ def _cp_step_loss(model, mine, pos, labels, count: int, loss: str, chunk: int):
 
 
 def _run_cp(rank: int, world: int, args, dev) -> dict[str, Any]:
+    with contextlib.ExitStack() as stack:
+        return _run_cp_in(rank, world, args, dev, stack)
+
+
+def _run_cp_in(rank: int, world: int, args, dev, stack) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -1864,30 +1873,47 @@ def _run_cp(rank: int, world: int, args, dev) -> dict[str, Any]:
         g = p.grad.clone()
         dist.all_reduce(g)
         worst = max(worst, ((g - q.grad).abs().max() / q.grad.abs().max().clamp_min(max(floor, 1e-30))).item())
+    ref_grads = [q.grad.detach().clone() for q in ref.parameters()] if getattr(args, "fsdp", False) else []
     del ref, model, logits, logits_ref, want, g, p, q  # (p, q: the last parameters of both models)
     gc.collect()
     # 2. a steady-state step: forward and backward on the rank's tokens, gradients all-reduced over the group
+    #    (or, --fsdp, the model states sharded over it by FSDP2 and the gradients reduce-scattered)
+    shard = getattr(args, "fsdp", False)
     model = checkpointed(_build(spec, dev))
     model.config._attn_implementation = CP_ATTENTION
     loss_kind = getattr(args, "loss", "whole")
     chunk = loss_chunk_size(spec, tokens=b * len(pos), loss=loss_kind, loss_chunk_tokens=getattr(args, "loss_chunk", None))
+    runner = _cp_loss_module_class()(model, loss_kind, chunk, count)
+    shard_check = None
+    if shard:
+        stack.enter_context(_track_resizes(_LEDGER))  # FSDP2 frees and reallocates its gathered parameters so
+        _cp_fully_shard(runner, world)
+        shard_check = _cp_fsdp_check(runner, ref_grads, mine, pos, labels_all[:, pos], world)
+    del ref_grads
+    gc.collect()
     params = list(model.parameters())
     opt = _optimizer(params, args.foreach)
-    _steady(opt, params)
+    if not shard:
+        _steady(opt, params)
 
     def step(tr=None):
         phase = tr.set_phase if tr else (lambda name: None)
         phase("forward")
-        loss = _cp_step_loss(model, mine, pos, labels_all[:, pos], count, loss_kind, chunk)
+        loss = runner(mine, pos, labels_all[:, pos])
         if tr:
             tr.mark("forward end")
         phase("backward")
         loss.backward()
-        for p in params:
-            dist.all_reduce(p.grad)
+        del loss
+        if not shard:
+            for p in params:
+                dist.all_reduce(p.grad)
         phase("optimizer")
         opt.step()
-        _zero(opt)
+        if shard:  # FSDP2's recipe: nothing of the gradients between steps
+            opt.zero_grad(set_to_none=True)
+        else:
+            _zero(opt)
         phase("after step")
 
     step()
@@ -1897,18 +1923,111 @@ def _run_cp(rank: int, world: int, args, dev) -> dict[str, Any]:
     memory = _ledger_step(step, [model], opt, [batch, pos, labels_all])
     sent = {k: v // spec.num_layers for k, v in _CP.sent.items()}
     messages = {k: v // spec.num_layers for k, v in _CP.messages.items()}
-    return {"rank": rank, "logits_max_rel_diff": out_rel, "grad_max_rel_diff": worst,
-            "memory": memory, "sent_per_layer": sent, "messages_per_layer": messages,
-            "positions": [int(x) for x in pos]}
+    out = {"rank": rank, "logits_max_rel_diff": out_rel, "grad_max_rel_diff": worst,
+           "memory": memory, "sent_per_layer": sent, "messages_per_layer": messages,
+           "positions": [int(x) for x in pos]}
+    if shard:
+        out |= {"fsdp_grad_max_rel_diff": shard_check, "states": _cp_state_bytes(model, opt)}
+    return out
+
+
+@contextlib.contextmanager
+def _track_resizes(led: _Ledger):
+    """Show the ledger the storages FSDP2 frees and reallocates in place (`UntypedStorage.resize_`: its
+    gathered parameters, `_fsdp_param.alloc_storage` / `free_storage`), which no operation returns: a resize to
+    0 is a free, a resize up an allocation (measure.zero's tracker does the same). Known limitation: the
+    storage's finalizer still names its first address (harmless while the module lives, as in a run)."""
+    import torch
+
+    orig = torch.UntypedStorage.resize_
+
+    def resize_(st, size):
+        old_ptr, old_n = st.data_ptr(), st.nbytes()
+        out = orig(st, size)
+        ptr, n = st.data_ptr(), st.nbytes()
+        if (ptr, n) != (old_ptr, old_n):
+            if old_n:
+                led._free(old_ptr)
+            if n and ptr not in led.live:
+                info = (n, "storage", [n], "UntypedStorage.resize_", led.phase, led.recording)
+                led.live[ptr] = info
+                led.now += n
+                led._weakref.finalize(st, led._free, ptr)
+                if led.recording:
+                    led.events.append((ptr, info))
+                    led.step_now += n
+                    led.step_peak = max(led.step_peak, led.step_now)
+                    led._peaks()
+        return out
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = orig
+
+
+def _cp_loss_module_class():
+    import torch
+
+    class CPLoss(torch.nn.Module):
+        """The rank's loss as one module (`_cp_step_loss`), so that FSDP2's root unit (embeddings, final norm,
+        LM head) is gathered by its own forward whatever the loss reads (the chunked and fused losses call the
+        head outside the model's forward)."""
+
+        def __init__(self, model, loss: str, chunk: int, count: int):
+            super().__init__()
+            self.model, self.loss, self.chunk, self.count = model, loss, chunk, count
+
+        def forward(self, mine, pos, labels):
+            return _cp_step_loss(self.model, mine, pos, labels, self.count, self.loss, self.chunk)
+
+    return CPLoss
+
+
+def _cp_fully_shard(runner, world: int) -> None:
+    """FSDP2 over the CP group (the whole world here): `fully_shard` on every decoder block, then on the root
+    (embeddings, final norm, LM head), fp32, as torchtitan's dp_shard x cp mesh shards states over the CP ranks.
+    FSDP2 averages the reduce-scattered gradients (gloo has no PREMUL_SUM: it divides in place, no memory of its
+    own), so each rank holds 1/cp of the sum over the ranks' losses (each its share of the whole mean)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for block in runner.model.model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(runner, mesh=mesh)
+
+
+def _cp_fsdp_check(runner, ref_grads: list, mine, pos, labels, world: int) -> float:
+    """One more forward and backward of the FSDP2 model; its gradients (gathered whole from the shards, times
+    cp: FSDP2 averages) against one process on the whole sequence: the largest relative difference."""
+    runner(mine, pos, labels).backward()
+    worst = 0.0
+    floor = 1e-6 * max(g.abs().max().item() for g in ref_grads)
+    for p, want in zip(runner.model.parameters(), ref_grads):
+        got = p.grad.full_tensor() * world
+        worst = max(worst, ((got - want).abs().max() / want.abs().max().clamp_min(max(floor, 1e-30))).item())
+    runner.zero_grad(set_to_none=True)
+    return worst
+
+
+def _cp_state_bytes(model, opt) -> dict[str, int]:
+    """This rank's parameter shards and optimizer states, in bytes of storage (the states are checked exactly)."""
+    seen: set = set()
+    params = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    states = [getattr(v, "_local_tensor", v) for st in opt.state.values() for v in st.values() if hasattr(v, "untyped_storage")]
+    return {"parameters": _storage_bytes(params, seen), "optimizer_states": _storage_bytes(states, seen)}
 
 
 def cp_prediction(spec: ModelSpec, *, cp: int, method: str, batch_size: int, seq_len: int, zigzag: bool = True,
                   foreach: bool = True, recompute: str = "none", loss: str = "whole",
-                  loss_chunk: int | None = None) -> dict[str, Any]:
-    """What `vramlab.parallel` predicts for one rank of a CP run (fp32 on the CPU, AdamW)."""
+                  loss_chunk: int | None = None, fsdp: bool = False) -> dict[str, Any]:
+    """What `vramlab.parallel` predicts for one rank of a CP run (fp32 on the CPU, AdamW; `fsdp`: the states
+    sharded over the CP ranks, `shard_states`)."""
     return P.context_parallel(spec, cp=cp, method=method, batch_size=batch_size, seq_len=seq_len, precision="fp32",
                               device="cpu", zigzag=zigzag, optimizer_impl="foreach" if foreach else "for-loop",
-                              recompute=recompute, loss=loss, loss_chunk_tokens=loss_chunk)
+                              recompute=recompute, loss=loss, loss_chunk_tokens=loss_chunk, shard_states=fsdp)
 
 
 def cp_rows(result: dict) -> list[dict[str, Any]]:
@@ -1917,7 +2036,8 @@ def cp_rows(result: dict) -> list[dict[str, Any]]:
     recompute = result.get("recompute", "none")  # (runs stored before recompute and the loss were options)
     pred = cp_prediction(spec, cp=result["ranks"], method=result["method"], batch_size=result["micro_batch_size"],
                          seq_len=result["seq_len"], zigzag=result["zigzag"], foreach=result["foreach"],
-                         recompute=recompute, loss=result.get("loss", "whole"), loss_chunk=result.get("loss_chunk"))
+                         recompute=recompute, loss=result.get("loss", "whole"), loss_chunk=result.get("loss_chunk"),
+                         fsdp=result.get("fsdp", False))
     block = "the recomputed last block" if recompute == "full" else "the last block"
     # the calculator's in-flight moments are the busiest rank's (zig-zag ranks differ in which rows a step updates)
     busiest = {ph: max(r["memory"]["phases"][ph]["peak"] for r in result["per_rank"] if ph in r["memory"]["phases"])
@@ -1935,6 +2055,10 @@ def cp_rows(result: dict) -> list[dict[str, Any]]:
                     "sent_recompute": r["sent_per_layer"].get("recompute", 0),
                     "predicted_sent_recompute": pred["sent_per_layer"]["recompute"],
                     "logits_max_rel_diff": r["logits_max_rel_diff"], "grad_max_rel_diff": r["grad_max_rel_diff"]})
+        if "states" in r:  # --fsdp: the rank's shards and optimizer states, storage bytes, against the calculator's
+            out[-1] |= {"states_measured": r["states"],
+                        "states_predicted": {k: pred["states"][k] for k in ("parameters", "optimizer_states")},
+                        "fsdp_grad_max_rel_diff": r["fsdp_grad_max_rel_diff"]}
         # the peaks inside CP's attention (the last block's, where the most is alive) against those moments
         for phase in ("attention forward", "attention backward"):
             got, want = mem["phases"].get(phase), pred["moments"].get(f"{phase} of {block}")
@@ -1953,10 +2077,12 @@ def _cp_report(ranks: list[dict], args, world: int) -> None:
            "model": {**MODELS, **CP_MODELS}[args.model][1], "model_name": args.model,
            "micro_batch_size": args.micro_batch, "seq_len": args.seq, "foreach": args.foreach, "precision": "fp32",
            "recompute": args.recompute, "loss": args.loss, "loss_chunk": args.loss_chunk,
+           "fsdp": getattr(args, "fsdp", False),
            "command": " ".join([PROG, *sys.argv[1:]]), "provenance": provenance("cpu"), "per_rank": ranks}
     out["rows"] = cp_rows(out)
     print(f"# vramlab.measure.parallel cp: {args.method}{' zig-zag' if args.zigzag and args.method == 'ring' else ''}, "
-          f"gloo, {world} ranks, {cp_model_spec(args.model).name}, batch {args.micro_batch} x {args.seq} tokens")
+          f"gloo, {world} ranks, {cp_model_spec(args.model).name}, batch {args.micro_batch} x {args.seq} tokens"
+          + (", states sharded by FSDP2" if getattr(args, "fsdp", False) else ""))
     print(f"#{'rank':>5}{'predicted':>12}{'measured':>12}{'error':>8}  {'phase':<10}{'sent fwd':>11}{'bwd':>11}"
           f"{'logits':>10}{'grads':>10}")
     for r in out["rows"]:
@@ -1989,6 +2115,8 @@ def cp_main(argv: list[str]) -> int:
                    help="whole, chunked (torchtune's) or fused (Liger's linear cross-entropy) on the rank's tokens")
     p.add_argument("--loss-chunk", type=A(whole, int), default=None, metavar="N",
                    help="with --loss chunked or fused: tokens a chunk (default: torchtune's 8 chunks, Liger's rule)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the model states over the CP ranks too (FSDP2 fully_shard of every block, then the root)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--port", type=A(whole, int, lo=0, hi=65535), default=0)
     p.add_argument("--timeout", type=A(checks.positive, float, hi=86400), default=120.0)
@@ -2036,6 +2164,17 @@ CP_CAMPAIGN: tuple[dict[str, Any], ...] = (
     dict(model="llama-gqa-val", method="ring", nproc=2, micro_batch=4, seq=512, recompute="full", loss="chunked"),
     dict(model="lab", method="ring", nproc=4, micro_batch=2, seq=512, loss="fused"),
     dict(model="cp-val", method="ring", nproc=4, micro_batch=2, seq=1024, zigzag=False, loss="fused"),
+    # the model states sharded over the CP ranks too (FSDP2, --fsdp): both methods, 2 and 4 ranks, full recompute,
+    # the chunked and fused losses, three models
+    dict(model="cp-val", method="ring", nproc=2, micro_batch=2, seq=1024, fsdp=True),
+    dict(model="cp-val", method="ulysses", nproc=4, micro_batch=2, seq=1024, fsdp=True),
+    dict(model="cp-val", method="ring", nproc=4, micro_batch=2, seq=1024, recompute="full", fsdp=True),
+    dict(model="lab", method="ring", nproc=2, micro_batch=2, seq=256, fsdp=True),
+    dict(model="llama-gqa-val", method="ulysses", nproc=2, micro_batch=4, seq=512, fsdp=True),
+    dict(model="llama-gqa-val", method="ring", nproc=4, micro_batch=4, seq=512, recompute="full", loss="chunked",
+         fsdp=True),
+    dict(model="lab", method="ring", nproc=4, micro_batch=2, seq=512, loss="fused", fsdp=True),
+    dict(model="cp-val", method="ulysses", nproc=2, micro_batch=2, seq=1024, recompute="full", fsdp=True),
 )
 
 
@@ -2046,6 +2185,7 @@ def cp_argv(config: dict[str, Any], out: str) -> list[str]:
     argv += [] if config.get("recompute", "none") == "none" else ["--recompute", config["recompute"]]
     argv += [] if config.get("loss", "whole") == "whole" else ["--loss", config["loss"]]
     argv += [] if config.get("loss_chunk") is None else ["--loss-chunk", str(config["loss_chunk"])]
+    argv += ["--fsdp"] if config.get("fsdp", False) else []
     return argv + ([] if config.get("zigzag", True) else ["--no-zigzag"])
 
 

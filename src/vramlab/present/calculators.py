@@ -24,6 +24,7 @@ from .. import activations, fitting, memory, specs
 from .. import offload as OFF
 from .. import parallel as PAR
 from .. import precision as P
+from .. import serving as SERVE
 from .. import zero as Z
 from . import svg as SVG
 from .svg import gantt, loglog_lines, stacked_bars, streams
@@ -359,6 +360,80 @@ EXPERTS = Calculator(
             Input(name="link", label="link", kind="choice", default="nvlink4", choices=tuple(C.LINKS))))
 
 
+SERVE_MODELS = tuple(n for n in specs.preset_names() + specs.moe_preset_names() if specs.preset(n).is_causal_lm)
+SERVE_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
+DRAFTS = ("none", "llama-3.2-1b", "gpt2", "opt-125m")
+
+
+def _serving(*, model: str, gpu: str, utilization: float, prompt_len: int, output_len: int, dtype: str, kv_dtype: str,
+             block_size: int, shared_prefix: int, n_samples: int, draft: str, speculative_tokens: int) -> Result:
+    """A paged-KV engine on one GPU, as vLLM accounts for it (`serving.serving_plan`): the pool its weights
+    leave, blocks, vLLM's logged concurrency, the requests that fit with sharing, beside every KV dtype."""
+    spec, g = specs.preset(model), specs.gpu(gpu)
+    if shared_prefix > prompt_len:
+        raise ValueError(f"shared system prompt: {shared_prefix:,} tokens is longer than the prompt ({prompt_len:,})")
+    kw = dict(gpu=g, prompt_len=prompt_len, output_len=output_len, gpu_memory_utilization=utilization, dtype=dtype,
+              block_size=block_size, shared_prefix_len=shared_prefix, n_samples=n_samples,
+              draft_model=None if draft == "none" else draft, num_speculative_tokens=0 if draft == "none" else speculative_tokens)
+    plan = SERVE.serving_plan(spec, kv_dtype=kv_dtype, **kw)
+    per_block = plan.block.bytes_per_block + plan.draft_page_bytes
+    budget = int(g.usable_bytes * utilization)
+    other = budget - plan.weights_bytes - plan.draft_weights_bytes - plan.verify_logits_bytes - plan.available_kv_bytes
+    bars = []
+    for kv in SERVE.KV_DTYPES:
+        try:
+            x = plan if kv == kv_dtype else SERVE.serving_plan(spec, kv_dtype=kv, **kw)
+        except ValueError:
+            continue
+        segs = [("weights", x.weights_bytes / GiB, COLORS["parameters"])]
+        if x.draft_model:
+            segs += [("draft weights", x.draft_weights_bytes / GiB, COLORS["gradients"]),
+                     ("verify logits", x.verify_logits_bytes / GiB, COLORS["temporaries"])]
+        segs += [("outside torch", other / GiB, COLORS["other"]),
+                 ("KV cache pool", x.available_kv_bytes / GiB, COLORS["kv_cache"])]
+        bars.append((f"{kv}{'*' if kv == kv_dtype else ''} ({x.max_requests:,})", segs))
+    svg, narrow = _both(stacked_bars, bars, title=f"{spec.name} on {g.name} at {utilization:g}: the pool by KV dtype "
+                                                  "(* chosen), requests at once in brackets",
+                        line=(budget / GiB, f"{utilization:g} x usable"))
+    lines = [f"{spec.name} on {g.name}, weights {dtype}, KV cache {kv_dtype}, blocks of {plan.block.block_size} tokens",
+             f"  pool: {utilization:g} x {fmt_bytes(g.usable_bytes)} - weights {fmt_bytes(plan.weights_bytes)}"
+             + (f" - draft {fmt_bytes(plan.draft_weights_bytes)} - verify logits {fmt_bytes(plan.verify_logits_bytes)}"
+                if plan.draft_model else "")
+             + f" - outside torch {fmt_bytes(other)} = {fmt_bytes(plan.available_kv_bytes)}",
+             f"  a block: {fmt_bytes(per_block)}; {plan.num_blocks:,} blocks; a request of {plan.tokens_per_request:,} "
+             f"tokens holds {plan.blocks_per_request:,} ({plan.last_block_waste} token slots of its last block empty)",
+             f"  vLLM would log: {plan.log_line()}",
+             f"  requests at once: {plan.max_requests:,}"
+             + (f" ({plan.max_sequences:,} sequences)" if n_samples > 1 else "")
+             + (f"; the system prompt's {plan.shared_prefix_blocks} full blocks held once" if shared_prefix else ""),
+             "  (the profile run's activation peak and CUDA graphs, which vLLM measures at start-up, are not in the "
+             "pool here: `vramlab serve --activation-peak-gib`)"]
+    return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
+        "pool": (plan.available_kv_bytes, fmt_bytes(plan.available_kv_bytes)),
+        "blocks": (plan.num_blocks, f"{plan.num_blocks:,}"),
+        "concurrency": (plan.max_concurrency, f"{plan.max_concurrency:.2f}x"),
+        "requests": (plan.max_requests, f"{plan.max_requests:,}")})
+
+
+SERVING = Calculator(
+    name="serving", title="Serving: a paged KV cache's pool, blocks and concurrent requests", compute=_serving,
+    number_labels={"pool": "KV cache pool", "blocks": "blocks", "concurrency": "vLLM's concurrency",
+                   "requests": "requests at once"},
+    inputs=(Input(name="model", label="model", kind="choice", default="llama-3.1-8b", choices=SERVE_MODELS),
+            Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
+            Input(name="utilization", label="gpu_memory_utilization", kind="float", default=0.9, min=0.1, max=1.0),
+            Input(name="prompt_len", label="prompt tokens", kind="choice", default=1024, choices=SERVE_LENGTHS),
+            Input(name="output_len", label="output tokens", kind="choice", default=1024, choices=SERVE_LENGTHS),
+            Input(name="dtype", label="weights", kind="choice", default="bf16", choices=tuple(SERVE.WEIGHT_DTYPES)),
+            Input(name="kv_dtype", label="KV cache", kind="choice", default="bf16", choices=tuple(SERVE.KV_DTYPES)),
+            Input(name="block_size", label="block size (tokens)", kind="choice", default=16, choices=(8, 16, 32, 64, 128)),
+            Input(name="shared_prefix", label="shared system prompt (tokens)", kind="choice", default=0,
+                  choices=(0, 64, 256, 512, 1024, 2048, 4096)),
+            Input(name="n_samples", label="sequences a request (n)", kind="int", default=1, min=1, max=16),
+            Input(name="draft", label="draft model (speculative)", kind="choice", default="none", choices=DRAFTS),
+            Input(name="speculative_tokens", label="draft tokens a step", kind="int", default=4, min=1, max=16)))
+
+
 # ----------------------------------------------------------------------------- chapter 2
 
 def _collectives(*, op: str, ranks: int, size_mib: float, link: str) -> Result:
@@ -466,11 +541,12 @@ CP_CHOICES = (1, 2, 4, 8, 16, 32)
 
 
 def _context(*, model: str, method: str, cp: int, batch_size: int, seq_len: int, precision: str, zigzag: str,
-             gpu: str, link: str, recompute: str = "none", loss: str = "whole") -> Result:
-    """One context-parallel rank (`parallel.context_parallel`), beside the same step at every other CP size."""
+             gpu: str, link: str, recompute: str = "none", loss: str = "whole", fsdp: str = "no") -> Result:
+    """One context-parallel rank (`parallel.context_parallel`), beside the same step at every other CP size;
+    `fsdp` "yes": the model states sharded over the CP ranks too (FSDP2)."""
     spec, g = specs.preset(model), specs.gpu(gpu)
     kw = dict(method=method, batch_size=batch_size, seq_len=seq_len, precision=precision, zigzag=zigzag == "yes",
-              link=link, gpu=g, recompute=recompute, loss=loss)
+              link=link, gpu=g, recompute=recompute, loss=loss, shard_states=fsdp == "yes")
     r = PAR.context_parallel(spec, cp=cp, **kw)
     bars = []
     for n in CP_CHOICES:
@@ -484,6 +560,7 @@ def _context(*, model: str, method: str, cp: int, batch_size: int, seq_len: int,
     svg, narrow = _both(stacked_bars, bars, title=f"{spec.name}, {batch_size} x {seq_len:,} tokens, {method}"
                                                   + (", recompute" if recompute == "full" else "")
                                                   + (f", {loss} loss" if loss != "whole" else "")
+                                                  + (", FSDP2" if fsdp == "yes" else "")
                                                   + ": one rank's peak against the CP size",
                         line=(g.usable_bytes / GiB, f"{g.name} usable"))
     fits = PAR.context_fit(spec, g, cp=cp, **{k: v for k, v in kw.items() if k != "gpu"})[1].fits
@@ -523,7 +600,8 @@ CONTEXT = Calculator(
             Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
             Input(name="link", label="link", kind="choice", default="nvlink4", choices=tuple(C.LINKS)),
             Input(name="recompute", label="recompute", kind="choice", default="none", choices=PAR.CP_RECOMPUTE),
-            Input(name="loss", label="loss", kind="choice", default="whole", choices=memory.LOSSES)))
+            Input(name="loss", label="loss", kind="choice", default="whole", choices=memory.LOSSES),
+            Input(name="fsdp", label="FSDP2 over the CP ranks", kind="choice", default="no", choices=("no", "yes"))))
 
 
 PARALLEL = Calculator(
@@ -1031,7 +1109,7 @@ COMPRESSION = Calculator(
             Input(name="active", label="active experts a token (MoEfication)", kind="int", default=4, min=1,
                   max=65536)))
 
-CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, MOE, COLLECTIVES, PRECISION, PARALLEL, CONTEXT, EXPERTS,
+CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, MOE, SERVING, COLLECTIVES, PRECISION, PARALLEL, CONTEXT, EXPERTS,
                                                            LAYOUTS, ZERO,
                                                            OFFLOAD, STREAMING, CHECKPOINTING, COMPRESSION)}
 

@@ -32,6 +32,7 @@ from .. import compression as COMP
 from .. import offload as OFF
 from .. import parallel as PAR
 from .. import precision as P
+from .. import serving as SERVE
 from .. import zero as Z
 from ..units import fmt_bytes
 from .tables import Cell, Table
@@ -61,6 +62,7 @@ def _count(name: str, value, *, lo: int = 1) -> int:
 
 
 _COUNT = checks.argtype(_count, int)
+_COUNT_0 = checks.argtype(_count, int, lo=0)
 
 
 def _model_source(p: argparse.ArgumentParser) -> None:
@@ -193,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="full: every block checkpointed (its attention and its K/V transfers run again); default none")
     cx.add_argument("--loss", default="whole", choices=memory.LOSSES,
                     help="the loss on the rank's tokens: whole, chunked (torchtune's) or fused (Liger's); default whole")
+    cx.add_argument("--fsdp", action="store_true",
+                    help="FSDP2 over the CP ranks: the model states sharded too (torchtitan's dp_shard x cp); "
+                         "fp32 or bf16-mixed, AdamW")
     _gpu_arg(cx)
     cx.add_argument("--link", default="nvlink4", choices=tuple(COLL.LINKS), help="between the CP ranks (default nvlink4)")
     cx.add_argument("--json", action="store_true", help="print one JSON object")
@@ -201,7 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "buffers and all-to-alls, against every EP size")
     xp.add_argument("--model", required=True, help=f"a mixture-of-experts preset: {', '.join(specs.moe_preset_names())}")
     xp.add_argument("--ep", type=_COUNT, required=True, help="ranks each MoE layer's routed experts are split over")
-    xp.add_argument("--dp", type=_COUNT, required=True, help="data-parallel ranks in all (ep divides it)")
+    xp.add_argument("--dp", type=_COUNT, required=True, help="data-parallel ranks in all (ep divides it; with --tp/--pp, "
+                    "ep x etp divides tp x dp)")
+    xp.add_argument("--tp", type=_COUNT, default=1, help="tensor-parallel ranks (default 1): with --pp/--etp, one rank's "
+                    "states under Megatron-Core's parallel folding, per pipeline stage")
+    xp.add_argument("--pp", type=_COUNT, default=1, help="pipeline stages (default 1)")
+    xp.add_argument("--etp", type=_COUNT, default=1, help="ranks each routed expert is split over (default 1)")
     _sizes(xp, "sequences a rank a step")
     xp.add_argument("--capacity-factor", type=float, default=None, metavar="F",
                     help="each expert's buffer holds F x tokens x top-k / experts rows, the rest dropped (default: dropless)")
@@ -210,6 +220,31 @@ def build_parser() -> argparse.ArgumentParser:
     xp.add_argument("--precision", default="bf16-mixed", choices=P.PRECISIONS, help="default bf16-mixed")
     xp.add_argument("--link", default="nvlink4", choices=tuple(COLL.LINKS), help="between the EP ranks (default nvlink4)")
     xp.add_argument("--json", action="store_true", help="print one JSON object")
+
+    sv = commands["serve"] = sub.add_parser("serve", help="serving with a paged KV cache (vLLM's accounting): the pool, "
+                                                          "blocks, concurrent requests, tokens/s bounds")
+    _model_source(sv)
+    _gpu_arg(sv)
+    sv.add_argument("--prompt-len", type=_COUNT, required=True, help="prompt tokens a request")
+    sv.add_argument("--output-len", type=_COUNT_0, required=True, help="tokens generated a request")
+    sv.add_argument("--utilization", type=float, default=0.9, metavar="F",
+                    help="vLLM's gpu_memory_utilization: the share of the GPU the engine may take (default 0.9)")
+    sv.add_argument("--dtype", default="bf16", choices=tuple(SERVE.WEIGHT_DTYPES), help="the weights' (default bf16)")
+    sv.add_argument("--kv-dtype", default=None, choices=tuple(SERVE.KV_DTYPES),
+                    help="the KV cache's (default: the weights' 16-bit dtype)")
+    sv.add_argument("--block-size", type=_COUNT, default=16, help="tokens a KV block (vLLM's default 16)")
+    sv.add_argument("--tp", type=_COUNT, default=1, help="tensor-parallel GPUs: the weights and KV heads split (default 1)")
+    sv.add_argument("--shared-prefix", type=_COUNT_0, default=0, metavar="TOKENS",
+                    help="a system prompt at the start of every prompt: its full blocks are held once (prefix caching)")
+    sv.add_argument("--n", type=_COUNT, default=1, help="sequences a request (parallel sampling or beams: the prompt's "
+                                                        "full blocks shared among them; default 1)")
+    sv.add_argument("--draft-model", default=None, metavar="PRESET", help="speculative decoding's draft model (a preset)")
+    sv.add_argument("--speculative-tokens", type=_COUNT_0, default=0, metavar="K", help="tokens the draft proposes a step")
+    sv.add_argument("--activation-peak-gib", type=float, default=0.0, metavar="GIB",
+                    help="the profile run's activation peak vLLM measures at start-up (default 0: not known here)")
+    sv.add_argument("--max-num-seqs", type=_COUNT, default=256, help="vLLM's max_num_seqs (default 256): sequences a "
+                                                                     "step at most, and the verify logits' rows")
+    sv.add_argument("--json", action="store_true", help="print one JSON object")
 
     commands["presets"] = sub.add_parser("presets", help="list the built-in models")
     commands["gpus"] = sub.add_parser("gpus", help="list the GPU catalogue")
@@ -531,7 +566,7 @@ def _cp_rank(ns, cp: int, batch_size: int | None = None) -> tuple[dict, fitting.
     return PAR.context_fit(_spec(ns), _gpu(ns), cp=cp, method=ns.method,
                            batch_size=ns.batch_size if batch_size is None else batch_size, seq_len=ns.seq_len,
                            precision=ns.precision, optimizer=ns.optimizer, zigzag=not ns.contiguous, link=ns.link,
-                           recompute=ns.recompute, loss=ns.loss)
+                           recompute=ns.recompute, loss=ns.loss, shard_states=ns.fsdp)
 
 
 def _answer_context(ns, search: bool = True) -> tuple[Answer, tuple[dict, fitting.Fit]]:
@@ -755,11 +790,13 @@ def _levers(ns, here: Answer) -> list[Lever]:
                  and not (ns.loss == "fused" and c.get("loss") == "chunked")]
         if cheap:
             L.append(Lever(tuple(cheap)))
+        if not ns.fsdp and ns.precision in ("fp32", "bf16-mixed") and ns.optimizer in ("adam", "adamw"):
+            L.append(Lever(({"fsdp": True},)))  # the states sharded over the CP ranks as well
         L.append(Lever(_doublings(ns.cp, "cp"), monotone=True))
         L.append(Lever(tuple({"method": m, "contiguous": False} for m in PAR.CP_METHODS if m != ns.method)))
         if ns.precision == "fp32":
             L.append(Lever(({"precision": "bf16-mixed"},)))
-        if ns.optimizer in ("adam", "adamw"):
+        if ns.optimizer in ("adam", "adamw") and not ns.fsdp:
             L.append(Lever(({"optimizer": "adamw-8bit"},)))
         L.append(Lever(_seq_lens(ns.seq_len), monotone=True))
         return L
@@ -1118,13 +1155,14 @@ def _context(ns) -> int:
                   caption=f"{spec.name}, {ns.batch_size} x {ns.seq_len:,} tokens, {ns.precision}, "
                           + (f"recompute {ns.recompute}, " if ns.recompute != "none" else "")
                           + (f"{ns.loss} loss, " if ns.loss != "whole" else "") + f"{ns.method}"
-                          + (f" ({shards})" if ns.method == "ring" else "") + f", on {g.name}: one rank at each CP size",
+                          + (f" ({shards})" if ns.method == "ring" else "")
+                          + (", FSDP2 over the CP ranks" if ns.fsdp else "") + f", on {g.name}: one rank at each CP size",
                   notes=[f"comm / attention: forward + backward (+ the recomputed forward) seconds a layer, the transfers "
                          f"on {ns.link} (alpha-beta), "
                          f"attention at 40 % of {g.name}'s peak FLOP/s; hidden: the ring's transfers run under its "
                          "attention; Ulysses' all-to-alls are exposed by construction"], align="rrrrrcrrl")
     out = {"model": spec.name, "method": ns.method, "cp": ns.cp, "zigzag": mine["zigzag"], "recompute": ns.recompute,
-           "loss": ns.loss, "batch_size": ns.batch_size,
+           "loss": ns.loss, "fsdp": ns.fsdp, "states_bytes": mine["states"], "batch_size": ns.batch_size,
            "seq_len": ns.seq_len, "precision": ns.precision, "link": ns.link, "tokens_per_rank": mine["tokens_per_rank"],
            "peak_bytes": mine["peak"], "peak_phase": mine["peak_phase"], "blocks_saved_bytes": mine["blocks_saved"],
            "in_flight_bytes": {"forward": mine["in_flight_forward"], "backward": mine["in_flight_backward"]},
@@ -1155,6 +1193,8 @@ def _experts(ns) -> int:
         raise ValueError(f"--model {ns.model!r}: expert parallelism needs a mixture of experts; presets: "
                          f"{', '.join(specs.moe_preset_names())}")
     spec = specs.preset(ns.model)
+    if (ns.tp, ns.pp, ns.etp) != (1, 1, 1):
+        return _experts_layout(ns, spec)
     kw = dict(dp=ns.dp, batch_size=ns.batch_size, seq_len=ns.seq_len, capacity_factor=ns.capacity_factor,
               zero_stage=ns.zero, precision=ns.precision, link=ns.link)
     mine = PAR.expert_parallel(spec, ep=ns.ep, **kw)
@@ -1197,6 +1237,38 @@ def _experts(ns) -> int:
     return 0
 
 
+def _experts_layout(ns, spec) -> int:
+    """`parallel.moe_layout_states`: one rank's states on every pipeline stage of tp x pp x dp devices with the
+    experts folded over ep x etp (states only: the dispatch and activations under TP are not modelled)."""
+    r = PAR.moe_layout_states(spec, tp=ns.tp, pp=ns.pp, ep=ns.ep, etp=ns.etp, dp=ns.dp, zero_stage=ns.zero,
+                              precision=ns.precision)
+    rows = []
+    for s in r["stages"]:
+        part = {k: sum(s[c][k] for c in ("parameters", "gradients", "optimizer_states")) for k in ("dense", "experts")}
+        rows.append([Cell(str(s["stage"]), "strong") if s["stage"] == r["busiest_stage"] else str(s["stage"]),
+                     f"{s['layers'].start}-{s['layers'].stop - 1}", f"{s['param_counts']['dense']:,}",
+                     f"{s['param_counts']['experts']:,}", fmt_bytes(part["dense"]), fmt_bytes(part["experts"]),
+                     fmt_bytes(s["states"])])
+    table = Table(["stage", "blocks", "dense parameters", "expert parameters", "dense states", "expert states", "states"],
+                  rows, caption=f"{spec.name} on tp {ns.tp} x pp {ns.pp} x dp {ns.dp} = {r['devices']:,} GPUs, experts over "
+                                f"ep {ns.ep} x etp {ns.etp} (each on edp = {r['edp']} ranks), {ns.precision} AdamW, "
+                                f"ZeRO-{ns.zero}: one rank of each stage",
+                  notes=["parallel.moe_layout_states (Megatron-Core's parallel folding): the rank's tensors exact; states "
+                         "only -- the dispatch and the activations with tensor parallelism are not modelled (without "
+                         "--tp/--pp/--etp the command prices one rank's dispatch and all-to-alls)"], align="rrrrrrr")
+    if ns.json:
+        print(json.dumps({"model": spec.name, "tp": ns.tp, "pp": ns.pp, "ep": ns.ep, "etp": ns.etp, "dp": ns.dp,
+                          "edp": r["edp"], "devices": r["devices"], "zero": ns.zero, "precision": ns.precision,
+                          "states_bytes": r["states"], "busiest_stage": r["busiest_stage"],
+                          "stages": [{"stage": s["stage"], "blocks": [s["layers"].start, s["layers"].stop],
+                                      "param_counts": s["param_counts"], "parameters_bytes": s["parameters"],
+                                      "gradients_bytes": s["gradients"], "optimizer_states_bytes": s["optimizer_states"],
+                                      "states_bytes": s["states"]} for s in r["stages"]]}, indent=2))
+    else:
+        print(table)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `vramlab` with `argv` (default: sys.argv[1:]); returns the exit status (2: bad input)."""
     if argv is not None and (isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence)
@@ -1211,8 +1283,85 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
+def _serve_plan(ns, spec, g, kv_dtype=None):
+    gib = checks.number("--activation-peak-gib", ns.activation_peak_gib, lo=0, hi=1 << 20, what="GiB, 0 or more")
+    return SERVE.serving_plan(spec, gpu=g, prompt_len=ns.prompt_len, output_len=ns.output_len,
+                              gpu_memory_utilization=ns.utilization, dtype=ns.dtype,
+                              kv_dtype=kv_dtype or ns.kv_dtype, block_size=ns.block_size, tp=ns.tp,
+                              shared_prefix_len=ns.shared_prefix, n_samples=ns.n,
+                              activation_peak_bytes=int(gib * 2**30), draft_model=ns.draft_model,
+                              num_speculative_tokens=ns.speculative_tokens, max_num_seqs=ns.max_num_seqs)
+
+
+def _serve(ns) -> int:
+    """`serving.serving_plan`: vLLM's pool and its start-up concurrency line, the requests that fit with the
+    sharing asked for, the same at every KV dtype, and `serving.throughput_bounds` at that concurrency."""
+    spec = specs.preset(ns.model) if ns.model else specs.from_config(ns.hf_config)
+    g = specs.gpu(ns.gpu)
+    plan = _serve_plan(ns, spec, g)
+    seqs = max(1, min(plan.max_sequences, ns.max_num_seqs))
+    tput = SERVE.throughput_bounds(spec, gpu=g, batch_size=seqs, context_len=plan.tokens_per_request,
+                                   prompt_len=ns.prompt_len, dtype=ns.dtype, kv_dtype=plan.block.kv_dtype)
+    budget = int(g.usable_bytes * ns.utilization)
+    rows = [["the engine's share", f"{ns.utilization:g} x {fmt_bytes(g.usable_bytes)}", fmt_bytes(budget)],
+            ["weights", f"{spec.params:,} parameters in {ns.dtype}" + (f", over tp {ns.tp}" if ns.tp > 1 else ""),
+             fmt_bytes(plan.weights_bytes)]]
+    if plan.draft_model:
+        rows.append(["draft model's weights", plan.draft_model, fmt_bytes(plan.draft_weights_bytes)])
+        rows.append(["verify logits (fp32)", f"{ns.max_num_seqs} sequences x {ns.speculative_tokens + 1} positions",
+                     fmt_bytes(plan.verify_logits_bytes)])
+    rows += [["activations (profile run)", "given" if ns.activation_peak_gib else "not known here: 0",
+              fmt_bytes(int(ns.activation_peak_gib * 2**30))],
+             ["outside torch (CUDA context)", g.name, fmt_bytes(budget - plan.weights_bytes - plan.draft_weights_bytes
+                                                                 - plan.verify_logits_bytes - int(ns.activation_peak_gib * 2**30)
+                                                                 - plan.available_kv_bytes)],
+             [Cell("KV cache pool", "strong"), "", Cell(fmt_bytes(plan.available_kv_bytes), "strong")],
+             ["a block", f"{plan.block.block_size} tokens x {spec.num_layers} layers, {plan.block.kv_dtype}"
+              + (" + the draft's" if plan.draft_model else ""),
+              fmt_bytes(plan.block.bytes_per_block + plan.draft_page_bytes)],
+             ["blocks in the pool", "", f"{plan.num_blocks:,}"],
+             ["blocks a request", f"{plan.tokens_per_request:,} tokens, {plan.last_block_waste} slots of the last empty",
+              f"{plan.blocks_per_request:,}"],
+             [Cell("concurrency", "strong"), "blocks in the pool / blocks a request",
+              Cell(f"{plan.max_concurrency:.2f}x", "strong")],
+             ["requests at once" + (" (sharing)" if ns.shared_prefix or ns.n > 1 else ""),
+              "; ".join(([f"{plan.shared_prefix_blocks} prefix blocks held once"] if ns.shared_prefix else [])
+                        + ([f"{ns.n} sequences a request, the prompt's full blocks shared"] if ns.n > 1 else [])),
+              f"{plan.max_requests:,}"],
+             ["decode bound", f"{seqs} sequences, weights + KV read a step ({g.bandwidth_GBps:.0f} GB/s)",
+              f"{tput['decode_tokens_per_s']:,.0f} tokens/s"],
+             ["prefill bound", f"{ns.prompt_len:,} tokens at the data sheet's peak", f"{tput['prefill_tokens_per_s']:,.0f} tokens/s"]]
+    table = Table(["", "what", "bytes / count"], rows,
+                  caption=f"{spec.name} served on {g.name} (vLLM's accounting: vramlab.serving.serving_plan)",
+                  notes=["exact arithmetic where the engine's is (blocks, bytes a block, the pool less what is given); the "
+                         "profile run's activation peak and CUDA graphs are measured by vLLM at start-up: pass "
+                         "--activation-peak-gib; tokens/s are upper bounds from the data sheet"], align="llr")
+    by_dtype = {}
+    for kv in SERVE.KV_DTYPES:
+        try:
+            x = _serve_plan(ns, spec, g, kv)
+        except ValueError:
+            continue
+        by_dtype[kv] = {"bytes_per_block": x.block.bytes_per_block, "num_blocks": x.num_blocks,
+                        "max_concurrency": x.max_concurrency, "max_requests": x.max_requests}
+    kv_table = Table(["KV dtype", "a block", "blocks", "concurrency (vLLM's line)", "requests at once"],
+                     [[Cell(k, "strong") if k == plan.block.kv_dtype else k, fmt_bytes(v["bytes_per_block"]),
+                       f"{v['num_blocks']:,}", f"{v['max_concurrency']:.2f}x", f"{v['max_requests']:,}"]
+                      for k, v in by_dtype.items()],
+                     caption="the same deployment with the KV cache in each dtype (int8 keeps an fp32 scale per token "
+                             "and head; fp8 one per layer, outside the pool)", align="lrrrr")
+    if ns.json:
+        print(json.dumps({**plan.to_dict(), "throughput": tput, "by_kv_dtype": by_dtype}, indent=2, default=str))
+    else:
+        print(table)
+        print(f"vLLM would log: {plan.log_line()}")
+        print()
+        print(kv_table)
+    return 0
+
+
 COMMANDS: dict[str, Callable] = {"estimate": _estimate, "plan": _plan, "lora": _lora, "offload": _offload,
-                                 "checkpoint": _checkpoint, "context": _context, "experts": _experts}
+                                 "checkpoint": _checkpoint, "context": _context, "experts": _experts, "serve": _serve}
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -1225,8 +1374,8 @@ def _main(args: argparse.Namespace) -> int:
                 print(f"{name:16s}{s.model_type:10s}{s.params:>16,d} params  ({fmt_bytes(memory.checkpoint_bytes(s))} in fp32)")
             from .. import moe
 
-            print("mixture of experts (`estimate infer`, and `estimate train` on one GPU with --capacity-factor; "
-                  "DeepSeek-V2's training is not modelled yet):")
+            print("mixture of experts (`estimate infer`, `estimate train` on one GPU with --capacity-factor, "
+                  "`experts` over GPUs, `serve`):")
             for name in specs.moe_preset_names():
                 s = specs.preset(name)
                 print(f"{name:18s}{s.model_type:12s}{s.params:>16,d} params, {moe.active_params(s):>15,d} active a token")
