@@ -299,9 +299,9 @@ def training_layer_saved(model: "ModelSpec | str", *, layer: int, tokens: int, p
     bytes per MoE layer, < 0.1 % of a layer's activations for the presets). Where the step's peak
     falls inside the last block's backward (small vocabularies) the estimate keeps every saved tensor
     of that block while its gradients flow, as for dense blocks: up to ~5 % over the trace there.
-    Pure bf16: the Llama twin's norms keep their 2-byte inputs, not the fp32 copies transformers makes
-    ((2L + 1) x tokens x h x 2 bytes: DeepSeek-V2 and V3 ~5 % under the trace in activations, ~3 % in the
-    peak; exactly that gap, within 1 %, in tests/test_moe_training.py; Mixtral within 1 %)."""
+    Pure bf16: the Llama twin's norms keep their 2-byte inputs, not the fp32 copies transformers makes;
+    for DeepSeek (MLA) `activations` adds those copies ((2L + 1) x tokens x h x 2 bytes: V2 within 1 % of
+    the trace, tests/test_moe_training.py); for the other families they are left out (Mixtral within 1 %)."""
     s, capacity_factor, li, T, nb = _layer_args(model, layer, tokens, precision, device, capacity_factor)
     h = s.hidden_size
     amp = precision in ("bf16-mixed", "fp16-mixed")  # autocast casts each linear's input

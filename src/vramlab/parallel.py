@@ -37,6 +37,8 @@ from . import specs as _specs
 from . import precision as _prec
 from . import fitting as _fitting
 from . import activations as _act
+from . import moe as _moe
+from . import zero as _zero
 from .specs import ModelSpec
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
@@ -462,15 +464,32 @@ def stage_tensors(model: ModelSpec | str, layout: Layout, stage: int) -> tuple[i
     return _stage_tensors(spec, layout.tp, layout.pp, layout.chunks, stage)
 
 
+def _placement(spec: ModelSpec, name: str) -> tuple[int, bool]:
+    """Where a parameter tensor sits: (its block, or -1 before the blocks, -2 after them; whether it is a
+    tied vocabulary matrix)."""
+    i = _layer_index(name)
+    where = i if i is not None else (-1 if any(name.startswith(k) for k in _FIRST) else -2)
+    return where, where == -1 and spec.tie_word_embeddings and name.split(".")[0] in _VOCAB
+
+
+def _copies_on_stage(where: int, tied: bool, stage: int, p: int, mine) -> int:
+    """Copies of a tensor placed at `where` (`_placement`) that pipeline stage `stage` of `p` holds (`mine`:
+    its blocks): its block's stage; the embeddings on the first, the final norm and head on the last, and
+    the last stage's own copy of a tied embedding."""
+    if where >= 0:
+        return int(where in mine)
+    if where == -1:
+        return int(stage == 0) + int(stage == p - 1 and p > 1 and tied)
+    return int(stage == p - 1)
+
+
 @functools.lru_cache(maxsize=64)
 def _tensor_table(spec: ModelSpec, t: int) -> tuple[tuple[int, int, bool], ...]:
     """Per parameter tensor: (its block, or -1 before the blocks, -2 after them; one tensor-parallel
     rank's elements; whether it is a tied vocabulary matrix)."""
     out = []
     for name, numel in spec.param_tensors():
-        i = _layer_index(name)
-        where = i if i is not None else (-1 if any(name.startswith(k) for k in _FIRST) else -2)
-        tied = where == -1 and spec.tie_word_embeddings and name.split(".")[0] in _VOCAB
+        where, tied = _placement(spec, name)
         out.append((where, _tp_numel(name, numel, t, spec.vocab_size), tied))
     return tuple(out)
 
@@ -479,19 +498,8 @@ def _tensor_table(spec: ModelSpec, t: int) -> tuple[tuple[int, int, bool], ...]:
 def _stage_tensors(spec: ModelSpec, t: int, p: int, v: int, stage: int) -> tuple[int, ...]:
     chunks = _stage_layers(spec.num_layers, p * v)
     mine = {i for c in range(v) for i in chunks[c * p + stage]}
-    out = []
-    for where, n, tied in _tensor_table(spec, t):
-        if where >= 0:
-            if where in mine:
-                out.append(n)
-        elif where == -1:
-            if stage == 0:
-                out.append(n)
-            if stage == p - 1 and p > 1 and tied:
-                out.append(n)  # the last stage's copy of a tied embedding
-        elif stage == p - 1:
-            out.append(n)
-    return tuple(out)
+    return tuple(n for where, n, tied in _tensor_table(spec, t)
+                 for _ in range(_copies_on_stage(where, tied, stage, p, mine)))
 
 
 # ============================================================================ activations per device
@@ -988,8 +996,6 @@ def _cp_fsdp_moments(spec: ModelSpec, cp: int, totals: list, ddp_states: int, re
     its gradient shard kept). Every moment's shards are
     then set to their storage (each tensor's shard ceil(numel / cp), Adam's step counters). Returns (moments,
     states between steps)."""
-    from . import zero as _zero
-
     fph = _zero.rank_phases(spec, cp, 3, micro_batch_size=b, seq_len=n, recipe=recipe, implementation="fsdp2",
                             attention="sdpa", optimizer_impl=optimizer_impl, device=device, gpu=gpu,
                             recompute=recompute, loss=loss, loss_chunk_tokens=loss_chunk_tokens)
@@ -1259,8 +1265,6 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
                                           gpu=g if device == "cuda" else None, optimizer_impl=optimizer_impl,
                                           recompute=recompute, loss=loss, loss_chunk_tokens=loss_chunk_tokens,
                                           extra_saved=extra_saved, kept=max(act["kept"], default=0))
-        from . import zero as _zero
-
         sync = _zero.communication(spec.params, cp, 3, bytes_per_value=pb_sync, link=lk, implementation="fsdp2",
                                    root_params=_zero._units(spec)[1]) if cp > 1 else None
     else:
@@ -1299,13 +1303,27 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
 MAX_EP = 1 << 12
 
 
+def _is_routed_expert(name: str) -> bool:
+    """A routed experts' parameter tensor (not a shared expert's, not the router's)."""
+    return ".experts." in name and ".shared" not in name
+
+
+def _moe_spec(model: "ModelSpec | str") -> ModelSpec:
+    """The model's spec, refused in one line when it has no routed experts to split."""
+    spec = _moe.resolve_moe(model)
+    if not spec.is_moe:
+        raise ValueError(f"{spec.name} is a dense model: expert parallelism needs routed experts (an MoE preset, "
+                         f"e.g. {', '.join(_specs.moe_preset_names()[:2])})")
+    return spec
+
+
 def _ep_tensors(spec: ModelSpec, ep: int) -> tuple[list[int], list[int]]:
     """One EP rank's parameter tensors' element counts, (dense, experts), in `param_tensors` order: a routed
     experts' tensor (transformers 5 stores each layer's experts as one 3-D tensor, or one per expert in
     older layouts) counts 1/ep."""
     dense, experts = [], []
     for name, n in spec.param_tensors():
-        if ".experts." in name and ".shared" not in name:
+        if _is_routed_expert(name):
             experts.append(n // ep)
         else:
             dense.append(n)
@@ -1385,12 +1403,7 @@ def expert_parallel(model: "ModelSpec | str", *, ep: int, dp: int, batch_size: i
     are not modelled beyond `received_rows`; the all-to-all is priced as one collective of the whole buffer (no
     overlap with compute, no hierarchical intra/inter-node dispatch); the counts exchanged before a dropless
     dispatch (E/ep integers per peer) are not counted; ZeRO-2's gradient shards are the even split."""
-    from . import moe as _moe
-
-    spec = _moe.resolve_moe(model)
-    if not spec.is_moe:
-        raise ValueError(f"{spec.name} is a dense model: expert parallelism needs routed experts (an MoE preset, "
-                         f"e.g. {', '.join(_specs.moe_preset_names()[:2])})")
+    spec = _moe_spec(model)
     ep, dp = _count("ep", ep, hi=MAX_EP), _count("dp", dp)
     E = spec.num_experts
     if dp % ep:
@@ -1552,8 +1565,6 @@ def context_fit(model: ModelSpec | str, gpu, *, cp: int, batch_size: int, seq_le
     largest = _fitting.fragmentation_bytes(model, batch_size=batch_size, seq_len=r["tokens_per_rank"],
                                            **{"precision": "bf16-mixed", **frag_kw})
     if r["shard_states"]:
-        from . import zero as _zero
-
         flat = _zero._units(_specs.resolve(model))[0] * (4 if kw.get("precision", "bf16-mixed") == "fp32" else 2)
         largest = max(largest, flat)
     return r, _fitting.device_fit(r["peak"], gpu, largest_tensor=largest, expandable_segments=expandable_segments)
@@ -1575,7 +1586,7 @@ def _moe_tensor_share(spec: ModelSpec, name: str, numel: int, tp: int, ep: int, 
     the rest -- tensor-parallel as Megatron splits it (`_tp_numel`: heads, MLP widths, vocabulary rows;
     MLA's up-projections by columns, its down-projections and their norms duplicated; the router's E x h
     weight and the norms whole on every rank)."""
-    if ".experts." in name and ".shared" not in name:
+    if _is_routed_expert(name):
         return "experts", numel // ep // etp
     last = name.rsplit(".", 2)[-2] if name.endswith(".weight") or name.endswith(".bias") else name.rsplit(".", 1)[-1]
     if last in _MLA_DUPLICATED or name.endswith("mlp.gate.weight"):
@@ -1605,12 +1616,7 @@ def moe_layout_states(model: "ModelSpec | str", *, tp: int = 1, pp: int = 1, ep:
     prices one data-parallel rank's dispatch and step); no uneven first/last stages
     (`num_layers_in_first_pipeline_stage`), no context parallelism in the folding; fp32 gradient buffers
     (Megatron's `main_grad` under bf16 parameters) as `memory`'s precision says; MTP modules are not counted."""
-    from . import moe as _moe
-
-    spec = _moe.resolve_moe(model)
-    if not spec.is_moe:
-        raise ValueError(f"{spec.name} is a dense model: expert parallelism needs routed experts (an MoE preset, "
-                         f"e.g. {', '.join(_specs.moe_preset_names()[:2])})")
+    spec = _moe_spec(model)
     tp, pp, ep, dp, etp = (_count(n, v, hi=MAX_EP if n in ("ep", "etp") else MAX_DEVICES)
                            for n, v in (("tp", tp), ("pp", pp), ("ep", ep), ("dp", dp), ("etp", etp)))
     if tp * pp * dp > MAX_DEVICES:
@@ -1640,15 +1646,7 @@ def moe_layout_states(model: "ModelSpec | str", *, tp: int = 1, pp: int = 1, ep:
         n = {"dense": 0, "experts": 0}
         count = {"dense": 0, "experts": 0}
         for name, numel in spec.param_tensors():
-            i = _layer_index(name)
-            if i is not None:
-                if i not in layers[k]:
-                    continue
-            elif any(name.startswith(f) for f in _FIRST):
-                tied = spec.tie_word_embeddings and name.split(".")[0] in _VOCAB
-                if not (k == 0 or (tied and k == pp - 1 and pp > 1)):
-                    continue
-            elif k != pp - 1:
+            if not _copies_on_stage(*_placement(spec, name), k, pp, layers[k]):
                 continue
             kind, share = _moe_tensor_share(spec, name, numel, tp, ep, etp)
             n[kind] += share

@@ -9,11 +9,24 @@ from typing import Any, Callable
 from ..units import fmt_bytes
 
 
+def _kind(answer: Any) -> str:
+    """The type of an answer's value as the student wrote it (the grader sees a `sandbox.Remote` object's)."""
+    return getattr(answer, "__vramlab_type__", None) or type(answer).__name__
+
+
+def _named_mistake(mistakes, model: Callable, cases, answers) -> str | None:
+    """The explanation of the first mistake in `mistakes` ((keyword arguments of `model`, explanation) pairs)
+    whose answers `model(case, **kw)` equal all of `answers`; None when no single mistake explains them."""
+    for kw, why in mistakes:
+        if all(model(case, **kw) == a for case, a in zip(cases, answers)):
+            return why
+    return None
+
+
 def check_int(actual: Any, expected: int, *, what: str, hint: str = "", unit: str = "") -> None:
     """`actual` must be an int equal to `expected`."""
     if isinstance(actual, bool) or not isinstance(actual, int):
-        kind = getattr(actual, "__vramlab_type__", None) or type(actual).__name__  # the grader's view of an answer's object
-        raise AssertionError(f"{what}: return an int (a count of {unit or 'items'}), got {kind} {actual!r}")
+        raise AssertionError(f"{what}: return an int (a count of {unit or 'items'}), got {_kind(actual)} {actual!r}")
     if actual != expected:
         off = actual - expected
         shown = (lambda n: fmt_bytes(n)) if unit == "bytes" else (lambda n: f"{n:,}")
@@ -320,8 +333,7 @@ def check_reserved_after(fn: Callable, *, cases=ALLOC_EXAMPLES, n: int = 6, seed
     for events in programs:
         r = fn([tuple(e) for e in events])
         if isinstance(r, bool) or not isinstance(r, int):
-            kind = getattr(r, "__vramlab_type__", None) or type(r).__name__
-            raise AssertionError(f"reserved_after: return an int (bytes), got {kind} {r!r} for {_show_events(events)}")
+            raise AssertionError(f"reserved_after: return an int (bytes), got {_kind(r)} {r!r} for {_show_events(events)}")
         got.append(r)
     expected = [replay(events).peak_reserved for events in programs]
     if got == expected:
@@ -329,9 +341,9 @@ def check_reserved_after(fn: Callable, *, cases=ALLOC_EXAMPLES, n: int = 6, seed
     i = next(k for k, (a, b) in enumerate(zip(got, expected)) if a != b)
     where = (f"reserved_after({_show_events(programs[i])}) returned {fmt_bytes(got[i])} ({got[i]:,} B), expected "
              f"{fmt_bytes(expected[i])} ({expected[i]:,} B)")
-    for kw, why in ALLOC_MISTAKES:
-        if all(simple_reserved(events, **kw) == g for events, g in zip(programs, got)):
-            raise AssertionError(f"{where}. {why}")
+    why = _named_mistake(ALLOC_MISTAKES, simple_reserved, programs, got)
+    if why:
+        raise AssertionError(f"{where}. {why}")
     raise AssertionError(f"{where}. Check each rule in turn on this program: rounding, the pool, best fit, the "
                          "split, the new segment's size, merging on free.")
 
@@ -735,10 +747,8 @@ def admission_cases(seed: int, n: int = 6) -> list[dict]:
                     shared_prefix=prefix)
         ref = paged_admission(**case)
         shows = {i for i, (kw, _) in enumerate(ADMISSION_MISTAKES) if paged_admission(**case, **kw) != ref}
-        if len(cases) < n and (shows - caught or len(caught) == len(ADMISSION_MISTAKES)):
-            cases.append(case)
-            caught |= shows
-        elif len(cases) >= n and shows - caught:
+        # a case that shows a mistake not caught yet, or any case once all are caught, until there are n
+        if shows - caught or (len(cases) < n and len(caught) == len(ADMISSION_MISTAKES)):
             cases.append(case)
             caught |= shows
     return cases
@@ -765,14 +775,15 @@ def check_admission(fn: Callable, *, cases=ADMISSION_EXAMPLES, n: int = 6, seed:
         except TypeError:
             r = None
         if r is None or len(r) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in r):
-            raise AssertionError(f"{what}: return two ints (requests running, blocks in use), got {_kind(r)}")
+            raise AssertionError(f"{what}: return two ints (requests running, blocks in use), got {_kind(r)} {r!r:.80}")
         got.append((what, r, paged_admission(**case)))
     for what, r, ref in got:
         if r != ref:
             wrong = f"{what} returned {r}, expected {ref}"
-            for kw, why in ADMISSION_MISTAKES:
-                if all(paged_admission(**c, **kw) == g for c, (_, g, _) in zip(queues, got)):
-                    raise AssertionError(f"{wrong}. {why}")
+            why = _named_mistake(ADMISSION_MISTAKES, lambda case, **kw: paged_admission(**case, **kw), queues,
+                                 [g for _, g, _ in got])
+            if why:
+                raise AssertionError(f"{wrong}. {why}")
             raise AssertionError(f"{wrong}. Check each rule on this queue: blocks a request holds, the shared "
                                  "system prompt, the order of admission.")
     return [r for _, r, _ in got]
@@ -782,6 +793,3 @@ def _show_queue(requests) -> str:
     return repr(list(requests)) if len(requests) <= 5 else f"[{len(requests)} requests: {requests[0]!r}, ...]"
 
 
-def _kind(r) -> str:
-    kind = getattr(r, "__vramlab_type__", None) or type(r).__name__
-    return f"{kind} {r!r:.80}"

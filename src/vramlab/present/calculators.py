@@ -378,7 +378,7 @@ def _serving(*, model: str, gpu: str, utilization: float, prompt_len: int, outpu
     plan = SERVE.serving_plan(spec, kv_dtype=kv_dtype, **kw)
     per_block = plan.block.bytes_per_block + plan.draft_page_bytes
     budget = int(g.usable_bytes * utilization)
-    other = budget - plan.weights_bytes - plan.draft_weights_bytes - plan.verify_logits_bytes - plan.available_kv_bytes
+    other = g.context_bytes  # what serving_plan leaves outside torch (the CUDA context)
     bars = []
     for kv in SERVE.KV_DTYPES:
         try:

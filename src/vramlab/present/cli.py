@@ -1283,13 +1283,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-def _serve_plan(ns, spec, g, kv_dtype=None):
+def _profile_peak(ns) -> int:
+    """--activation-peak-gib in bytes."""
     gib = checks.number("--activation-peak-gib", ns.activation_peak_gib, lo=0, hi=1 << 20, what="GiB, 0 or more")
+    return int(gib * 2**30)
+
+
+def _serve_plan(ns, spec, g, kv_dtype=None):
     return SERVE.serving_plan(spec, gpu=g, prompt_len=ns.prompt_len, output_len=ns.output_len,
                               gpu_memory_utilization=ns.utilization, dtype=ns.dtype,
                               kv_dtype=kv_dtype or ns.kv_dtype, block_size=ns.block_size, tp=ns.tp,
                               shared_prefix_len=ns.shared_prefix, n_samples=ns.n,
-                              activation_peak_bytes=int(gib * 2**30), draft_model=ns.draft_model,
+                              activation_peak_bytes=_profile_peak(ns), draft_model=ns.draft_model,
                               num_speculative_tokens=ns.speculative_tokens, max_num_seqs=ns.max_num_seqs)
 
 
@@ -1311,10 +1316,8 @@ def _serve(ns) -> int:
         rows.append(["verify logits (fp32)", f"{ns.max_num_seqs} sequences x {ns.speculative_tokens + 1} positions",
                      fmt_bytes(plan.verify_logits_bytes)])
     rows += [["activations (profile run)", "given" if ns.activation_peak_gib else "not known here: 0",
-              fmt_bytes(int(ns.activation_peak_gib * 2**30))],
-             ["outside torch (CUDA context)", g.name, fmt_bytes(budget - plan.weights_bytes - plan.draft_weights_bytes
-                                                                 - plan.verify_logits_bytes - int(ns.activation_peak_gib * 2**30)
-                                                                 - plan.available_kv_bytes)],
+              fmt_bytes(_profile_peak(ns))],
+             ["outside torch (CUDA context)", g.name, fmt_bytes(g.context_bytes)],  # serving_plan's non-torch memory
              [Cell("KV cache pool", "strong"), "", Cell(fmt_bytes(plan.available_kv_bytes), "strong")],
              ["a block", f"{plan.block.block_size} tokens x {spec.num_layers} layers, {plan.block.kv_dtype}"
               + (" + the draft's" if plan.draft_model else ""),
@@ -1339,7 +1342,7 @@ def _serve(ns) -> int:
     by_dtype = {}
     for kv in SERVE.KV_DTYPES:
         try:
-            x = _serve_plan(ns, spec, g, kv)
+            x = plan if kv == plan.block.kv_dtype else _serve_plan(ns, spec, g, kv)
         except ValueError:
             continue
         by_dtype[kv] = {"bytes_per_block": x.block.bytes_per_block, "num_blocks": x.num_blocks,
