@@ -1192,8 +1192,9 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
         fwd_flight = 2 * 2 * kv_b + 4 * q_b + 3 * b * a * n * 4
         grads = max(q_b + 2 * (kv_b // 2), q_b // 2 + 2 * kv_b) if zigzag else q_b + 2 * kv_b
         # dq, the current and next K/V, the dK/dV accumulators, and either one step's block gradients or
-        # the accumulators' receive buffers
-        bwd_flight = q_b + 3 * 2 * kv_b + max(grads, 2 * kv_b)
+        # the accumulators' receive buffers; from 3 ranks on both at once (gloo ranks' ledgers, cp-val, ring,
+        # 4 ranks: three pairs of K/V-sized receive buffers beside a step's block gradients; 2 ranks: two)
+        bwd_flight = q_b + 3 * 2 * kv_b + (grads + 2 * kv_b if cp > 2 else max(grads, 2 * kv_b))
     else:
         fwd_flight = 3 * q_b
         bwd_flight = 2 * q_b + 2 * kv_b + 2 * q_b
