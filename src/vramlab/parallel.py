@@ -1077,7 +1077,8 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
       the busiest rank. Ring: forward, the current and the next K/V blocks (receive buffers, 2 x 2 b
       (s/cp) kv_dim) and the partial outputs being merged (four b (s/cp) q_dim tensors, three
       log-sum-exps); backward, dq, the current and next K/V, the travelling dK/dV accumulators, and
-      one step's block gradients or the accumulators' receive buffers, whichever is larger. Ulysses:
+      one step's block gradients or the accumulators' receive buffers, whichever is larger (from 3 ranks
+      on, both). Ulysses:
       an all-to-all's send and receive buffers and its rearranged output (3 b (s/cp) q_dim), in the
       backward the gradients of q, k, v at once;
     - activation_peak: activations + the larger in-flight term;
@@ -1123,9 +1124,9 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     parameter dtype; or DDP's all-reduce of every gradient), bytes sent and alpha-beta seconds on `link`.
     Validated on gloo ranks (`vramlab.measure.parallel cp --fsdp`, benchmarks/results/context_parallel/cpu.json):
     ring and Ulysses, 2 and 4 ranks, full recompute, chunked and fused losses, three models, with and without
-    FSDP2; the shards exact, every rank's peak within -2 ... +0 % and CP's attention moments within -4 ... +1 %
-    of the busiest rank's (the recomputed last block's moments traced tensor by tensor in the ranks' ledger,
-    issue 33 item 6).
+    FSDP2; the shards exact, every rank's peak within -2 ... +0 %, CP's attention-backward moments within
+    -0.6 ... 0 % and its attention-forward ones within -3.3 ... +0.8 % of the busiest rank's (the recomputed
+    last block's moments traced tensor by tensor in the ranks' ledgers, issue 33 item 6).
 
     Known limitations: ring attention's p2p and FSDP2's collectives share no buffers here, and
     neither's overlap with the other is priced; sharding over a dp x cp mesh (dp > 1) is cp x dp ranks of
