@@ -987,10 +987,10 @@ def _cp_fsdp_moments(spec: ModelSpec, cp: int, totals: list, ddp_states: int, re
     gathered, in the backward the next block prefetched and the gradients made so far (under full recompute, at
     the block where the most is alive: `kept` bytes, a block's checkpointed input, freed per later block against
     its gradient shard kept). Under full recompute, `alive` (block -> bytes alive in its backward,
-    `activation_bytes`' "backward") and `made` (the elements of the block's gradients made by its backward's
-    peak, "block_grads_made") put the last block's re-run backward right: FSDP2's phase keeps the last block's
-    saved tensors (every block's checkpointed input is still alive) and its unsharded gradients made so far,
-    which the one-device phase it starts from (the block with the most gradients made) leaves out. Every
+    `activation_bytes`' "backward") puts the last block's re-run backward right: FSDP2's phase keeps the last
+    block's saved tensors (every block's checkpointed input is still alive), which the one-device phase it
+    starts from (the block with the most gradients made) leaves out. `made`: "block_grads_made", the elements
+    of the last block's gradients `zero.rank_phases` counts in its phase (taken out again to leave the head's). Every
     moment's shards are
     then set to their storage (each tensor's shard ceil(numel / cp), Adam's step counters). Returns (moments,
     states between steps)."""
@@ -1008,7 +1008,8 @@ def _cp_fsdp_moments(spec: ModelSpec, cp: int, totals: list, ddp_states: int, re
     last = [(name, x) for name, x in spec.param_tensors() if _zero._block_index(name) == L - 1]
     before_attention = sum(x for name, x in last if not any(k in name for k in ("q_proj", "k_proj", "v_proj",
                                                                                   "input_layernorm", "qkv")))
-    grads_block = next(p.gradients - between.gradients for p in fph if "block" in p.phase)  # the head's, made
+    own = min(made * pb, block * pb) if made is not None else 0  # the last block's own, in `zero`'s phase
+    grads_block = next(p.gradients - between.gradients for p in fph if "block" in p.phase) - own  # the head's
     grads_last = grads_block + before_attention * pb
     # the last block's down_proj gradient: its MmBackward0 runs first, and the non-reentrant checkpoint re-runs
     # the block's forward from inside it (seen on gloo ranks, cp-val: a (256, 256) fp32 gradient beside the
@@ -1045,10 +1046,9 @@ def _cp_fsdp_moments(spec: ModelSpec, cp: int, totals: list, ddp_states: int, re
             t += L * extra_saved
         if again and "recomputed block" in p.phase:
             t += extra_saved
-            if alive:  # the last block's saved tensors, not those of the block the one-device phase names, and
-                # its gradients made by the moment (FSDP2: unsharded, in the policy's parameter dtype)
+            if alive:  # the last block's saved tensors, not those of the block the one-device phase names
                 i = int(p.phase.rsplit("block ", 1)[1].rstrip(")"))
-                t += max(alive.values()) - alive[i] + (made * pb if made is not None else before_attention * pb)
+                t += max(alive.values()) - alive[i]
         out.append((t, p.phase))
     shard = [-(-x // cp) for _, x in spec.param_tensors()]
     states = {"parameters": 4 * sum(shard), "gradients": 0,
