@@ -135,17 +135,11 @@ def test_encoders_are_refused():
 # --------------------------------------------------------------- the stored campaign
 
 def _check_row(row, recompute="none"):
-    # under full recompute the one-device ledger itself over-counts a re-run block's backward on the
-    # attention-heavy model (trace mode, one process, cp-val at 1,024 tokens: 32.8 MiB predicted, 28.7 MiB
-    # traced, +14 %; on lab 3's model and the GQA one it is exact). CP adds nothing to that gap; the bound
-    # says so: at most 5 % under, as everywhere, and at most 12 % over
-    lo, hi = (-0.05, 0.05) if recompute == "none" else (-0.05, 0.12)
-    if "states_measured" in row and recompute == "none":
-        # FSDP2 over the CP ranks on the attention-heavy model (MLP as narrow as the model): the states no longer
-        # hide the one-device ledger's moment inside the last block's MLP backward, which over-counts it there;
-        # the measured peak is the final norm's backward just before (the root and one block's all-gather
-        # output alive, seen in the ledger). Ulysses at cp 4: +5.2 %, over, never under
-        hi = 0.06
+    # every rank's peak and CP's attention moments within 5 % either side, with and without full recompute.
+    # (Until issue 33's item 6 the one-device ledger over-counted a re-run block's backward -- cp-val +14 % in
+    # one process -- and this bound was -5/+12 % under recompute, +6 % for FSDP2 on cp-val; the runs now sit
+    # within -4 ... +1 %: the recomputed moments were traced tensor by tensor on the gloo ranks)
+    lo, hi = -0.05, 0.05
     assert lo < row["error"] < hi, row
     for moment in ("attention_forward", "attention_backward"):  # inside CP's attention (Ulysses: its forward)
         if f"{moment}_error" in row:
@@ -288,7 +282,9 @@ def test_the_fused_loss_moves_a_long_context_peak_off_the_logits():
     kw = dict(cp=8, batch_size=1, seq_len=131072, gpu="h100")
     whole, fused = P.context_parallel("llama-3.2-1b", **kw), P.context_parallel("llama-3.2-1b", loss="fused", **kw)
     both = P.context_parallel("llama-3.2-1b", loss="fused", recompute="full", **kw)
-    assert "logits gradient" in whole["peak_phase"] and "fused" in fused["peak_phase"]
+    # (the fused rank's peak: its loss's forward, or the last block's backward, where the tied head's gradient
+    # waits for the embedding's beside the kept gradients; never the logits' gradient)
+    assert "logits gradient" in whole["peak_phase"] and "logits gradient" not in fused["peak_phase"]
     assert both["peak"] < fused["peak"] < whole["peak"]
     frag = fitting.fragmentation_bytes("llama-3.2-1b", batch_size=1, seq_len=16384, precision="bf16-mixed")
     fit = lambda r: fitting.device_fit(r["peak"], "h100", largest_tensor=frag).fits  # noqa: E731

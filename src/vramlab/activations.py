@@ -823,10 +823,38 @@ def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision:
     if moe_spec is not None:
         mlp_grads = max(_moe.training_block_bytes(moe_spec, layer=i, tokens=tokens, precision=precision, device=device,
                                                   capacity_factor=capacity_factor) for i in range(n_enc))
-    transient = max(-(-mlp_grads // t), -(-attn_grads // t) - mlp_part, 0)
+    mlp_moment, attn_moment = -(-mlp_grads // t), -(-attn_grads // t) - mlp_part
+    transient = max(mlp_moment, attn_moment, 0)
     outside_last = _ledger_bytes([x for x in outside_saved if x.stage != "first"], **sizes) if share.last else 0
+    # Freed before any block's backward: autograd releases a node's saved tensors once it has run
+    # (torch/csrc/autograd/engine.cpp, Engine::evaluate_function: fn.release_variables() unless
+    # retain_graph), and the final norm runs its backward between the head's and the last block's.
+    # One norm's worth (T5's encoder norm lives until the encoder's backward: only the decoder's counts)
+    # Full fine-tuning only: a frozen base with adapters (PEFT) is left as it was (its blocks' backward
+    # holds adapter transients this ledger does not list, which these terms stood in for: LoRA traces in
+    # tests/test_compression.py fall 5-7 % short without them)
+    final_norm = _ledger_bytes(keep(_norm(spec, "final norm")), **sizes) \
+        if share.last and not frozen_base and any(x.name.startswith("final norm") for x in outside_saved) else 0
+    # The gradient entering the block: at the block's peak (inside its MLP's backward, or inside
+    # attention's) only one b x s x h gradient exists in a sequential pre-norm block: d(out) (AddBackward0
+    # hands the same tensor to both branches of the residual), then d(h) once the MLP's branch is summed
+    # into it. A parallel residual (GPT-NeoX) or a post-norm block (BERT) and T5's decoder hold a second one
+    # (traced op by op on Llama-family blocks, CPU, with and without recompute; issue 33, item 6)
+    grads_in = 2 if frozen_base or spec.parallel_residual or spec.family in ("bert", "t5") else 1
+    # The block's own weight gradients made by that moment (element counts): in the MLP's backward only
+    # the output projection's (its MmBackward0 runs first); in attention's the whole MLP's, the second
+    # norm's and the attention output projection's. None: all of the block's (a mixture of experts, PEFT)
+    h_, i_ = spec.hidden_size, spec.intermediate_size
+    if moe_spec is not None or frozen_base:
+        made = None
+    elif attn_moment > mlp_moment:
+        made = (3 if spec.gated_mlp else 2) * h_ * i_ + spec.q_dim * h_ + 2 * h_
+    else:
+        made = h_ * i_ + (h_ if spec.mlp_bias else 0)
     return {"layers": layers, "one_layer": one, "outside": outside, "outside_last": outside_last, "weight_copies": copies,
-            "block_backward": transient, "block_grad_in": -(-2 * tokens * spec.hidden_size * nb["x"] // seq_split),
+            "block_backward": transient,
+            "block_grad_in": -(-grads_in * tokens * spec.hidden_size * nb["x"] // seq_split),
+            "final_norm": final_norm, "block_grads_made": made,
             "full": tuple(full), "kept": tuple(kept), "backward": tuple(backward), "block_in": block_in}
 
 

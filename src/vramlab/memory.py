@@ -466,18 +466,24 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     # in flight; small vocabularies peak here)
     segment_ends = {e - 1 for _, e in plan.segments}
     last_block = (share.blocks or (0, n_blocks))[1] - 1
+    # the final norm's saved tensors were freed with the head's (its backward ran before any block's)
+    head_side = loss_side + act["final_norm"]
+    # a block's own gradients at its backward's peak: those made by then (`activation_bytes`), not all
+    made = act["block_grads_made"]
+    own = block_grads if made is None or not trained else min(block_grads, -(-made * pb // t))
     block_phases = []
     for i, alive in act["backward"]:
         if i in segment_ends:
             block_phases.append(MemoryBreakdown(
-                **base, activations=others + boundary + alive + act["outside"] - loss_side,
+                **base, activations=others + boundary + alive + act["outside"] - head_side,
                 temporaries=act["block_backward"] + act["block_grad_in"],
-                gradients=grads(head_grad + (last_block + 1 - i) * block_grads),
+                gradients=grads(head_grad + (last_block - i) * block_grads + own),
                 phase=f"backward of a recomputed block (block {i})"))
         elif i == last_block:
             block_phases.append(MemoryBreakdown(
-                **base, activations=others + boundary + alive + act["outside"] + act["weight_copies"] - loss_side,
-                gradients=grads(head_grad), temporaries=act["block_backward"] + act["block_grad_in"],
+                **base, activations=others + boundary + alive + act["outside"] + act["weight_copies"] - head_side,
+                gradients=grads(head_grad + (own if made is not None and trained else 0)),
+                temporaries=act["block_backward"] + act["block_grad_in"],
                 phase="backward of the last block"))
     if block_phases:
         phases.append(max(block_phases, key=lambda m: m.total))

@@ -513,6 +513,10 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
         flat_grads = block * 4 if two else 0  # a block's unsharded gradients, flat, in the reduce dtype (fp32)
         block_shards = -(-(psi - root) // n) * 4  # every block's reduce-scattered gradient shard, fp32, kept
         untied_head = 0 if spec.tie_word_embeddings else head_grad  # waits for the root's reduce-scatter
+        made = _act.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len, precision=_ACT_PRECISION[recipe],
+                                     attention=attention, device=device, use_cache=use_cache,
+                                     recompute=recompute)["block_grads_made"]
+        own_made = min(made * pb, unit) if made is not None else 0
         for ph in steps:
             if ph.phase.startswith("forward"):
                 extra, grads = R, 0
@@ -521,8 +525,12 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
             elif ph.phase.startswith("embedding"):  # the root's backward: the blocks' shards made, the
                 extra, grads = R + flat_grads, block_shards + untied_head  # last block's reduce-scatter input
             elif "block" in ph.phase:
-                # the last block (first in the backward): it and the next one prefetched
-                phases.append((ph.phase, min(ph.gradients, head_grad), ph.activations, ph.temporaries + R + 2 * unit))
+                # the last block (first in the backward): it and the next one prefetched, and the gradients
+                # it has made by its peak (`activation_bytes`' "block_grads_made": in its MLP's backward the
+                # down projection's), unsharded in the policy's parameter dtype until the block's reduce-scatter
+                # (measured: lab 4's 2-rank GPT-2, c_proj's gradient at the step's peak; issue 33, item 6)
+                phases.append((ph.phase, min(ph.gradients, head_grad) + own_made, ph.activations,
+                               ph.temporaries + R + 2 * unit))
                 # an earlier block: the later block's activations freed, its gradients flat in the reduce
                 # dtype until their reduce-scatter is waited on, and their fp32 shard kept; this block
                 # gathered and, where a block precedes it (three blocks or more), that one prefetched: its
