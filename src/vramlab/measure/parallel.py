@@ -1594,6 +1594,36 @@ def _ring_block(rank: int, src: int, n: int, zigzag: bool):
     return slice(half, None), slice(None), False
 
 
+# Gloo runs a collective on a worker thread, whose reference to the collective's tensors (its Work's) can
+# outlive the wait by a thread switch: a buffer the rank drops right after the collective was then freed on
+# that thread after the rank had allocated more, and a peak came and went with thread timing (FSDP2's
+# gathered block at once with the next one, +4 % one run in five; a Ulysses all-to-all buffer, +3 %). NCCL's
+# buffers go back to the caching allocator on the rank's own stream order. So FSDP2's collectives and Ulysses'
+# all-to-alls wait, after their wait, until the worker has let go (the tensors' use counts back to what they
+# were before): frees happen where the program means them, the same peak every run (20 runs each). Left
+# alone: the ring's point-to-point buffers (gloo keeps a reference to a receive buffer past its Work, so a
+# use count never comes back; the ring's peaks were the same in every run seen) and EP's all-to-alls (within
+# 5 % in every run so far; the same race could reach them).
+_GLOO_UNSETTLED = [0]  # collectives whose tensors gloo still held after 2 s (reported; stays 0)
+
+
+def _use_counts(tensors) -> list[int]:
+    return [t._use_count() for t in tensors]
+
+
+def _settle(tensors, before: list[int]) -> None:
+    """Wait until gloo's worker has dropped a finished collective's references to `tensors` (use counts back to
+    `before`, read before the collective started); at most 2 s, then counted in `_GLOO_UNSETTLED`."""
+    import time
+
+    deadline = time.monotonic() + 2.0
+    while any(t._use_count() > n for t, n in zip(tensors, before)):
+        if time.monotonic() > deadline:
+            _GLOO_UNSETTLED[0] += 1
+            return
+        time.sleep(1e-5)
+
+
 def _rotate(tensors, st: _CPState, phase: str):
     """Send `tensors` to the next rank and receive as many from the previous one (new buffers); returns
     (received, requests to wait on)."""
@@ -1718,7 +1748,9 @@ def _a2a(x, to_heads: bool, phase: str):
     else:
         send = x.reshape(b, H, cp, n // cp, d).permute(2, 0, 1, 3, 4).contiguous()
     got = torch.empty_like(send)
+    before = _use_counts([got, send])
     dist.all_to_all_single(got, send)
+    _settle([got, send], before)
     st.sent[phase] += send.numel() * send.element_size() * (cp - 1) // cp  # its own chunk stays
     st.messages[phase] += cp - 1
     del send
@@ -1925,6 +1957,7 @@ def _run_cp_in(rank: int, world: int, args, dev, stack) -> dict[str, Any]:
     messages = {k: v // spec.num_layers for k, v in _CP.messages.items()}
     out = {"rank": rank, "logits_max_rel_diff": out_rel, "grad_max_rel_diff": worst,
            "memory": memory, "sent_per_layer": sent, "messages_per_layer": messages,
+           "gloo_unsettled": _GLOO_UNSETTLED[0],
            "positions": [int(x) for x in pos]}
     if shard:
         out |= {"fsdp_grad_max_rel_diff": shard_check, "states": _cp_state_bytes(model, opt)}
@@ -1994,9 +2027,50 @@ def _cp_fully_shard(runner, world: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    for block in runner.model.model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(runner, mesh=mesh)
+    gather, scatter = _cp_fsdp_comms()
+    for unit in [*runner.model.model.layers, runner]:
+        fully_shard(unit, mesh=mesh)
+        unit.set_custom_all_gather(gather)
+        unit.set_custom_reduce_scatter(scatter)
+
+
+def _cp_fsdp_comms():
+    """FSDP2's all-gather and reduce-scatter with a GPU's memory on gloo, so that a rank's peak is the same
+    every run: each collective settled before FSDP2 goes on (`_settle`: FSDP2 frees its buffers where it means
+    to), and the reduce-scatter an in-place all-reduce of FSDP2's input with this rank's chunk copied to its
+    output -- gloo's own reduce-scatter copies the whole input into a storage of its own (NCCL does not), freed
+    on gloo's thread (+8 % one run in four). FSDP2's two buffers, nothing else, the same sums. An asynchronous
+    call still returns a Work (completed), so that FSDP2 keeps its asynchronous bookkeeping. (Twice a
+    reduce-scatter's bytes are sent; the bytes counted here are attention's.)"""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    class Done(dist.Work):
+        def wait(self, timeout=None):
+            return True
+
+        def is_completed(self):
+            return True
+
+    def released(run, tensors, async_op):
+        before = _use_counts(tensors)
+        run()
+        _settle(tensors, before)
+        return Done() if async_op else None
+
+    class AllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            return released(lambda: dist.all_gather_into_tensor(output_tensor, input_tensor, group=group),
+                            [output_tensor, input_tensor], async_op)
+
+    class ReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            def run():
+                dist.all_reduce(input_tensor, op=op, group=group)
+                output_tensor.copy_(input_tensor.view(dist.get_world_size(group), -1)[dist.get_rank(group)])
+            return released(run, [output_tensor, input_tensor], async_op)
+
+    return AllGather(), ReduceScatter()
 
 
 def _cp_fsdp_check(runner, ref_grads: list, mine, pos, labels, world: int) -> float:
@@ -2101,7 +2175,9 @@ def cp_main(argv: list[str]) -> int:
     p = checks.Parser(prog=f"{PROG} cp", description="Context parallelism (ring attention, Ulysses) on gloo ranks, "
                                                       "measured per rank against vramlab.parallel.context_parallel.")
     p.add_argument("--method", default="ring", choices=CP_METHODS)
-    p.add_argument("--nproc", type=A(whole, int, lo=1, hi=64), default=2, help="CP ranks (local processes), 1 to 64")
+    # (one rank is no CP: the ring would send to itself, which gloo refuses; one process on the whole sequence is
+    # measured by `python -m vramlab.measure.memory`)
+    p.add_argument("--nproc", type=A(whole, int, lo=2, hi=64), default=2, help="CP ranks (local processes), 2 to 64")
     p.add_argument("--model", default="lab", choices=[m for m in MODELS if MODELS[m][1]["model_type"] == "llama"]
                    + list(CP_MODELS), help="the model (Llama family; default lab 3's)")
     p.add_argument("--micro-batch", type=A(whole, int, lo=1, hi=4096), default=2, help="sequences (default 2)")
