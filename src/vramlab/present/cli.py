@@ -1,6 +1,9 @@
 """`vramlab`: every chapter's calculator on the command line.
 
     vramlab estimate train|infer ...   one GPU; or one rank with --zero 0-3 / --fsdp2 --gpus N (chapters 1, 4)
+    vramlab estimate --from FILE       the training configuration you have: DeepSpeed, Trainer, accelerate,
+                                       Axolotl, torchtune, torchtitan (present/from_config.py)
+    vramlab explain SNAPSHOT           where an OOM's bytes went (torch.cuda.memory._snapshot()), beside the estimate
     vramlab plan ...                   dp x tp x pp (x ZeRO-1) layouts of N GPUs that fit, fastest first (chapter 3)
     vramlab offload ...                save_on_cpu, ZeRO-Offload, FSDP2's CPU offload (chapter 6)
     vramlab checkpoint ...             every recompute plan's peak and cost, the cheapest that fits (chapter 7)
@@ -35,6 +38,8 @@ from .. import precision as P
 from .. import serving as SERVE
 from .. import zero as Z
 from ..units import fmt_bytes
+from . import explain as _explain
+from . import from_config
 from .tables import Cell, Table
 
 INFER_DTYPES: tuple[str, ...] = tuple(memory._INFER_BYTES)
@@ -246,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                      "step at most, and the verify logits' rows")
     sv.add_argument("--json", action="store_true", help="print one JSON object")
 
+    commands["explain"] = _explain.add_parser(sub)
     commands["presets"] = sub.add_parser("presets", help="list the built-in models")
     commands["gpus"] = sub.add_parser("gpus", help="list the GPU catalogue")
     p.commands = commands
@@ -1274,6 +1280,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is not None and (isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence)
                              or not all(isinstance(a, str) for a in argv)):
         raise ValueError(f"argv must be a list of strings (or None for sys.argv), got {argv!r:.60}")
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:1] == ["estimate"] and from_config.wants(raw[1:]):  # a training configuration read (issue 35)
+        return from_config.main(raw[1:])
     args = _parser().parse_args(argv)
     try:
         return _main(args)
@@ -1364,7 +1373,8 @@ def _serve(ns) -> int:
 
 
 COMMANDS: dict[str, Callable] = {"estimate": _estimate, "plan": _plan, "lora": _lora, "offload": _offload,
-                                 "checkpoint": _checkpoint, "context": _context, "experts": _experts, "serve": _serve}
+                                 "checkpoint": _checkpoint, "context": _context, "experts": _experts, "serve": _serve,
+                                 "explain": _explain.answer}
 
 
 def _main(args: argparse.Namespace) -> int:
