@@ -255,3 +255,16 @@ def test_issue34_serving(built):
     kvq = ch8.split('id="the-kv-cache-quantized"')[1]
     assert "int8 + fp32 scales" in kvq and "33,792 B" in kvq and "predicted" not in kvq.split("</table>")[0]
     assert "Traceback" not in ch1 and "Traceback" not in ch8
+
+
+def test_issue35_tool_comparison(built):
+    """Chapter 1's comparison: accelerate, DeepSpeed's estimators, the Playbook's widget and the rule of thumb beside
+    vramlab on the stored H100 runs, computed at build from the stored file, with what each leaves out."""
+    html, _ = built
+    ch1 = (html / "book" / "01_where_memory_goes.html").read_text()
+    sec = ch1.split('id="how-the-tools-people-use-compare"')[1].split('id="does-it-fit-the-margin-between-allocated-and-out-of-memory"')[0]
+    for tool in ("accelerate estimate-memory", "DeepSpeed, ZeRO-2 estimator", "Ultra-Scale Playbook widget",
+                 "weights × 4 + 20 %", "median |error|", "max_memory_allocated"):
+        assert tool in sec, tool
+    assert "<img" in sec and "Traceback" not in sec
+
