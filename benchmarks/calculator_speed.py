@@ -64,12 +64,14 @@ def _best_ms(fn, repeats: int = 3) -> float:
 def _edges(calc: calculators.Calculator) -> list[dict]:
     out = [{}]
     for i in calc.inputs:
+        if i.kind == "file":  # no file: the built-in example
+            continue
         values = list(i.choices) if i.kind == "choice" else [i.min, i.max]
         if i.kind == "int":
             values = [int(v) for v in values]
         out += [{i.name: v} for v in values if v != i.default]
     out.append({i.name: (i.choices[-1] if i.kind == "choice" else (int(i.max) if i.kind == "int" else i.max))
-                for i in calc.inputs})
+                for i in calc.inputs if i.kind != "file"})
     return out
 
 
@@ -78,6 +80,8 @@ def _sample(calc: calculators.Calculator, rng: random.Random, n: int) -> list[di
     for _ in range(n):
         v = {}
         for i in calc.inputs:
+            if i.kind == "file":
+                continue  # the built-in example
             if i.kind == "choice":
                 v[i.name] = rng.choice(i.choices)
             elif i.kind == "int":

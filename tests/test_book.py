@@ -268,3 +268,18 @@ def test_issue35_tool_comparison(built):
         assert tool in sec, tool
     assert "<img" in sec and "Traceback" not in sec
 
+
+
+def test_issue35_snapshot_calculator_section(built):
+    """Chapter 1's snapshot subsection: how to record one, and the explain calculator pre-rendered on the built-in
+    example (labelled as built to PyTorch's format), with a file input the page reads (no upload)."""
+    from vramlab.present import calculators as C
+
+    html, _ = built
+    ch1 = (html / "book" / "01_where_memory_goes.html").read_text()
+    sec = ch1.split('id="your-own-out-of-memory-error-from-a-memory-snapshot"')[1].split('id="the-source-article')[0]
+    assert "_record_memory_history" in sec and "_dump_snapshot" in sec and "Traceback" not in sec
+    assert 'data-calc="explain"' in sec and 'type="file"' in sec and "nothing is uploaded" in sec.replace("\n", " ")
+    assert "built to PyTorch" in sec and "not expected by the estimate" in sec
+    allocated = C.get("explain").run(**C.EXAMPLE).numbers["allocated"]
+    assert f'data-key="allocated" data-value="{allocated[0]!r}"' in sec and allocated[1] in sec

@@ -5,7 +5,9 @@ has nothing wider than the content column outside a box that scrolls, and no tex
 charts, output images or calculators; and every chapter's calculator is live: change a control and
 the number shown is what CPython's vramlab computes for the same inputs, with no Pyodide byte fetched
 before the first change; a refused input leaves an error state (never "live") naming what CPython
-names, and the next valid change makes it live again. Behaviour only: how fast is
+names, and the next valid change makes it live again; a memory snapshot set on chapter 1's file input
+is explained in the page (every allocated byte, the same total as CPython's), a file that is not one
+is one error line. Behaviour only: how fast is
 benchmarks/page_speed.py's to measure (check.mjs reports the times; they are printed here).
 
 Needs chromium (apt-get install chromium) and `npm install --prefix tests/browser`; without them
@@ -16,6 +18,7 @@ temporary folder, printed)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -34,7 +37,23 @@ BROWSER = ROOT / "tests" / "browser"
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 # each calculator: its page, changes of its controls (the first starts Python), maybe a refused input and
 # its fix; shared with benchmarks/page_speed.py
-CASES = json.loads((BROWSER / "cases.json").read_text())["cases"]
+def _with_files(case: dict) -> dict:
+    """A file input's value {name, example: {...}} gets the bytes of C.example_snapshot(**example) as base64,
+    which check.mjs sets on the input (playwright's setInputFiles), as a reader picks or drops a file."""
+    def value(v):
+        if isinstance(v, dict) and "example" in v:
+            return {**v, "base64": base64.b64encode(C.example_snapshot(**v["example"])).decode()}
+        return v
+
+    def change(c):
+        return {k: value(v) for k, v in c.items()}
+
+    out = {**case, "changes": [change(c) for c in case["changes"]]}
+    out.update({k: change(case[k]) for k in ("bad", "fix") if k in case})
+    return out
+
+
+CASES = [_with_files(c) for c in json.loads((BROWSER / "cases.json").read_text())["cases"]]
 WIDTHS = (1280, 390)
 # the pages photographed at both widths for a reviewer
 SHOTS = ["book/01_where_memory_goes.html", "book/03_parallelism.html", "book/07_checkpointing.html",
@@ -164,3 +183,24 @@ def test_out_of_range_and_no_plan_fits_read_as_such_in_the_page(report):
     assert "is out of range" in training["error"] and "between 1 and 128" in training["error"]
     shown = {run["numbers"]["cheapest"][1] for run in next(x for x in report["calcs"] if x["calc"] == "checkpointing")["runs"]}
     assert C.NO_PLAN_FITS in shown and "none (recompute nothing)" in shown  # both, each unmistakable
+
+
+def test_a_snapshot_file_is_explained_in_the_page(report):
+    """Chapter 1's snapshot calculator: the file set on its input (read by FileReader, never uploaded) is
+    explained by the worker's Python: the allocated total shown is what `snapshot.explain_bytes` gives in
+    CPython for the same bytes, and the categories of the page's table sum to it; a text file is one line."""
+    from vramlab import snapshot as S
+
+    case = next(c for c in CASES if c["calc"] == "explain")
+    r = next(x for x in report["calcs"] if x["calc"] == "explain")
+    sent = next(c["snapshot"] for c in case["changes"] if "snapshot" in c)
+    run = next(run for run in r["runs"] if run["values"]["snapshot"])  # the first run after the file was set
+    data = base64.b64decode(run["values"]["snapshot"].split(",", 1)[1])
+    assert data == base64.b64decode(sent["base64"])  # the page read the bytes it was given
+    expected = S.explain_bytes(data)
+    assert int(run["numbers"]["allocated"][0]) == expected["allocated"] == sum(expected["by_category"].values())
+    assert int(run["numbers"]["reserved"][0]) == expected["reserved"]
+    bad = r["bad"]
+    assert bad["error"].startswith("snapshot file: not a memory snapshot") and "\n" not in bad["error"]
+    assert bad["invalid"] == ["snapshot"] and r["fixed"]["state"] == "live"
+    assert not r["external"]  # nothing left the page

@@ -201,6 +201,11 @@ def test_invalid_input_is_one_value_error(case):
 # -------------------------------------------------------------- the live calculators
 
 def _valid_value(i: calculators.Input):
+    if i.kind == "file":  # no file (the built-in example), or a snapshot as bytes or as the page's data URL
+        import base64
+
+        small = calculators.example_snapshot(batch_size=2)
+        return st.sampled_from([None, "", small, "data:application/octet-stream;base64," + base64.b64encode(small).decode()])
     if i.kind == "choice":
         return st.sampled_from(i.choices)
     if i.kind == "int":
@@ -209,6 +214,8 @@ def _valid_value(i: calculators.Input):
 
 
 def _invalid_value(i: calculators.Input):
+    if i.kind == "file":  # (None and "" are no file: the built-in example)
+        return st.sampled_from([True, "abc", 1.5, [1], {}, b"not a pickle", "data:text/plain;base64,aGVsbG8="])
     bad = [True, None, "", "abc", float("nan"), float("inf"), "inf", "1e400", [1], {}]
     if i.kind != "choice":
         bad += [i.min - 1, i.max * 10 + 1]

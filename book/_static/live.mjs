@@ -21,8 +21,43 @@ function logValue(el) {  // the slider's position 0..1000 -> a value between dat
 
 function values(calc) {
   const v = {};
-  for (const el of calc.querySelectorAll("[data-input]")) v[el.dataset.input] = el.dataset.logMin ? logValue(el) : el.value;
+  for (const el of calc.querySelectorAll("[data-input]")) {
+    v[el.dataset.input] = el.type === "file" ? el.dataset.file : el.dataset.logMin ? logValue(el) : el.value;
+  }
   return v;
+}
+
+// A file input (a memory snapshot): read here with FileReader, sent to the worker as a data URL in the
+// values; nothing leaves the page. Dropping a file anywhere on the calculator sets it.
+function readFile(calc, el) {
+  const file = el.files && el.files[0];
+  const name = el.parentElement.querySelector(".vl-file-name");
+  if (!file) { el.dataset.file = ""; if (name) name.textContent = "the built-in example"; recompute(calc); return; }
+  const reader = new FileReader();
+  reader.addEventListener("load", () => {
+    el.dataset.file = String(reader.result);  // "data:<type>;base64,<data>" ("data:" for an empty file)
+    if (name) name.textContent = `${file.name} (${file.size.toLocaleString()} B, read in this page, not uploaded)`;
+    recompute(calc);
+  });
+  reader.addEventListener("error", () => {
+    const msg = `snapshot file: this page could not read ${file.name}`;
+    calc.querySelector(".vl-result").innerHTML = `<p class="vl-error" role="alert">${msg.replace(/[&<>"]/g, (c) => `&#${c.charCodeAt(0)};`)}</p>`;
+    setStatus(calc, "error", "error: nothing computed for these inputs (fix the marked control)");
+    el.setAttribute("aria-invalid", "true");
+  });
+  reader.readAsDataURL(file);
+}
+
+function dropTarget(calc, el) {
+  calc.addEventListener("dragover", (ev) => { ev.preventDefault(); calc.classList.add("vl-drop"); });
+  calc.addEventListener("dragleave", () => calc.classList.remove("vl-drop"));
+  calc.addEventListener("drop", (ev) => {
+    ev.preventDefault();
+    calc.classList.remove("vl-drop");
+    if (!ev.dataTransfer || !ev.dataTransfer.files.length || el.disabled) return;
+    el.files = ev.dataTransfer.files;
+    readFile(calc, el);
+  });
 }
 
 function startWorker() {
@@ -41,7 +76,10 @@ function startWorker() {
 }
 
 function restore(calc) {  // Python could not start: controls back to the snapshot's values, disabled
-  for (const el of calc.querySelectorAll("[data-input]")) { el.value = el.dataset.snapshot; el.disabled = true; }
+  for (const el of calc.querySelectorAll("[data-input]")) {
+    if (el.type === "file") { el.value = ""; el.dataset.file = ""; } else el.value = el.dataset.snapshot;
+    el.disabled = true;
+  }
   for (const out of calc.querySelectorAll("output")) out.textContent = out.dataset.snapshot;
 }
 
@@ -84,7 +122,11 @@ for (const calc of calcs) {
     el.dataset.snapshot = el.value;
     el.disabled = false;
     const out = el.parentElement.querySelector("output");
-    if (out) {
+    if (el.type === "file") {
+      el.dataset.file = "";
+      el.addEventListener("change", () => readFile(calc, el));
+      dropTarget(calc, el);
+    } else if (out) {
       out.dataset.snapshot = out.textContent;
       el.addEventListener("input", () => { out.textContent = logValue(el).toPrecision(4).replace(/\.?0+(e|$)/, "$1"); later(); });
     } else {

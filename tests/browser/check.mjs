@@ -9,7 +9,8 @@
 //   calcs: for each calculator case (tests/browser/cases.json), whether Pyodide was fetched before the
 //          first change, the seconds to the first live result and to each recompute, the numbers shown
 //          and the status; for a refused input, the state, status, error and marked controls it left,
-//          and whether the next valid change made it live again.
+//          and whether the next valid change made it live again. A file input's change is a file set on it
+//          ({name, mimeType, base64 | text}; playwright's setInputFiles), its value the data URL the page read.
 // Screenshots of the plan's `shots` pages at each width go to plan.screenshots (when set).
 import { chromium } from "playwright-core";
 import { mkdir, readFile } from "node:fs/promises";
@@ -126,8 +127,14 @@ for (const c of plan.calcs) {
   const before = seen.urls.filter((u) => u.includes("pyodide")).length;
   const setValue = async (name, value) => {
     const sel = `${root} [data-input="${name}"]`;
-    const tag = await page.$eval(sel, (el) => el.tagName.toLowerCase() + (el.dataset.logMin ? ":log" : ""));
-    if (tag === "select") await page.selectOption(sel, String(value));
+    const tag = await page.$eval(sel, (el) => el.tagName.toLowerCase() + (el.dataset.logMin ? ":log" : "") + (el.type === "file" ? ":file" : ""));
+    if (tag === "input:file") {  // {name, mimeType, base64 | text}, or a data URL read back by values()
+      const file = typeof value === "string"
+        ? { name: "file", mimeType: "application/octet-stream", buffer: Buffer.from(value.slice(value.indexOf(",") + 1), "base64") }
+        : { name: value.name, mimeType: value.mimeType || "application/octet-stream",
+            buffer: value.text !== undefined ? Buffer.from(value.text, "utf8") : Buffer.from(value.base64, "base64") };
+      await page.setInputFiles(sel, file);  // fires "change": live.mjs reads it with FileReader
+    } else if (tag === "select") await page.selectOption(sel, String(value));
     else if (tag === "input:log") {
       await page.$eval(sel, (el, v) => {
         const lo = Number(el.dataset.logMin), hi = Number(el.dataset.logMax);
@@ -137,7 +144,7 @@ for (const c of plan.calcs) {
     } else await page.fill(sel, String(value)).then(() => page.$eval(sel, (el) => el.dispatchEvent(new Event("change", { bubbles: true }))));
   };
   const values = async () => page.$$eval(`${root} [data-input]`, (els) => Object.fromEntries(els.map((el) => [el.dataset.input,
-    el.dataset.logMin ? Number(el.dataset.logMin) * Math.pow(Number(el.dataset.logMax) / Number(el.dataset.logMin), Number(el.value) / 1000) : el.value])));
+    el.type === "file" ? el.dataset.file : el.dataset.logMin ? Number(el.dataset.logMin) * Math.pow(Number(el.dataset.logMax) / Number(el.dataset.logMin), Number(el.value) / 1000) : el.value])));
   const numbers = async () => page.$$eval(`${root} [data-key]`, (els) => Object.fromEntries(els.map((el) => [el.dataset.key, [el.dataset.value, el.textContent]])));
   const state = async () => page.$eval(root, (el) => ({
     state: el.dataset.state, status: el.querySelector(".vl-status").textContent,

@@ -554,3 +554,80 @@ def test_serving_calculator_is_the_serving_plan():
                dict(draft="gpt2")):
         bad = C.get("serving").run(**kw)
         assert bad.error and "\n" not in bad.error, kw
+
+
+# issue 35: chapter 1's snapshot calculator, a file input read in the page
+def _data_url(data: bytes, kind: str = "application/octet-stream") -> str:
+    import base64
+
+    return f"data:{kind};base64,{base64.b64encode(data).decode()}"
+
+
+def test_explain_example_is_a_snapshot_pytorchs_parsers_read():
+    """The built-in example is built to PyTorch's format: torch.cuda._memory_viz (PyTorch's own parser, no GPU
+    needed) reads it and reports the reserved bytes the calculator shows."""
+    import pickle
+
+    viz = pytest.importorskip("torch.cuda._memory_viz")
+    data = C.example_snapshot()
+    r = C.get("explain").run()
+    assert f"total_reserved: {viz.Bytes(r.numbers['reserved'][0])}" in viz.segsum(pickle.loads(data))
+    oom = pickle.loads(data)["device_traces"][0][-1]
+    assert oom["action"] == "oom" and oom["size"] > oom["device_free"]  # the request that did not fit
+    small = pickle.loads(C.example_snapshot(batch_size=2))
+    assert all(e["action"] != "oom" for e in small["device_traces"][0])  # batch 2 fits a T4: no OOM entry
+
+
+def test_explain_calculator_is_snapshot_explain():
+    """The numbers are vramlab.snapshot's for the same bytes; every allocated byte is in one category; the estimate
+    column is memory.training_phases at the phase the OOM came in (the forward, for the example)."""
+    from vramlab import memory, snapshot as S, specs
+
+    r = C.get("explain").run(**C.EXAMPLE)
+    g = specs.gpu("t4")
+    est = memory.training_phases("gpt2", batch_size=8, seq_len=1024, precision="fp32")[0]
+    e = S.explain(C.example_snapshot(), estimate=est, batch_size=8, device_total=g.usable_bytes,
+                  context_bytes=g.context_bytes)
+    assert r.numbers["allocated"][0] == e.allocated == sum(e.by_category.values())
+    assert r.numbers["reserved"][0] == e.reserved and r.numbers["largest_batch"][0] == e.largest_batch_that_fits
+    assert "\n".join(e.lines()) in r.text and "built to PyTorch's snapshot format" in r.text
+    assert {c for c, _, _ in e.unexpected} == {"gradients", "kv_cache"}  # the example's two surprises
+    plain = C.get("explain").run(model=C.NO_MODEL, gpu=C.NO_GPU)
+    head = plain.text.split("\n")[2]
+    assert head.split() == ["category", "snapshot"] and "outside the allocator" not in plain.text  # no model, no GPU
+    assert plain.numbers["allocated"] == r.numbers["allocated"]  # the OOM entry alone gives the capacity: still answered
+
+
+def test_explain_file_input_takes_bytes_data_urls_and_base64():
+    import base64
+
+    data = C.example_snapshot(batch_size=4)
+    want = C.get("explain").run(snapshot=data)
+    assert not want.error and "your file" in want.text
+    for value in (_data_url(data), base64.b64encode(data).decode(), bytearray(data), memoryview(data)):
+        assert C.get("explain").run(snapshot=value).to_dict() == want.to_dict()
+    assert C.get("explain").run(snapshot="").to_dict() == C.get("explain").run().to_dict()  # no file: the example
+    out = json.loads(C.run_html("explain", json.dumps({"snapshot": _data_url(data)})))  # the worker's call
+    assert out["numbers"]["allocated"] == want.numbers["allocated"][0] and not out["error"]
+
+
+@pytest.mark.parametrize("value, needle", [
+    (_data_url(b"not a memory snapshot\n", "text/plain"), "snapshot file: not a memory snapshot"),
+    ("data:,", "snapshot file: not a memory snapshot: the file is empty"),
+    ("data:text/plain,hello", "snapshot file: a data URL without base64 data"),
+    ("@@@ not base64", "snapshot file: the page sent no readable file"),
+    (_data_url(__import__("pickle").dumps(print)), "refused: unpickling it could run code"),
+    (_data_url(__import__("pickle").dumps({"segments": 3})), "snapshot file: "),
+    (12, "snapshot file: expected a file's bytes"),
+])
+def test_explain_a_bad_file_is_one_line_naming_the_input(value, needle):
+    r = C.get("explain").run(snapshot=value)
+    assert needle in r.error and "\n" not in r.error and r.invalid == ("snapshot",) and not r.numbers, r.error
+    out = json.loads(C.run_html("explain", json.dumps({"snapshot": value})))
+    assert out["error"] == r.error and out["invalid"] == ["snapshot"] and 'class="vl-error" role="alert"' in out["html"]
+
+
+def test_explain_page_has_a_file_input_and_no_upload():
+    html = C.page_html("explain")
+    assert re.search(r'<input type="file" [^>]*data-input="snapshot" disabled accept="\.pickle,\.pkl"', html)
+    assert "never uploaded" in html and "<form" not in html and "action=" not in html

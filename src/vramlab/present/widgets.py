@@ -14,6 +14,8 @@ def _control(i: Input, value: Any):
 
     style = {"description_width": "120px"}
     desc = i.label + (f" ({i.unit})" if i.unit else "")
+    if i.kind == "file":  # the file's bytes stay in the kernel: nothing is uploaded anywhere else
+        return W.FileUpload(accept=",".join(i.choices), multiple=False, description=desc)
     if i.kind == "choice":
         return W.Dropdown(options=list(i.choices), value=value, description=desc, style=style)
     if i.kind == "int":
@@ -27,6 +29,16 @@ def _control(i: Input, value: Any):
     return W.BoundedFloatText(value=value, min=i.min, max=i.max, description=desc, style=style)
 
 
+def _value(w) -> Any:
+    """A control's value as the calculator takes it: a FileUpload's file as bytes (None before one is picked)."""
+    import ipywidgets as W
+
+    if isinstance(w, W.FileUpload):
+        files = w.value  # ipywidgets 8: a tuple of {"name", "type", "size", "content": memoryview, ...}
+        return bytes(files[-1]["content"]) if files else None
+    return w.value
+
+
 def calculator_widget(name: str, **values: Any):
     """Calculator `name` as ipywidgets: moving a control recomputes with the same function the book's
     page runs in the browser."""
@@ -35,11 +47,16 @@ def calculator_widget(name: str, **values: Any):
     calc = get(name)
     start = {i.name: i.check(values.get(i.name, i.default)) for i in calc.inputs}
     controls = {i.name: _control(i, start[i.name]) for i in calc.inputs}
+    files = {i.name: start[i.name] for i in calc.inputs if i.kind == "file"}  # a file given to the call, until one is picked
     out = W.HTML()
+
+    def value(k: str, w) -> Any:
+        v = _value(w)
+        return files.get(k) if v is None and k in files else v
 
     def update(*_):
         # one chart, at its full width: Jupyter's and Colab's output area is not a phone's column
-        out.value = _result_html(calc, calc.run(**{k: w.value for k, w in controls.items()}), narrow=False)
+        out.value = _result_html(calc, calc.run(**{k: value(k, w) for k, w in controls.items()}), narrow=False)
 
     for w in controls.values():
         w.observe(update, names="value")
@@ -57,6 +74,11 @@ def training_calculator(**values: Any):
 def collectives_calculator(**values: Any):
     """Chapter 2: collective, ranks, message size (MiB), link."""
     return calculator_widget("collectives", **values)
+
+
+def explain_calculator(**values: Any):
+    """Chapter 1: a memory snapshot (`torch.cuda.memory._dump_snapshot()`'s pickle) explained byte by byte."""
+    return calculator_widget("explain", **values)
 
 
 def precision_calculator(**values: Any):
