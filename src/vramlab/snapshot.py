@@ -426,6 +426,29 @@ def classify(frames: tuple[Frame, ...]) -> Rule | None:
     return None
 
 
+# where the failed request was made (its rule's key) -> the part of a training step it came in
+STEP_PART_OF_RULE = {"forward": "forward", "functional outside a module": "forward", "KV cache": "forward",
+                     "backward": "backward", "gradient (AccumulateGrad)": "backward",
+                     "recomputed activation": "backward", "optimizer state init": "optimizer",
+                     "optimizer step": "optimizer", "gradient clipping": "optimizer"}
+
+
+def phase_to_compare(snapshot: "Snapshot", phases: list):
+    """(phase, part): the phase of `phases` (`memory.training_phases`' order: forward end first,
+    optimizer.step() last) to set beside `snapshot`, and the part of the step its failed request came in
+    ("forward", "backward", "optimizer"; None without an OOM or its frames): the forward's end, the largest
+    backward phase, optimizer.step(), else the step's peak. `vramlab explain` and the page's calculator both
+    ask this."""
+    rule = classify(snapshot.oom.frames) if snapshot.oom is not None and snapshot.oom.frames else None
+    part = STEP_PART_OF_RULE.get(rule.key) if rule else None
+    if part == "forward":
+        return phases[0], part
+    if part == "optimizer":
+        return phases[-1], part
+    inside = phases[1:-1] if part == "backward" and len(phases) > 2 else phases
+    return max(inside, key=lambda b: b.total), part
+
+
 def _pair_gradients(blocks: list[tuple[Block, str]]) -> list[tuple[Block, str]]:
     """AccumulateGrad steals the gradient the backward op allocated: a backward block the size of a parameter
     block is that parameter's gradient. Pairs one-to-one by size (largest first); the rest stay backward."""

@@ -1243,9 +1243,6 @@ def _example() -> bytes:
     return _EXAMPLE_BYTES[0]
 
 
-# where the failed request was made -> the phase of memory.training_phases to compare with (as `vramlab explain`)
-_SNAPSHOT_PHASE = {"forward": 0, "functional outside a module": 0, "KV cache": 0, "optimizer state init": -1,
-                   "optimizer step": -1, "gradient clipping": -1}
 NO_MODEL = "none (no estimate)"
 NO_GPU = "not given"
 _SNAP_COLORS = {**COLORS, "unknown": "#CCB974", "unattributed": "#BBBBBB", "cached free": "#E5E5E5"}
@@ -1261,9 +1258,7 @@ def _explain(*, snapshot: bytes | None, model: str, batch_size: int, seq_len: in
             snap = SNAP.load_snapshot(data)
         except ValueError as e:
             return _refused(f"snapshot file: {e.args[0]}", "snapshot")
-        rule = SNAP.classify(snap.oom.frames) if snap.oom is not None and snap.oom.frames else None
-        at = _SNAPSHOT_PHASE.get(rule.key) if rule else None
-        estimate = phases[at] if at is not None else max(phases, key=lambda m: m.total)
+        estimate, _ = SNAP.phase_to_compare(snap, phases)  # the phase the OOM came in, as `vramlab explain`
         phase = f"estimate: {spec.name}, {batch_size} x {seq_len}, {precision}, Adam, at '{estimate.phase}'"
         data = snap
     opts = {}

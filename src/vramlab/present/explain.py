@@ -56,24 +56,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-# where the failed request was made -> which phase of memory.training_phases to compare with
-_PHASE_OF_RULE = {"forward": "forward", "functional outside a module": "forward", "KV cache": "forward",
-                  "backward": "backward", "gradient (AccumulateGrad)": "backward",
-                  "recomputed activation": "backward", "optimizer state init": "optimizer",
-                  "optimizer step": "optimizer", "gradient clipping": "optimizer"}
-
-
-def _phase(phases: list, where: str | None):
-    """The phase to compare a snapshot with: the forward's end, the largest backward phase, optimizer.step()
-    (steps in `memory.training_phases` order: forward end first, optimizer.step() last), else the peak."""
-    if where == "forward":
-        return phases[0]
-    if where == "optimizer":
-        return phases[-1]
-    inside = phases[1:-1] if where == "backward" and len(phases) > 2 else phases
-    return max(inside, key=lambda b: b.total)
-
-
 def _estimate(ns, snap: S.Snapshot) -> tuple[object, str]:
     """The estimate to compare with and a line saying which: a JSON file, or memory.training_phases for
     --model/--hf-config at the phase the OOM happened in (the peak without an OOM); (None, "") if neither."""
@@ -90,9 +72,7 @@ def _estimate(ns, snap: S.Snapshot) -> tuple[object, str]:
     spec = specs.preset(ns.model) if ns.model else specs.from_config(ns.hf_config)
     phases = memory.training_phases(spec, batch_size=ns.batch_size, seq_len=ns.seq_len, precision=ns.precision,
                                     optimizer=ns.optimizer)
-    rule = S.classify(snap.oom.frames) if snap.oom is not None and snap.oom.frames else None
-    where = _PHASE_OF_RULE.get(rule.key) if rule else None
-    est = _phase(phases, where)
+    est, where = S.phase_to_compare(snap, phases)
     why = f"the OOM came in the {where}" if where else "the step's peak"
     return est, f"estimate: {spec.name}, memory.training_phases at '{est.phase}' ({why})"
 
