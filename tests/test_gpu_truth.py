@@ -13,6 +13,7 @@ import pytest
 
 from vramlab import estimate_inference, estimate_training, fit, gpu, preset
 from vramlab.fitting import largest_tensor_bytes
+from vramlab.measure.tool_comparison import parse_case  # the stored cases' names, read as the comparison reads them
 
 H100 = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "h100"
 TOLERANCE = 0.03  # issue #9: every stored case within 3 % of max_memory_allocated
@@ -20,23 +21,6 @@ TOLERANCE = 0.03  # issue #9: every stored case within 3 % of max_memory_allocat
 
 def rows(name: str) -> list[dict]:
     return [json.loads(line) for line in (H100 / name).read_text().splitlines() if line.strip()]
-
-
-def parse_case(case: str) -> tuple[str, dict, dict]:
-    """'llama-3.2-1b[num_layers=3] b=2 s=512 precision=bf16-mixed' or the presets' form
-    'gpt2 b=8 s=1024 bf16-mixed recompute=none attention=sdpa' -> (preset, overrides, options)."""
-    head, *rest = case.split()
-    m = re.fullmatch(r"([\w.\-]+)(?:\[(.*)\])?", head)
-    over = {k: int(v) for k, v in (kv.split("=") for kv in m.group(2).split(","))} if m.group(2) else {}
-    opts: dict = {}
-    for tok in rest:
-        if "=" not in tok:
-            opts["precision"] = tok
-            continue
-        k, v = tok.split("=")
-        k = {"b": "batch_size", "s": "seq_len"}.get(k, k)
-        opts[k] = int(v) if k in ("batch_size", "seq_len") else v
-    return m.group(1), over, opts
 
 
 ALL_TRAIN = [(r["case"], r["peak_allocated"]) for r in rows("benchmark_cases_h100.jsonl")]
