@@ -1604,7 +1604,7 @@ def _ring_block(rank: int, src: int, n: int, zigzag: bool):
 # alone: the ring's point-to-point buffers (gloo keeps a reference to a receive buffer past its Work, so a
 # use count never comes back; the ring's peaks were the same in every run seen) and EP's all-to-alls (within
 # 5 % in every run so far; the same race could reach them).
-_GLOO_UNSETTLED = [0]  # collectives whose tensors gloo still held after 2 s (reported; stays 0)
+_GLOO_UNSETTLED = [0]  # collectives whose tensors gloo still held after 60 s (reported; stays 0)
 
 
 def _use_counts(tensors) -> list[int]:
@@ -1613,10 +1613,12 @@ def _use_counts(tensors) -> list[int]:
 
 def _settle(tensors, before: list[int]) -> None:
     """Wait until gloo's worker has dropped a finished collective's references to `tensors` (use counts back to
-    `before`, read before the collective started); at most 2 s, then counted in `_GLOO_UNSETTLED`."""
+    `before`, read before the collective started); at most 60 s, then counted in `_GLOO_UNSETTLED` (the worker
+    lets go within a thread switch, microseconds; the bound is for a machine so busy it never switches, not a
+    budget a busy machine could miss)."""
     import time
 
-    deadline = time.monotonic() + 2.0
+    deadline = time.monotonic() + 60.0
     while any(t._use_count() > n for t, n in zip(tensors, before)):
         if time.monotonic() > deadline:
             _GLOO_UNSETTLED[0] += 1
