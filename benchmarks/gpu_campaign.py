@@ -34,6 +34,10 @@ Steps (each configuration measured in its own process, so nothing of one can cou
 - serving:   vLLM's own KV-cache pool, blocks and concurrency for a few presets with dummy weights, beside
              vramlab.serving (benchmarks/vllm_serving_probe.py; skipped where vLLM is not installed)
              -> benchmarks/results/serving/<gpu>_vllm.json
+- snapshots: real torch.cuda.memory._snapshot() pickles for `vramlab explain` (benchmarks/snapshot_probe.py: GPT-2
+             after the forward and the backward, and at a real out-of-memory error, each with its sidecar of
+             provenance; the probe then checks explain's verdicts by running them) -> benchmarks/results/snapshots/
+             (tests/test_snapshot.py gains these real snapshots once they are stored)
 - labs:      every lab's instructor version, run without a Jupyter kernel (labs/kernelless.py)
              -> labs/results/<gpu>/<lab>_<gpu>.json (<gpu>: the catalogue's key, h100 on an H100, else
              the device's name; labs/results/<lab>.json holds each lab's CPU run)
@@ -66,7 +70,7 @@ def _use_this_checkout() -> None:
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *rest])
 STEPS = ("accuracy", "inference", "maxbatch", "fsdp2", "offload", "allocator", "pinned", "inplace", "compile", "serving",
-         "labs")
+         "snapshots", "labs")
 LABS = ("lab01_where_memory_goes", "lab02_collectives", "lab03_parallelism", "lab04_zero", "lab05_mixed_precision",
         "lab06_offload", "lab07_checkpointing", "lab08_compression")
 INFERENCE = [  # (preset, batch, prompt, new tokens or None for a prefill with all logits, dtype)
@@ -314,6 +318,20 @@ def serving_vllm(dry: bool, tag: str) -> None:
                        f"failed ({r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}"))
 
 
+def snapshots(dry: bool) -> None:
+    """Issue 35's real snapshots: benchmarks/snapshot_probe.py, each case in its own process."""
+    import subprocess
+
+    dest = RESULTS / "snapshots"
+    say(f"snapshots: GPT-2 b8 s1024 fp32 after forward and backward, and at a real OOM -> {dest.relative_to(ROOT)}/")
+    if dry:
+        return
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "snapshot_probe.py"), "--out-dir", str(dest)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    say("snapshots: " + ((r.stdout.strip().splitlines() or ["done"])[-1] if r.returncode == 0 else
+                         f"failed ({r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}"))
+
+
 def gpu_tag(name: str) -> str:
     """The folder a GPU's lab runs go in: the catalogue's name for the device where it has one
     (labs/results/h100/ on any H100, t4/ on a Colab T4), else the device's name as a file name."""
@@ -401,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         compile_step(args.dry_run, gpu_tag(name))
     if "serving" in steps:
         serving_vllm(args.dry_run, gpu_tag(name))
+    if "snapshots" in steps:
+        snapshots(args.dry_run)
     if "labs" in steps:
         labs(args.dry_run, gpu_tag(name))
     say("done" + (" (dry run: nothing measured)" if args.dry_run else ""))

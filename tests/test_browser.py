@@ -188,7 +188,8 @@ def test_out_of_range_and_no_plan_fits_read_as_such_in_the_page(report):
 def test_a_snapshot_file_is_explained_in_the_page(report):
     """Chapter 1's snapshot calculator: the file set on its input (read by FileReader, never uploaded) is
     explained by the worker's Python: the allocated total shown is what `snapshot.explain_bytes` gives in
-    CPython for the same bytes, and the categories of the page's table sum to it; a text file is one line."""
+    CPython for the same bytes, and the categories of the page's table sum to it; a text file is one line; a file
+    dropped on the calculator (not set on its input) is read and explained the same way."""
     from vramlab import snapshot as S
 
     case = next(c for c in CASES if c["calc"] == "explain")
@@ -203,4 +204,13 @@ def test_a_snapshot_file_is_explained_in_the_page(report):
     bad = r["bad"]
     assert bad["error"].startswith("snapshot file: not a memory snapshot") and "\n" not in bad["error"]
     assert bad["invalid"] == ["snapshot"] and r["fixed"]["state"] == "live"
+    # the fix is a file dropped on the calculator (a DataTransfer, as from a desktop): read and explained the same
+    fix = next(c for c in CASES if c["calc"] == "explain")["fix"]["snapshot"]
+    assert fix.get("drop") is True
+    fixed = r["fixed"]
+    dropped = base64.b64decode(fixed["values"]["snapshot"].split(",", 1)[1])
+    assert dropped == base64.b64decode(fix["base64"]) != data
+    again = S.explain_bytes(dropped)
+    assert int(fixed["numbers"]["allocated"][0]) == again["allocated"] == sum(again["by_category"].values())
+    assert fixed["invalid"] == []
     assert not r["external"]  # nothing left the page

@@ -23,7 +23,7 @@ def test_dry_run_lists_every_step_and_lab():
     r = run("--dry-run")
     assert r.returncode == 0, r.stderr
     for needle in ("accuracy: 33 cases", "inference: 6 configurations", "fit() says 104", "fit() says 111",
-                   "serving: vLLM's KV blocks",
+                   "serving: vLLM's KV blocks", "snapshots: GPT-2 b8 s1024",
                    *campaign.LABS, "nothing measured"):
         assert needle in r.stdout, needle
     assert set(campaign.LABS) == {p.name for p in (ROOT / "labs" / "source").iterdir() if p.is_dir()}

@@ -10,7 +10,8 @@
 //          first change, the seconds to the first live result and to each recompute, the numbers shown
 //          and the status; for a refused input, the state, status, error and marked controls it left,
 //          and whether the next valid change made it live again. A file input's change is a file set on it
-//          ({name, mimeType, base64 | text}; playwright's setInputFiles), its value the data URL the page read.
+//          ({name, mimeType, base64 | text}; playwright's setInputFiles, or with drop: true a DataTransfer dropped on the
+//          calculator), its value the data URL the page read.
 // Screenshots of the plan's `shots` pages at each width go to plan.screenshots (when set).
 import { chromium } from "playwright-core";
 import { mkdir, readFile } from "node:fs/promises";
@@ -133,7 +134,14 @@ for (const c of plan.calcs) {
         ? { name: "file", mimeType: "application/octet-stream", buffer: Buffer.from(value.slice(value.indexOf(",") + 1), "base64") }
         : { name: value.name, mimeType: value.mimeType || "application/octet-stream",
             buffer: value.text !== undefined ? Buffer.from(value.text, "utf8") : Buffer.from(value.base64, "base64") };
-      await page.setInputFiles(sel, file);  // fires "change": live.mjs reads it with FileReader
+      if (value.drop) {  // dropped on the calculator, as a reader drags a file from their desktop
+        await page.$eval(root, (el, [b64, name, type]) => {
+          const bytes = Uint8Array.from(atob(b64), (ch) => ch.charCodeAt(0));
+          const dt = new DataTransfer();
+          dt.items.add(new File([bytes], name, { type }));
+          for (const kind of ["dragenter", "dragover", "drop"]) el.dispatchEvent(new DragEvent(kind, { dataTransfer: dt, bubbles: true, cancelable: true }));
+        }, [file.buffer.toString("base64"), file.name, file.mimeType]);
+      } else await page.setInputFiles(sel, file);  // fires "change": live.mjs reads it with FileReader
     } else if (tag === "select") await page.selectOption(sel, String(value));
     else if (tag === "input:log") {
       await page.$eval(sel, (el, v) => {
