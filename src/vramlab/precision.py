@@ -278,3 +278,140 @@ def _dtype_bytes(precision: Precision, device: str) -> dict[str, int]:
 def _loss_bytes(spec: "ModelSpec", precision: Precision) -> int:
     """Bytes per element of the loss's log-softmax (kind "loss")."""
     return 2 if precision in PURE_16BIT and not spec.is_causal_lm else 4
+
+
+# ============================================================================ FP8 training recipes
+# What each published FP8 training recipe keeps, in bytes per parameter, as the Ultra-Scale Playbook tabulates
+# them (Tazi et al. 2025, "Mixed precision training > FP8 pretraining"), with the two bf16 baselines it compares
+# them with. The Playbook's totals are stored beside the parts (`published_total`) and the tests check that the
+# parts add up to them. What the table leaves out is modelled here too: the bytes of a linear layer's input saved
+# for its backward, and the scale tensors each recipe's scaling needs (`fp8_scale_bytes`).
+FP8Scaling = Literal["none", "delayed", "dynamic", "block"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP8Recipe:
+    name: str
+    label: str
+    source: str  # who published it, and where
+    gemm: str  # the matmuls' input format: "bf16" or "fp8"
+    master_weights: float  # bytes per parameter
+    accumulated_gradients: float
+    weights: float
+    gradients: float
+    first_moment: float
+    second_moment: float
+    saved_input: float  # bytes per element of a linear layer's input saved for its backward
+    scaling: FP8Scaling
+    published_total: float  # the Playbook's total, bytes per parameter
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        _checks.text("name", self.name)
+        for k in ("master_weights", "accumulated_gradients", "weights", "gradients", "first_moment", "second_moment",
+                  "saved_input", "published_total"):
+            object.__setattr__(self, k, _checks.number(k, getattr(self, k), lo=0, hi=64))
+        _checks.one_of("scaling", self.scaling, ("none", "delayed", "dynamic", "block"))
+        _checks.one_of("gemm", self.gemm, ("bf16", "fp8"))
+
+    @property
+    def optimizer_states(self) -> float:
+        return self.first_moment + self.second_moment
+
+    @property
+    def total(self) -> float:
+        """Bytes per parameter of the model states: the Playbook's sum."""
+        return (self.master_weights + self.accumulated_gradients + self.weights + self.gradients
+                + self.optimizer_states)
+
+    def parts(self) -> dict[str, float]:
+        return {"master weights": self.master_weights, "accumulated gradients": self.accumulated_gradients,
+                "weights": self.weights, "gradients": self.gradients, "first moment": self.first_moment,
+                "second moment": self.second_moment}
+
+
+FP8_RECIPES: dict[str, FP8Recipe] = {r.name: r for r in (
+    FP8Recipe(name="bf16-baseline", label="BF16 with FP32 mixed precision", gemm="bf16", master_weights=4,
+              accumulated_gradients=4, weights=2, gradients=2, first_moment=4, second_moment=4, saved_input=2,
+              scaling="none", published_total=20,
+              source="Ultra-Scale Playbook's baseline (Megatron-LM / nanotron bf16 training)",
+              note="bf16 weights and gradients, fp32 master weights, fp32 gradient accumulation, fp32 Adam moments"),
+    FP8Recipe(name="bf16-no-fp32-accum", label="the same without FP32 gradient accumulation", gemm="bf16",
+              master_weights=4, accumulated_gradients=0, weights=2, gradients=2, first_moment=4, second_moment=4,
+              saved_input=2, scaling="none", published_total=16, source="Ultra-Scale Playbook",
+              note="the ZeRO paper's 16 B/param (Rajbhandari et al. 2019): gradients accumulate in bf16"),
+    FP8Recipe(name="transformer-engine", label="Transformer Engine", gemm="fp8", master_weights=0,
+              accumulated_gradients=0, weights=4, gradients=4, first_moment=4, second_moment=4, saved_input=1,
+              scaling="delayed", published_total=16,
+              source="NVIDIA Transformer Engine (fp8_autocast with DelayedScaling), as the Playbook tabulates it",
+              note="fp32 weights are the master copy; the fp8 casts of weights and inputs are made per step, the "
+                   "input's kept for the backward; each GEMM operand has an amax history and a scale"),
+    FP8Recipe(name="fp8-lm-o3", label="FP8-LM's O3 level", gemm="fp8", master_weights=2, accumulated_gradients=2,
+              weights=1, gradients=1, first_moment=1, second_moment=2, saved_input=1, scaling="delayed",
+              published_total=9, source="Peng et al. 2023, FP8-LM (arXiv:2310.18313), level O3",
+              note="fp16 master weights with a tensor scale, fp8 gradients and first moment, fp16 second moment"),
+    FP8Recipe(name="deepseek-v3", label="DeepSeek-V3", gemm="fp8", master_weights=4, accumulated_gradients=4,
+              weights=1, gradients=2, first_moment=2, second_moment=2, saved_input=1, scaling="block",
+              published_total=15, source="DeepSeek-AI 2024, DeepSeek-V3 technical report (arXiv:2412.19437), §3.3",
+              note="fp8 weights with one scale per 128x128 block, inputs with one per 1x128 tile; bf16 gradients "
+                   "and Adam moments, fp32 master weights and gradient accumulation"),
+    FP8Recipe(name="nanotron-fp8", label="nanotron's FP8", gemm="fp8", master_weights=2, accumulated_gradients=4,
+              weights=1, gradients=1, first_moment=1, second_moment=1, saved_input=1, scaling="delayed",
+              published_total=10, source="Hugging Face nanotron's FP8 training (nanotron PR #70), as the Playbook "
+                                         "tabulates it",
+              note="bf16 master weights, fp32 accumulation, fp8 weights, gradients and both moments"),
+)}
+FP8_BLOCK = 128  # DeepSeek-V3's tiles: 1x128 for activations, 128x128 for weights
+TE_AMAX_HISTORY = 1024  # Transformer Engine's DelayedScaling(amax_history_len=1024) default
+TE_FWD_SLOTS, TE_BWD_SLOTS = 3, 2  # per GEMM: input, weight, output forward; grad-output, grad-input backward
+
+
+def fp8_recipe(name: str | FP8Recipe) -> FP8Recipe:
+    """A recipe by name (FP8_RECIPES' keys), or a recipe as it is."""
+    if isinstance(name, FP8Recipe):
+        return name
+    return FP8_RECIPES[_checks.one_of("FP8 recipe", name, FP8_RECIPES)]
+
+
+def fp8_scale_bytes(recipe: str | FP8Recipe, shapes, *, amax_history: int = TE_AMAX_HISTORY) -> int:
+    """Bytes of the scale tensors a recipe keeps for the weights of the matmuls whose weight shapes are `shapes`
+    (each (out, in); the scaled GEMMs' weights), beyond the table's bytes per parameter.
+    - delayed (Transformer Engine, FP8-LM, nanotron): per GEMM, 3 forward and 2 backward operands, each an fp32
+      amax history of `amax_history` entries, a scale and its inverse;
+    - dynamic (per-tensor, computed from the current amax: torchao's tensorwise float8): one fp32 scale per operand;
+    - block (DeepSeek-V3): one fp32 scale per 128x128 weight block (the inputs' 1x128 scales are per token:
+      `fp8_saved_input_bytes`);
+    - none: 0."""
+    r = fp8_recipe(recipe)
+    amax_history = _checks.whole("amax_history", amax_history, lo=1, hi=1 << 20)
+    shapes = [tuple(_checks.wholes("shape", s, lo=1)) for s in shapes]
+    for s in shapes:
+        if len(s) != 2:
+            raise ValueError(f"a GEMM weight's shape has 2 dimensions (out, in), got {s}")
+    if r.scaling == "none":
+        return 0
+    if r.scaling == "delayed":
+        return len(shapes) * (TE_FWD_SLOTS + TE_BWD_SLOTS) * (amax_history + 2) * 4
+    if r.scaling == "dynamic":
+        return len(shapes) * (TE_FWD_SLOTS + TE_BWD_SLOTS) * 4
+    return sum(-(-o // FP8_BLOCK) * -(-i // FP8_BLOCK) for o, i in shapes) * 4
+
+
+def fp8_saved_input_bytes(recipe: str | FP8Recipe, tokens: int, width: int) -> int:
+    """Bytes of one linear layer's input (tokens x width) kept for its backward under `recipe`: its fp8 (or bf16)
+    values, plus DeepSeek-V3's one fp32 scale per 1x128 tile."""
+    r = fp8_recipe(recipe)
+    tokens = _checks.whole("tokens", tokens, lo=0, hi=1 << 40)
+    width = _checks.whole("width", width, lo=1, hi=1 << 24)
+    values = int(tokens * width * r.saved_input)
+    return values + (tokens * -(-width // FP8_BLOCK) * 4 if r.scaling == "block" else 0)
+
+
+def fp8_model_states(recipe: str | FP8Recipe, n_params: int) -> dict[str, int]:
+    """Bytes of each part of the model states of `n_params` parameters under `recipe` (its `parts()`), and
+    their total."""
+    r = fp8_recipe(recipe)
+    n = _checks.whole("n_params", n_params, lo=0, hi=1 << 50)
+    out = {k: int(v * n) for k, v in r.parts().items()}
+    out["total"] = sum(out.values())
+    return out
