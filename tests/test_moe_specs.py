@@ -37,6 +37,7 @@ def _same_tensors(spec, model):
     assert all(r.endswith(m) for (m, _), (r, _) in zip(mine, real)), [(m, r) for (m, _), (r, _) in zip(mine, real)
                                                                        if not r.endswith(m)][:3]
     assert sum(n for _, n in mine) == spec.params == sum(n for _, n in real)
+    assert [s for _, s in spec.param_shapes()] == [tuple(p.shape) for _, p in model.named_parameters()]
 
 
 # --- the real models, at their published shapes ------------------------------------------------

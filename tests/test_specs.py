@@ -147,6 +147,19 @@ def test_param_tensors_match_named_parameters(seed):
         assert [n for _, n in mine] == [n for _, n in real], cfg.model_type
         assert all(r.endswith(m) for (m, _), (r, _) in zip(mine, real)), (mine, real)
         assert sum(n for _, n in mine) == spec.params
+        assert _shapes_agree(spec, _hf_model(cfg)), cfg.model_type
+
+
+def _shapes_agree(spec, model) -> bool:
+    """`param_shapes` is each tensor's real shape; GPT-2's Conv1D weights are stored (in, out), listed (out, in)."""
+    conv1d = {n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
+    real = []
+    for n, p in model.named_parameters():
+        shape = tuple(p.shape)
+        if n.rsplit(".", 1)[0] in conv1d and n.endswith(".weight"):
+            shape = shape[::-1]
+        real.append(shape)
+    return [shape for _, shape in spec.param_shapes()] == real
 
 
 def test_every_gpu_argument_takes_a_gpuspec_or_a_name():

@@ -257,6 +257,13 @@ class ModelSpec:
     def param_tensors(self) -> list[tuple[str, int]]:
         """Every parameter tensor as (name, numel), in `model.named_parameters()` order (tied
         tensors once). The order matters to a for-loop optimizer's temporaries."""
+        return [(n, math.prod(shape)) for n, shape in self.param_shapes()]
+
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every parameter tensor as (name, shape), in `param_tensors` order. A linear layer's weight is
+        (out, in) as `nn.Linear` holds it; GPT-2's Conv1D holds the transpose (in, out), and is listed
+        (out, in) here too: the optimizers that look at shapes (Adafactor's factored moments, GaLore's
+        projections) depend on the two dimensions, not on their order."""
         return _TENSORS[self.family](self)
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -485,30 +492,32 @@ _COUNTERS = {"gpt2": _count_gpt2, "gpt_neox": _count_gpt_neox, "opt": _count_opt
 
 
 # ----------------------------------------------------------------------------- tensors, in order
-
-def _lin(name: str, d_in: int, d_out: int, bias: bool) -> list[tuple[str, int]]:
-    return [(f"{name}.weight", d_in * d_out)] + ([(f"{name}.bias", d_out)] if bias else [])
+Shape = tuple[int, ...]
 
 
-def _nrm(s: ModelSpec, name: str, width: int) -> list[tuple[str, int]]:
+def _lin(name: str, d_in: int, d_out: int, bias: bool) -> list[tuple[str, Shape]]:
+    return [(f"{name}.weight", (d_out, d_in))] + ([(f"{name}.bias", (d_out,))] if bias else [])
+
+
+def _nrm(s: ModelSpec, name: str, width: int) -> list[tuple[str, Shape]]:
     if not s.norm_affine:
         return []
-    return [(f"{name}.weight", width)] + ([(f"{name}.bias", width)] if s.norm == "layernorm" and s.norm_bias else [])
+    return [(f"{name}.weight", (width,))] + ([(f"{name}.bias", (width,))] if s.norm == "layernorm" and s.norm_bias else [])
 
 
-def _mlp_tensors(s: ModelSpec, names: tuple[str, ...]) -> list[tuple[str, int]]:
+def _mlp_tensors(s: ModelSpec, names: tuple[str, ...]) -> list[tuple[str, Shape]]:
     h, i, b = s.hidden_size, s.intermediate_size, s.mlp_bias
     ins = names[:-1] if s.gated_mlp else names[:1]
     return [t for n in ins for t in _lin(n, h, i, b)] + _lin(names[-1], i, h, b)
 
 
-def _head_tensor(s: ModelSpec, d: int) -> list[tuple[str, int]]:
-    return [] if s.tie_word_embeddings else [("lm_head.weight", s.vocab_size * d)]
+def _head_tensor(s: ModelSpec, d: int) -> list[tuple[str, Shape]]:
+    return [] if s.tie_word_embeddings else [("lm_head.weight", (s.vocab_size, d))]
 
 
-def _t_gpt2(s: ModelSpec) -> list[tuple[str, int]]:
+def _t_gpt2(s: ModelSpec) -> list[tuple[str, Shape]]:
     h = s.hidden_size
-    out = [("wte.weight", s.vocab_size * h), ("wpe.weight", s.max_position_embeddings * h)]
+    out = [("wte.weight", (s.vocab_size, h)), ("wpe.weight", (s.max_position_embeddings, h))]
     for i in range(s.num_layers):
         p = f"h.{i}."
         out += (_nrm(s, p + "ln_1", h) + _lin(p + "attn.c_attn", h, 3 * h, s.qkv_bias) + _lin(p + "attn.c_proj", h, h, s.out_bias)
@@ -516,9 +525,9 @@ def _t_gpt2(s: ModelSpec) -> list[tuple[str, int]]:
     return out + _nrm(s, "ln_f", h) + _head_tensor(s, h)
 
 
-def _t_gpt_neox(s: ModelSpec) -> list[tuple[str, int]]:
+def _t_gpt_neox(s: ModelSpec) -> list[tuple[str, Shape]]:
     h = s.hidden_size
-    out = [("embed_in.weight", s.vocab_size * h)]
+    out = [("embed_in.weight", (s.vocab_size, h))]
     for i in range(s.num_layers):
         p = f"layers.{i}."
         out += (_nrm(s, p + "input_layernorm", h) + _nrm(s, p + "post_attention_layernorm", h)
@@ -527,12 +536,12 @@ def _t_gpt_neox(s: ModelSpec) -> list[tuple[str, int]]:
     return out + _nrm(s, "final_layer_norm", h) + _head_tensor(s, h)
 
 
-def _t_opt(s: ModelSpec) -> list[tuple[str, int]]:
+def _t_opt(s: ModelSpec) -> list[tuple[str, Shape]]:
     h = s.hidden_size
     e = s.word_embed_proj_dim or h
-    out = [("embed_tokens.weight", s.vocab_size * e), ("embed_positions.weight", (s.max_position_embeddings + 2) * h)]
+    out = [("embed_tokens.weight", (s.vocab_size, e)), ("embed_positions.weight", (s.max_position_embeddings + 2, h))]
     if e != h:
-        out += [("project_out.weight", h * e), ("project_in.weight", e * h)]
+        out += [("project_out.weight", (e, h)), ("project_in.weight", (h, e))]
     if s.final_norm:
         out += _nrm(s, "final_layer_norm", h)
     for i in range(s.num_layers):
@@ -543,9 +552,9 @@ def _t_opt(s: ModelSpec) -> list[tuple[str, int]]:
     return out + _head_tensor(s, e)
 
 
-def _t_llama(s: ModelSpec) -> list[tuple[str, int]]:
+def _t_llama(s: ModelSpec) -> list[tuple[str, Shape]]:
     h = s.hidden_size
-    out = [("embed_tokens.weight", s.vocab_size * h)]
+    out = [("embed_tokens.weight", (s.vocab_size, h))]
     for i in range(s.num_layers):
         p = f"layers.{i}."
         out += (_lin(p + "self_attn.q_proj", h, s.q_dim, s.qkv_bias) + _lin(p + "self_attn.k_proj", h, s.kv_dim, s.qkv_bias)
@@ -555,30 +564,30 @@ def _t_llama(s: ModelSpec) -> list[tuple[str, int]]:
     return out + _nrm(s, "norm", h) + _head_tensor(s, h)
 
 
-def _t_bert(s: ModelSpec) -> list[tuple[str, int]]:
+def _t_bert(s: ModelSpec) -> list[tuple[str, Shape]]:
     h = s.hidden_size
-    out = [("word_embeddings.weight", s.vocab_size * h), ("position_embeddings.weight", s.max_position_embeddings * h),
-           ("token_type_embeddings.weight", s.type_vocab_size * h)] + _nrm(s, "embeddings.LayerNorm", h)
+    out = [("word_embeddings.weight", (s.vocab_size, h)), ("position_embeddings.weight", (s.max_position_embeddings, h)),
+           ("token_type_embeddings.weight", (s.type_vocab_size, h))] + _nrm(s, "embeddings.LayerNorm", h)
     for i in range(s.num_layers):
         p = f"layer.{i}."
         out += [t for n in ("query", "key", "value") for t in _lin(p + "attention.self." + n, h, h, s.qkv_bias)]
         out += (_lin(p + "attention.output.dense", h, h, s.out_bias) + _nrm(s, p + "attention.output.LayerNorm", h)
                 + _mlp_tensors(s, (p + "intermediate.dense", p + "output.dense")) + _nrm(s, p + "output.LayerNorm", h))
-    head = [("cls.predictions.bias", s.vocab_size)] + _lin("cls.predictions.transform.dense", h, h, True)
+    head = [("cls.predictions.bias", (s.vocab_size,))] + _lin("cls.predictions.transform.dense", h, h, True)
     head += _nrm(s, "cls.predictions.transform.LayerNorm", h)
-    return out + head + ([] if s.tie_word_embeddings else [("cls.predictions.decoder.weight", s.vocab_size * h)])
+    return out + head + ([] if s.tie_word_embeddings else [("cls.predictions.decoder.weight", (s.vocab_size, h))])
 
 
-def _t_t5(s: ModelSpec) -> list[tuple[str, int]]:
+def _t_t5(s: ModelSpec) -> list[tuple[str, Shape]]:
     h, q = s.hidden_size, s.q_dim
     ffn = ("DenseReluDense.wi_0", "DenseReluDense.wi_1", "DenseReluDense.wo") if s.gated_mlp else \
         ("DenseReluDense.wi", "DenseReluDense.wo")
 
-    def attn(p: str, rel: bool) -> list[tuple[str, int]]:
-        t = [(f"{p}.{n}.weight", h * q) for n in ("q", "k", "v")] + [(f"{p}.o.weight", q * h)]
-        return t + ([(f"{p}.relative_attention_bias.weight", s.relative_attention_num_buckets * s.num_heads)] if rel else [])
+    def attn(p: str, rel: bool) -> list[tuple[str, Shape]]:
+        t = [(f"{p}.{n}.weight", (q, h)) for n in ("q", "k", "v")] + [(f"{p}.o.weight", (h, q))]
+        return t + ([(f"{p}.relative_attention_bias.weight", (s.relative_attention_num_buckets, s.num_heads))] if rel else [])
 
-    out = [("shared.weight", s.vocab_size * h)]
+    out = [("shared.weight", (s.vocab_size, h))]
     for stack, n, dec in (("encoder", s.num_layers, False), ("decoder", s.num_decoder_layers, True)):
         for i in range(n):
             p = f"{stack}.block.{i}.layer."
@@ -591,21 +600,21 @@ def _t_t5(s: ModelSpec) -> list[tuple[str, int]]:
     return out + _head_tensor(s, h)
 
 
-def _t_moe(s: ModelSpec) -> list[tuple[str, int]]:
+def _t_moe(s: ModelSpec) -> list[tuple[str, Shape]]:
     h, a, E = s.hidden_size, s.num_heads, s.num_experts
     moe_layers = set(s.moe_layer_ids)
-    out = [("embed_tokens.weight", s.vocab_size * h)]
+    out = [("embed_tokens.weight", (s.vocab_size, h))]
     for i in range(s.num_layers):
         p = f"layers.{i}."
         at = p + "self_attn."
         if s.is_mla:
             if s.q_lora_rank:
-                out += (_lin(at + "q_a_proj", h, s.q_lora_rank, s.qkv_bias) + [(at + "q_a_layernorm.weight", s.q_lora_rank)]
+                out += (_lin(at + "q_a_proj", h, s.q_lora_rank, s.qkv_bias) + [(at + "q_a_layernorm.weight", (s.q_lora_rank,))]
                         + _lin(at + "q_b_proj", s.q_lora_rank, a * s.head_dim, False))
             else:
                 out += _lin(at + "q_proj", h, a * s.head_dim, False)
             out += (_lin(at + "kv_a_proj_with_mqa", h, s.kv_lora_rank + s.qk_rope_head_dim, s.qkv_bias)
-                    + [(at + "kv_a_layernorm.weight", s.kv_lora_rank)]
+                    + [(at + "kv_a_layernorm.weight", (s.kv_lora_rank,))]
                     + _lin(at + "kv_b_proj", s.kv_lora_rank, a * (s.qk_nope_head_dim + s.v_head_dim), False)
                     + _lin(at + "o_proj", a * s.v_head_dim, h, s.out_bias))
         else:
@@ -613,12 +622,12 @@ def _t_moe(s: ModelSpec) -> list[tuple[str, int]]:
                     + _lin(at + "v_proj", h, s.kv_dim, s.qkv_bias) + _lin(at + "o_proj", s.q_dim, h, s.out_bias))
             if s.qk_norm:
                 q, k = (s.head_dim, s.head_dim) if s.qk_norm == "head" else (s.q_dim, s.kv_dim)
-                out += [(at + "q_norm.weight", q), (at + "k_norm.weight", k)]
+                out += [(at + "q_norm.weight", (q,)), (at + "k_norm.weight", (k,))]
         m = p + "mlp."
         if i in moe_layers:
-            router = [(m + "gate.weight", E * h)]
-            experts = [(m + "experts.gate_up_proj", E * 2 * s.moe_intermediate_size * h),
-                       (m + "experts.down_proj", E * h * s.moe_intermediate_size)]
+            router = [(m + "gate.weight", (E, h))]
+            experts = [(m + "experts.gate_up_proj", (E, 2 * s.moe_intermediate_size, h)),
+                       (m + "experts.down_proj", (E, h, s.moe_intermediate_size))]
             # registration order: Mixtral, OLMoE and Qwen2-MoE make the router first; Qwen3-MoE and DeepSeek the experts
             out += experts + router if s.model_type in ("qwen3_moe", *_MLA_TYPES) else router + experts
             if s.num_shared_experts:
@@ -626,7 +635,7 @@ def _t_moe(s: ModelSpec) -> list[tuple[str, int]]:
                 out += (_lin(shared + "gate_proj", h, w, s.mlp_bias) + _lin(shared + "up_proj", h, w, s.mlp_bias)
                         + _lin(shared + "down_proj", w, h, s.mlp_bias))
             if s.shared_expert_gate:
-                out += [(m + "shared_expert_gate.weight", h)]
+                out += [(m + "shared_expert_gate.weight", (1, h))]
         else:
             out += _mlp_tensors(s, (m + "gate_proj", m + "up_proj", m + "down_proj"))
         out += _nrm(s, p + "input_layernorm", h) + _nrm(s, p + "post_attention_layernorm", h)
