@@ -124,7 +124,7 @@ def test_instructor_version_full_marks_and_cpu_run(tmp_path):
 
 @pytest.mark.parametrize("lab, points", [(LAB, 21), ("lab02_collectives", 8), ("lab03_parallelism", 18),
                                          ("lab04_zero", 13), ("lab05_mixed_precision", 7),
-                                         ("lab06_offload", 14), ("lab07_checkpointing", 12), ("lab08_compression", 20)])
+                                         ("lab06_offload", 14), ("lab07_checkpointing", 12), ("lab08_compression", 23)])
 def test_student_version_scores_zero(lab, points):
     scores = tools.grade(_exercises_only(nbformat.read(released(lab), as_version=4)), lab)
     assert tools.total(scores) == (0, points), scores
@@ -771,7 +771,7 @@ def test_lab8_instructor_full_marks_and_cpu_run(tmp_path):
     memory within 5 % of its prediction; peft's trainable count is vramlab's."""
     from vramlab.measure.compression import probe_label
 
-    saved, executed = _run_instructor("lab08_compression", 20, tmp_path)
+    saved, executed = _run_instructor("lab08_compression", 23, tmp_path)
     assert "not a GPU" in saved["note"] and {"date", "torch", "platform"} <= set(saved["provenance"])
     run = saved["run"]
     assert abs(run["quantization"]["models"]["outlier channels"]["rescaling_changed_loss_by"]) < 1e-4
@@ -855,6 +855,35 @@ WRONG_QLORA = """def qlora_bytes(linear_shapes, other_params, r):
 """
 
 
+_ADAFACTOR_UPDATE = """
+def adafactor_update(grad, row, col, beta2):
+    m, n = len(grad), len(grad[0])
+    return ([beta2 * row[i] + (1 - beta2) * sum(g * g for g in grad[i]) / n for i in range(m)],
+            [beta2 * col[j] + (1 - beta2) * sum(grad[i][j] ** 2 for i in range(m)) / m for j in range(n)])
+"""
+WRONG_ADAFACTOR = _ADAFACTOR_UPDATE + """
+def adafactor_estimate(row, col):
+    return [[r * c for c in col] for r in row]
+
+def adafactor_state_values(shapes):
+    return 0
+"""
+WRONG_ADAFACTOR_COUNT = _ADAFACTOR_UPDATE + """
+def adafactor_estimate(row, col):
+    mean = sum(row) / len(row)
+    return [[r * c / mean if mean else 0.0 for c in col] for r in row]
+
+def adafactor_state_values(shapes):
+    total = 0
+    for s in shapes:
+        n = 1
+        for d in s:
+            n *= d
+        total += n if len(s) != 2 else s[0] + s[1]
+    return total
+"""
+
+
 def test_lab8_wrong_answers_lose_their_points():
     scores = _graded_with("lab08_compression", {"ex1-solution": WRONG_QUANT, "ex2-solution": WRONG_LORA,
                                                 "ex3-solution": WRONG_INT8, "ex4-solution": WRONG_DISTILL,
@@ -868,6 +897,13 @@ def test_lab8_wrong_answers_lose_their_points():
     # with the right initialisation, the forward's missing alpha / r is what the check names
     scores = _graded_with("lab08_compression", {"ex2-solution": UNSCALED_LORA})
     assert scores["ex2-test"][0] == 0 and "alpha / r" in scores["ex2-test"][2], scores["ex2-test"]
+    # Adafactor: an estimate without the 1 / mean(R) normalisation, and a state count that forgets the 3-D experts
+    scores = _graded_with("lab08_compression", {"adafactor-solution": WRONG_ADAFACTOR})
+    assert scores["adafactor-test"][0] == 0 and "factored second moment" in scores["adafactor-test"][2], \
+        scores["adafactor-test"]
+    scores = _graded_with("lab08_compression", {"adafactor-solution": WRONG_ADAFACTOR_COUNT})
+    assert scores["adafactor-test"][0] == 0 and "last two dimensions" in scores["adafactor-test"][2], \
+        scores["adafactor-test"]
 
 
 def test_lab8_stored_run():

@@ -16,6 +16,7 @@ from typing import Iterable, Literal
 
 from . import checks as _checks
 from . import moe as _moe
+from . import optimizers as _optim
 from .activations import (ATTENTIONS, WHOLE_MODEL, AttentionImpl, DeviceShare, Recompute, _cuda_amp,
                           activation_bytes, recompute_plan)
 from .checks import MAX_BYTES, MAX_PARAMS
@@ -30,6 +31,9 @@ OptimizerImpl = Literal["for-loop", "foreach", "fused"]
 Loss = Literal["whole", "chunked", "fused"]
 
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit")
+# every optimizer one device models (`vramlab.optimizers`): OPTIMIZERS, which also shard (ZeRO, FSDP, pipelines),
+# and the ones whose states depend on each tensor's shape or live off the allocator
+ALL_OPTIMIZERS: tuple[str, ...] = _optim.NAMES
 LOSSES: tuple[str, ...] = ("whole", "chunked", "fused")
 TORCHTUNE_CHUNKS = 8  # torchtune's default num_output_chunks (CEWithChunkedOutputLoss)
 OPTIMIZER_IMPLS: tuple[str, ...] = ("for-loop", "foreach", "fused")
@@ -121,8 +125,10 @@ def state_bytes(precision: Precision) -> int:
 def optimizer_state_bytes(optimizer: Optimizer, n_params: int, precision: Precision) -> int:
     """Persistent optimizer state. PyTorch keeps Adam's m and v (and momentum) in the parameter's
     dtype: 8 B/param for fp32 params (ZeRO's K=12 counts fp32 master weights too, which AMP keeps
-    as the model itself), 4 B/param for pure-bf16 params. 8-bit Adam (Dettmers+21, arXiv:2110.02861):
-    1 byte each for m and v plus one fp32 scale per 2048-value block of each."""
+    as the model itself), 4 B/param for pure-bf16 params. 8-bit Adam (Dettmers+21, arXiv:2110.02861) as
+    bitsandbytes keeps it, the n values taken as one tensor (a flat shard): 1 byte each for m and v plus one
+    fp32 absmax per 256-value block of each, and its two 256-entry maps (`vramlab.optimizers`; a whole
+    model's tensors: `model_states`). The other optimizers depend on each tensor's shape: `model_states`."""
     _check_choice(optimizer, OPTIMIZERS, "optimizer")
     n_params = _checks.whole("n_params", n_params, lo=0, hi=MAX_PARAMS)
     sb = state_bytes(precision)
@@ -133,8 +139,9 @@ def optimizer_state_bytes(optimizer: Optimizer, n_params: int, precision: Precis
         return n_params * sb + master
     if optimizer == "sgd":
         return master
-    if optimizer == "adamw-8bit":
-        return 2 * n_params + 2 * 4 * -(-n_params // 2048) + master
+    if optimizer == "adamw-8bit":  # bitsandbytes, the n values as one tensor (a flat shard)
+        return sum(_optim.tensor_states(optimizer, (n_params,), param_bytes=4).values()) \
+            + _optim.shared_bytes(optimizer, [(n_params,)]) + master if n_params else master
     raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
 
 
@@ -147,16 +154,30 @@ def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: 
       tensor being updated, while the previous tensor's denominator is still referenced (Python frees
       it only when the name is rebound): max over neighbours of size[i-1] + 2 size[i];
     - fused: one kernel updates in place: ~0. SGD (no momentum) updates in place.
+    The other libraries step tensor by tensor (`impl` does not apply), each holding a few full-size
+    temporaries of the tensor it steps (a model, read from their source, not traced): torch's Adafactor
+    as AdamW (its foreach path makes one full list, var_estimates); transformers' Adafactor three fp32 copies
+    (the fp32 gradient, its square, the update); torchao's compiled step the two moments dequantized to fp32;
+    GaLore the update projected back (two copies); bitsandbytes (paged too) updates in place; an offloaded
+    optimizer steps on the host.
     `spec`: the model, or the element counts of the tensors stepped (one device's share)."""
-    _check_choice(optimizer, OPTIMIZERS, "optimizer")
+    _check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
     _check_choice(impl, OPTIMIZER_IMPLS, "optimizer implementation")
     n_params = _checks.whole("n_params", n_params, lo=0, hi=MAX_PARAMS)
     if not isinstance(spec, ModelSpec):
         spec = _checks.wholes("spec", spec, lo=0, hi=MAX_PARAMS)  # the tensors' element counts
     pb = param_bytes(precision)
+    sizes = [n for _, n in spec.param_tensors()] if isinstance(spec, ModelSpec) else list(spec)
+    largest = max(sizes, default=0)
+    if optimizer in ("adamw-8bit", "paged-adamw", "paged-adamw-8bit", "adamw-cpu-offload"):
+        return 0  # bitsandbytes dequantizes block by block, in place; an offloaded step runs on the host
+    if optimizer in ("adafactor-hf", "adafactor-momentum"):
+        return 3 * largest * 4
+    if optimizer in ("adamw-8bit-ao", "adamw-4bit-ao", "adamw-fp8-ao"):
+        return 2 * largest * 4
+    if optimizer == "galore-adamw":
+        return 2 * largest * pb
     if impl == "fused" or optimizer in ("sgd", "sgd-momentum"):  # SGD updates buffers and params in place
-        return 0
-    if optimizer == "adamw-8bit":  # bitsandbytes dequantizes block by block, in place
         return 0
     if impl == "foreach":  # the copy has the states' dtype
         return n_params * state_bytes(precision)
@@ -166,19 +187,60 @@ def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: 
 
 
 def model_states(model: ModelSpec | str, *, precision: Precision = "fp32", optimizer: Optimizer = "adamw",
-                 trainable_params: int | None = None) -> MemoryBreakdown:
+                 trainable_params: int | None = None, galore_rank: int = _optim.GALORE_RANK) -> MemoryBreakdown:
     """Parameters, gradients and optimizer states: what the ZeRO paper calls model states
     (Rajbhandari+19: 16 bytes/param for mixed-precision Adam, 2 + 2 + 12). A mixture of experts
-    counts every expert."""
+    counts every expert. `optimizer` is any of ALL_OPTIMIZERS (`vramlab.optimizers`): the states counted
+    are those the device's caching allocator holds (`optimizers.Ledger.device`): a paged optimizer's
+    paged buffers and an offloaded optimizer's host copies are not (`optimizer_ledger`); torch's 0-dim step
+    counters, on the host unless the step is fused, are not either. An offloaded optimizer's gradients
+    leave the device as the backward makes them: `gradients` is what one tensor's can reach."""
     spec = _inference_spec(model)
     _check_choice(precision, PRECISIONS, "precision")
-    _check_choice(optimizer, OPTIMIZERS, "optimizer")
+    _check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
     n_all = spec.params
     n_train = n_all if trainable_params is None else _checks.whole("trainable_params", trainable_params, lo=0, hi=n_all)
     pb = param_bytes(precision)
-    return MemoryBreakdown(parameters=n_all * pb, gradients=n_train * pb,
-                           optimizer_states=optimizer_state_bytes(optimizer, n_train, precision),
+    if optimizer in OPTIMIZERS and optimizer != "adamw-8bit" or trainable_params is not None:
+        if optimizer not in OPTIMIZERS and (trainable_params is not None and optimizer in _optim.SHAPED):
+            raise ValueError(f"optimizer {optimizer!r} with trainable_params: its states depend on the adapters' "
+                             f"shapes, which are not modelled; use one of {', '.join(OPTIMIZERS)}")
+        if optimizer in OPTIMIZERS:
+            states = optimizer_state_bytes(optimizer, n_train, precision)
+        else:
+            states = optimizer_ledger(spec, optimizer, precision, tensors=[(n_train,)] if n_train else []).device
+        grads = n_train * pb
+    else:
+        lg = optimizer_ledger(spec, optimizer, precision, galore_rank=galore_rank)
+        states = lg.device
+        grads = n_train * pb if optimizer != "adamw-cpu-offload" else _largest_tensor(spec) * pb
+    return MemoryBreakdown(parameters=n_all * pb, gradients=grads, optimizer_states=states,
                            label=f"{spec.name} model states ({precision}, {optimizer})")
+
+
+def optimizer_ledger(model: ModelSpec | str, optimizer: str, precision: Precision = "fp32", *,
+                     galore_rank: int = _optim.GALORE_RANK, tensors=None) -> "_optim.Ledger":
+    """Where `optimizer`'s bytes live for `model` under `precision` (`vramlab.optimizers.Ledger`: the device's
+    allocator, paged unified memory, the host). torch.optim's states follow the recipe (`state_bytes`); the
+    other libraries keep theirs as they do whatever the recipe; fp16-fp32-master's fp32 master weights count
+    with the states, as everywhere."""
+    spec = _inference_spec(model)
+    _check_choice(precision, PRECISIONS, "precision")
+    _check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
+    if precision in FP32_STATES and optimizer not in OPTIMIZERS:
+        raise ValueError(f"precision {precision!r} keeps fp32 states or master weights for a 16-bit model, which "
+                         f"{optimizer!r} does not: use bf16 (its states follow the model) or one of {', '.join(OPTIMIZERS)}")
+    pb = param_bytes(precision)
+    lg = _optim.ledger(optimizer, spec if tensors is None else tensors, param_bytes=pb,
+                       state_bytes=state_bytes(precision) if optimizer in _optim.TORCH else None, rank=galore_rank)
+    if precision == "fp16-fp32-master":
+        n = spec.params if tensors is None else sum(_optim.math.prod(_optim._shape(t)) for t in tensors)
+        lg = dataclasses.replace(lg, device=lg.device + 4 * n)
+    return lg
+
+
+def _largest_tensor(spec: ModelSpec) -> int:
+    return max((n for _, n in spec.param_tensors()), default=0)
 
 
 def _for_loop_peak(spec: "ModelSpec | Iterable[int]") -> int:
@@ -264,13 +326,15 @@ def estimate_training(model: ModelSpec | str, *, batch_size: int, seq_len: int, 
                       device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None,
                       gpu: GPUSpec | str | None = None, use_cache: bool = False,
                       accumulation_steps: int = 1, loss: Loss = "whole",
-                      loss_chunk_tokens: int | None = None, capacity_factor: float | None = None) -> MemoryBreakdown:
+                      loss_chunk_tokens: int | None = None, capacity_factor: float | None = None,
+                      optimizer_in_backward: bool = False, galore_rank: int = _optim.GALORE_RANK) -> MemoryBreakdown:
     """Peak memory of one steady-state training step: the largest of `training_phases(...)`, whose
     docstring describes the arguments."""
     phases = training_phases(model, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
                              optimizer_impl=optimizer_impl, attention=attention, recompute=recompute, device=device,
                              trainable_params=trainable_params, gpu=gpu, use_cache=use_cache,
                              accumulation_steps=accumulation_steps, loss=loss, loss_chunk_tokens=loss_chunk_tokens,
+                             optimizer_in_backward=optimizer_in_backward, galore_rank=galore_rank,
                              capacity_factor=capacity_factor)
     return max(phases, key=lambda m: m.total)
 
@@ -281,14 +345,21 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
                     device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None,
                     gpu: GPUSpec | str | None = None, share: DeviceShare = WHOLE_MODEL,
                     use_cache: bool = False, accumulation_steps: int = 1, loss: Loss = "whole",
-                    loss_chunk_tokens: int | None = None, capacity_factor: float | None = None) -> list[MemoryBreakdown]:
+                    loss_chunk_tokens: int | None = None, capacity_factor: float | None = None,
+                    optimizer_in_backward: bool = False, galore_rank: int = _optim.GALORE_RANK) -> list[MemoryBreakdown]:
     """Memory, in bytes, at each candidate peak of one steady-state training step, in step order
     (`.phase` names each); `estimate_training` returns the largest.
 
     batch_size  # sequences per step (micro-batch)
     seq_len     # tokens per sequence (T5: encoder and decoder each)
     precision   fp32 | bf16-mixed | fp16-mixed (PyTorch AMP: fp32 model + autocast) | bf16 (pure)
-    optimizer   adamw | adam | sgd | sgd-momentum | adamw-8bit;  optimizer_impl for-loop | foreach | fused
+    optimizer   adamw | adam | sgd | sgd-momentum | adamw-8bit, and on one device the rest of ALL_OPTIMIZERS
+                (Adafactor, torchao's 8-/4-bit/FP8 AdamW, GaLore with `galore_rank`, bitsandbytes' paged AdamW,
+                torchao's CPU-offloaded AdamW: `vramlab.optimizers`); optimizer_impl for-loop | foreach | fused
+    optimizer_in_backward  each parameter stepped as soon as its gradient is made, then the gradient freed
+                (PyTorch's `register_post_accumulate_grad_hook` recipe, torchtune's optimizer_in_bwd): no phase
+                holds more than one tensor's gradient (a tied embedding's waits for both uses), and there is no
+                optimizer.step() after the backward. torchao's CPU-offloaded optimizer works this way too.
     attention   eager (stores the s x s scores) | sdpa (flash / memory-efficient kernels)
     recompute   a plan (`recompute_plan`): none | full (activation checkpointing of every block) |
                 selective | sac-matmuls | sqrt | offload | every-K | first-N | segments-K | block set
@@ -348,12 +419,22 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     batch_size, seq_len = _check_positive(batch_size=batch_size, seq_len=seq_len)
     _check_positions(spec, seq_len)
     _check_choice(precision, PRECISIONS, "precision")
-    _check_choice(optimizer, OPTIMIZERS, "optimizer")
+    _check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
     _check_choice(optimizer_impl, OPTIMIZER_IMPLS, "optimizer implementation")
     _check_choice(attention, ATTENTIONS, "attention implementation")
     _check_choice(device, ("cuda", "cpu"), "device")
     use_cache = _checks.flag("use_cache", use_cache)
     k_acc = _checks.whole("accumulation_steps", accumulation_steps, hi=MAX_ACCUMULATION)
+    in_bwd = _checks.flag("optimizer_in_backward", optimizer_in_backward) or optimizer == "adamw-cpu-offload"
+    if optimizer not in OPTIMIZERS and not share.whole:
+        raise ValueError(f"optimizer {optimizer!r} is modelled on one device; a parallel layout takes one of "
+                         f"{', '.join(OPTIMIZERS)}")
+    if in_bwd and not share.whole:
+        raise ValueError("optimizer_in_backward is modelled on one device, not a parallel layout's share")
+    if in_bwd and k_acc > 1:
+        raise ValueError("optimizer_in_backward steps each parameter as its gradient is made, so gradients cannot "
+                         f"accumulate over micro-batches: pass accumulation_steps=1 (got {k_acc})"
+                         + (f"; {optimizer!r} steps in the backward" if optimizer == "adamw-cpu-offload" else ""))
     chunk = loss_chunk_size(spec, tokens=batch_size * seq_len, loss=loss, loss_chunk_tokens=loss_chunk_tokens)
     if loss != "whole" and not spec.is_causal_lm:
         raise ValueError(f"loss={loss!r} is modelled for causal LMs (decoder-only), not {spec.family}; use loss='whole'")
@@ -377,7 +458,8 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     workspaces = 2 * cublas_workspace_bytes(gpu) if device == "cuda" else 0
     pb = param_bytes(precision)
     if share.whole:
-        states = model_states(spec, precision=precision, optimizer=optimizer, trainable_params=trainable_params)
+        states = model_states(spec, precision=precision, optimizer=optimizer, trainable_params=trainable_params,
+                              galore_rank=galore_rank)
         P, G, O = states.parameters, states.gradients, states.optimizer_states
         n_all = spec.params
         n_train = n_all if trainable_params is None else operator.index(trainable_params)  # checked by model_states
@@ -390,6 +472,11 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
         if share.optimizer_shards > 1:  # the optimizer steps its flat shard
             tensors = (shard,)
     T_opt = optimizer_step_temporaries(optimizer, optimizer_impl, tensors, -(-n_train // share.optimizer_shards), precision)
+    if in_bwd:  # one tensor stepped at a time: its gradient and its step's temporaries
+        G = 0
+
+        def step_of(n: int) -> int:
+            return optimizer_step_temporaries(optimizer, optimizer_impl, [n], n, precision)
 
     b, s, V = batch_size, seq_len, spec.vocab_size
     t, first, last = share.tp, share.first, share.last
@@ -434,6 +521,11 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     buckets = G * (share.gradient_copies - 1)
     kept_grads = G if share.keep_gradients else 0
 
+    tied = bool(spec.tie_word_embeddings and first and last)
+    if in_bwd:  # the largest tensor of a block: the most a block's backward holds at once
+        block_tensors = [n for name, n in spec.param_tensors() if _in_block(name)] or [0]
+        one = max(block_tensors) * pb if trained else 0
+
     def grads(made: int) -> int:
         return buckets + (kept_grads or made)
 
@@ -455,6 +547,10 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
             MemoryBreakdown(**base, activations=others + A + boundary - b * s * vocab * lsm, temporaries=d_logits,
                             gradients=grads(head_grad), phase="LM head backward"),
         ]
+        if in_bwd and head_grad and not tied:  # the head's gradient is stepped (then freed) once its mm is done
+            phases.append(MemoryBreakdown(**base, activations=others + A + boundary - b * s * vocab * lsm,
+                                          gradients=head_grad, temporaries=step_of(head_grad // pb),
+                                          phase="LM head's step in the backward"))
     half = nb["half"]
     # freed by now on the last stage: the loss's log-softmax, the head's input and the shifted labels
     loss_side = b * s * (vocab * lsm + -(-e * half // (t if share.sp else 1)) + (8 if spec.is_causal_lm else 0)) if last else 0
@@ -472,6 +568,12 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     made = act["block_grads_made"]
     own = block_grads if made is None or not trained else min(block_grads, -(-made * pb // t))
     block_phases = []
+    if in_bwd:  # made so far: only the tied head's (waiting for the embedding's) and the tensor just made
+        pending = head_grad if tied else 0
+        own = min(own, one)
+
+        def grads(made: int) -> int:  # noqa: F811
+            return pending + (own if made else 0)
     for i, alive in act["backward"]:
         if i in segment_ends:
             block_phases.append(MemoryBreakdown(
@@ -497,7 +599,13 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
         emb = vocab * e * pb if trained else 0
         dense = V * e * pb if trained and share.embedding_grad == "dense" and t > 1 else 0
         accumulate = (2 if amp else 3) if spec.tie_word_embeddings and last else 1
-        if share.keep_gradients:  # the new gradient beside the kept one, then added in place
+        if in_bwd:  # the embedding's gradient (summed with the tied head's), then its step; all else stepped
+            phases.append(MemoryBreakdown(**base, activations=others, gradients=0, temporaries=emb * accumulate,
+                                          phase="embedding backward (gradient accumulation)"))
+            phases.append(MemoryBreakdown(**base, activations=others, gradients=emb,
+                                          temporaries=step_of(emb // pb) if emb else 0,
+                                          phase="embedding's step in the backward"))
+        elif share.keep_gradients:  # the new gradient beside the kept one, then added in place
             phases.append(MemoryBreakdown(**base, activations=others, gradients=grads(0), temporaries=dense or emb,
                                           phase="embedding backward (gradient accumulation)"))
         else:
@@ -507,8 +615,15 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     if k_acc > 1:
         phases += _later_micro_batches(phases, k_acc, held=buckets + G, head_grad=head_grad,
                                        tied=bool(spec.tie_word_embeddings and first and last))
-    phases.append(MemoryBreakdown(**base, gradients=buckets + G, temporaries=T_opt, phase="optimizer.step()"))
+    if not in_bwd:
+        phases.append(MemoryBreakdown(**base, gradients=buckets + G, temporaries=T_opt, phase="optimizer.step()"))
     return phases
+
+
+def _in_block(name: str) -> bool:
+    """A parameter of a transformer block (GPT-2's h.N, Llama's layers.N, BERT's layer.N, T5's block.N)."""
+    parts = name.split(".")
+    return any(p in ("h", "layers", "layer", "block") and nxt.isdigit() for p, nxt in zip(parts, parts[1:]))
 
 
 def _loss_phases(base: dict, *, loss: str, A: int, tokens: int, chunk: int, vocab: int, e: int, nb: dict[str, int],

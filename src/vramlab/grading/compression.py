@@ -594,3 +594,77 @@ def check_prefix_count(fn: Callable, cases) -> None:
             hint = "count every parameter peft's PrefixEncoder trains, weights and biases"
         check_int(got, want, what=f"prefix_trainable(num_layers={L}, p={p}, kv_width={d}, hidden={H})", hint=hint,
                   unit="parameters")
+
+
+# ============================================================================ Adafactor (issue 36)
+def _adafactor_cases(seed: int, n: int):
+    import random
+
+    rnd = random.Random(seed)
+    cases = []
+    for k in range(n):
+        rows, cols = rnd.randint(1, 9), rnd.randint(1, 9)
+        if k % 3 == 0:  # g^2 of rank one: the factored estimate is exact there (Shazeer & Stern 2018, sec. 3)
+            a = [rnd.uniform(0.1, 2.0) for _ in range(rows)]
+            b = [rnd.uniform(0.1, 2.0) for _ in range(cols)]
+            grad = [[(ai * bj) ** 0.5 * rnd.choice((-1, 1)) for bj in b] for ai in a]
+        else:
+            grad = [[rnd.gauss(0, 1) * (50 if rnd.random() < 0.05 else 1) for _ in range(cols)] for _ in range(rows)]
+        row = [rnd.uniform(0.0, 1.0) for _ in range(rows)] if k % 2 else [0.0] * rows
+        col = [rnd.uniform(0.0, 1.0) for _ in range(cols)] if k % 2 else [0.0] * cols
+        if k % 2 and rnd.random() < 0.5:
+            row[0] = 0.0
+        cases.append((grad, row, col, rnd.choice((0.0, 0.5, 0.9, 0.999))))
+    return cases
+
+
+def check_adafactor(adafactor_update: Callable, adafactor_estimate: Callable, adafactor_state_values: Callable,
+                    *, seed: int = 0, n: int = 9, shapes: list | None = None) -> None:
+    """Adafactor's factored second moment on plain lists. The references are computed here from the inputs:
+    the running row and column means of g^2 (beta2 * old + (1 - beta2) * mean), the rank-one estimate
+    R C^T / mean(R), exact whenever g^2 is of rank one, and the number of values a model's state holds."""
+    for grad, row, col, beta2 in _adafactor_cases(seed, n):
+        rows, cols = len(grad), len(grad[0])
+        sq = [[g * g for g in r] for r in grad]
+        ref_row = [beta2 * row[i] + (1 - beta2) * sum(sq[i]) / cols for i in range(rows)]
+        ref_col = [beta2 * col[j] + (1 - beta2) * sum(sq[i][j] for i in range(rows)) / rows for j in range(cols)]
+        out = adafactor_update([r[:] for r in grad], row[:], col[:], beta2)
+        assert isinstance(out, (list, tuple)) and len(out) == 2, "adafactor_update must return (row, col)"
+        got_row, got_col = _vector_answer(out[0], rows, "row"), _vector_answer(out[1], cols, "col")
+        for what, got, ref in (("row", got_row, ref_row), ("col", got_col, ref_col)):
+            bad = [i for i, (x, y) in enumerate(zip(got, ref)) if abs(x - y) > 1e-9 * max(1.0, abs(y))]
+            assert not bad, (f"a {rows} x {cols} gradient, beta2 = {beta2}: {what}[{bad[0]}] is {got[bad[0]]:.6g}, "
+                             f"the running mean of g^2 along the {'row' if what == 'row' else 'column'} gives "
+                             f"{ref[bad[0]]:.6g}")
+        mean_r = sum(ref_row) / rows
+        est = _matrix_answer(adafactor_estimate(ref_row[:], ref_col[:]), rows, cols, "adafactor_estimate")
+        for i in range(rows):
+            for j in range(cols):
+                want = ref_row[i] * ref_col[j] / mean_r if mean_r else 0.0
+                assert abs(est[i][j] - want) <= 1e-9 * max(1.0, abs(want)), \
+                    f"estimate[{i}][{j}] is {est[i][j]:.6g}; the factored second moment there is {want:.6g}"
+        if beta2 == 0.0 and _rank_one(sq):  # no history: the estimate gives g^2 back exactly
+            assert all(abs(est[i][j] - sq[i][j]) <= 1e-9 * max(1.0, sq[i][j]) for i in range(rows) for j in range(cols)), \
+                "g^2 is of rank one here, where the factored estimate must equal g^2 exactly"
+    import random
+
+    rnd = random.Random(seed + 1)
+    cases = shapes or [[(rnd.randint(1, 300),) if rnd.random() < 0.3 else
+                        tuple(rnd.randint(1, 64) for _ in range(rnd.choice((2, 2, 3, 4)))) for _ in range(rnd.randint(1, 6))]
+                       for _ in range(n)]
+    for model in cases:
+        want = 0
+        for s in model:
+            total = 1
+            for d in s:
+                total *= d
+            want += total if len(s) < 2 else total // s[-1] + total // s[-2]
+        check_int(adafactor_state_values([tuple(s) for s in model]), want,
+                  what=f"values of Adafactor's second moment for tensors of shapes {[tuple(s) for s in model]}",
+                  hint="torch.optim.Adafactor factors over the last two dimensions; a vector keeps its full v")
+
+
+def _rank_one(m: list[list[float]]) -> bool:
+    rows, cols = len(m), len(m[0])
+    return all(abs(m[i][j] * m[0][0] - m[i][0] * m[0][j]) <= 1e-9 * max(1.0, abs(m[i][j] * m[0][0]))
+               for i in range(rows) for j in range(cols))

@@ -23,7 +23,7 @@ from typing import Any, Callable, Literal
 from .. import checkpointing as CK
 from .. import collectives as C
 from .. import compression as COMP
-from .. import activations, fitting, memory, specs
+from .. import activations, fitting, memory, optimizers, specs
 from .. import offload as OFF
 from .. import parallel as PAR
 from .. import precision as P
@@ -1306,9 +1306,59 @@ EXPLAIN = Calculator(
             Input(name="gpu", label="GPU (its total memory)", kind="choice", default=EXAMPLE["gpu"],
                   choices=(NO_GPU,) + GPU_CHOICES)))
 
+# ----------------------------------------------------------------------------- optimizers (chapter 8, issue 36)
+OPT_MODELS = tuple(n for n in specs.preset_names() if specs.preset(n).is_causal_lm)
+OPT_LABELS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "sgd-momentum": "SGD+mom.", "adamw-8bit": "8-bit bnb",
+              "adafactor": "Adafactor", "adafactor-hf": "Adafactor HF", "adafactor-momentum": "Adafactor+m",
+              "adamw-8bit-ao": "8-bit ao", "adamw-4bit-ao": "4-bit ao", "adamw-fp8-ao": "FP8 ao",
+              "galore-adamw": "GaLore", "paged-adamw": "paged", "paged-adamw-8bit": "paged 8-bit",
+              "adamw-cpu-offload": "CPU offload"}
+
+
+def _optimizers(*, model: str, precision: str, optimizer: str, in_backward: str, galore_rank: int, batch_size: int,
+                seq_len: int) -> Result:
+    spec = specs.preset(model)
+    in_bwd = in_backward == "yes"
+    rows, bars = [], []
+    for name in memory.ALL_OPTIMIZERS:
+        lg = memory.optimizer_ledger(spec, name, precision, galore_rank=galore_rank)
+        peak = memory.estimate_training(spec, batch_size=batch_size, seq_len=seq_len, precision=precision,
+                                        optimizer=name, galore_rank=galore_rank, optimizer_in_backward=in_bwd)
+        rows.append((name, lg, peak))
+        segs = [(c.replace("_", " "), getattr(peak, c) / GiB, COLORS[c]) for c in memory.CATEGORIES]
+        bars.append((OPT_LABELS[name] + (" <" if name == optimizer else ""), segs))
+    step = "stepped in the backward" if in_bwd else "optimizer.step() after the backward"
+    svg, narrow = _both(stacked_bars, bars, title=f"{spec.name}, {precision}, b={batch_size}, s={seq_len}: "
+                                                  f"each optimizer's training peak ({step})", wide=720)
+    lines = [f"{'optimizer':20s}{'device states':>14}{'paged':>11}{'host':>11}{'peak':>11}  phase"]
+    for name, lg, peak in rows:
+        lines.append(f"{name:20s}{fmt_bytes(lg.device):>14}{fmt_bytes(lg.paged) if lg.paged else '-':>11}"
+                     f"{fmt_bytes(lg.host) if lg.host else '-':>11}{fmt_bytes(peak.total):>11}  {peak.phase}")
+    name, lg, peak = next(r for r in rows if r[0] == optimizer)
+    info = optimizers.INFO[optimizer]
+    lines += ["", f"{info.label}: {info.keeps} ({info.source})",
+              "device states: what the caching allocator holds (max_memory_allocated); paged: CUDA unified memory the "
+              "driver moves to the host under pressure; host: an offloaded optimizer's pinned copies"]
+    return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
+        "states": (lg.device, fmt_bytes(lg.device)), "peak": (peak.total, fmt_bytes(peak.total)),
+        "adamw_peak": (rows[0][2].total, fmt_bytes(rows[0][2].total))})
+
+
+OPTIMIZERS = Calculator(
+    name="optimizers", title="Optimizer memory: states, where they live, and the step's peak", compute=_optimizers,
+    number_labels={"states": "its states on the device", "peak": "its training peak", "adamw_peak": "AdamW's peak"},
+    inputs=(Input(name="model", label="model", kind="choice", default="llama-3.2-1b", choices=OPT_MODELS),
+            Input(name="precision", label="model dtype", kind="choice", default="bf16", choices=("fp32", "bf16")),
+            Input(name="optimizer", label="optimizer", kind="choice", default="adafactor", choices=memory.ALL_OPTIMIZERS),
+            Input(name="in_backward", label="optimizer in the backward", kind="choice", default="no", choices=("no", "yes")),
+            Input(name="galore_rank", label="GaLore rank", kind="choice", default=128, choices=(16, 32, 64, 128, 256, 512, 1024)),
+            Input(name="batch_size", label="batch size", kind="int", default=1, min=1, max=64),
+            Input(name="seq_len", label="sequence length", kind="choice", default=1024, choices=SEQ_CHOICES)))
+
 CALCULATORS: dict[str, Calculator] = {c.name: c for c in (TRAINING, MOE, SERVING, COLLECTIVES, PRECISION, PARALLEL, CONTEXT, EXPERTS,
                                                            LAYOUTS, ZERO,
-                                                           OFFLOAD, STREAMING, CHECKPOINTING, COMPRESSION, EXPLAIN)}
+                                                           OFFLOAD, STREAMING, CHECKPOINTING, COMPRESSION, EXPLAIN,
+                                                           OPTIMIZERS)}
 
 
 def get(name: str) -> Calculator:

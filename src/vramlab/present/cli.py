@@ -100,7 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--precision", default=None, metavar="P",
                      help=f"train: {' | '.join(P.PRECISIONS)} (default fp32); infer: {' | '.join(INFER_DTYPES)} "
                           "(default bf16)")
-    est.add_argument("--optimizer", default=None, choices=memory.OPTIMIZERS, help="train only (default adamw)")
+    est.add_argument("--optimizer", default=None, choices=memory.ALL_OPTIMIZERS, metavar="OPT",
+                     help=f"train only (default adamw): {', '.join(memory.ALL_OPTIMIZERS)}")
+    est.add_argument("--optimizer-in-backward", action="store_true", default=None,
+                     help="train: step each parameter as its gradient is made, then free the gradient "
+                          "(register_post_accumulate_grad_hook)")
+    est.add_argument("--galore-rank", type=_COUNT, default=None, metavar="R",
+                     help="train, with --optimizer galore-adamw: the projections' rank (default 128)")
     est.add_argument("--optimizer-impl", default=None, choices=memory.OPTIMIZER_IMPLS,
                      help="train only (default foreach; fused with --zero/--fsdp2, as DeepSpeed's Adam)")
     est.add_argument("--attention", default="sdpa", choices=activations.ATTENTIONS)
@@ -357,11 +363,20 @@ def _is_sharded(ns) -> bool:
     return ns.command == "estimate" and (ns.zero is not None or ns.fsdp2)
 
 
+def _galore(ns) -> dict:
+    """--galore-rank, which only GaLore takes."""
+    if ns.galore_rank is None:
+        return {}
+    if ns.optimizer != "galore-adamw":
+        raise ValueError("--galore-rank is GaLore's projection rank: give --optimizer galore-adamw too")
+    return {"galore_rank": ns.galore_rank}
+
+
 def _estimate_options(ns) -> tuple[dict, argparse.Namespace]:
     """estimate's options for the library, after every check that spans flags."""
     spec, gpu = _spec(ns), _gpu(ns)
     only = {"train": ("optimizer", "optimizer_impl", "recompute", "zero", "gpus", "recipe", "accumulation_steps", "loss",
-                      "loss_chunk_tokens", "capacity_factor"),
+                      "loss_chunk_tokens", "capacity_factor", "optimizer_in_backward", "galore_rank"),
             "infer": ("new_tokens",)}
     for mode, flags in only.items():
         given = [f for f in flags if getattr(ns, f) is not None] + (["fsdp2"] if mode == "train" and ns.fsdp2 else [])
@@ -386,7 +401,8 @@ def _estimate_options(ns) -> tuple[dict, argparse.Namespace]:
                     optimizer_impl=ns.optimizer_impl or "foreach", attention=ns.attention,
                     recompute=ns.recompute or "none", device=ns.device,
                     accumulation_steps=ns.accumulation_steps or 1, loss=ns.loss or "whole",
-                    loss_chunk_tokens=ns.loss_chunk_tokens, capacity_factor=ns.capacity_factor), ns
+                    loss_chunk_tokens=ns.loss_chunk_tokens, capacity_factor=ns.capacity_factor,
+                    optimizer_in_backward=bool(ns.optimizer_in_backward), **_galore(ns)), ns
     if ns.loss is not None or ns.loss_chunk_tokens is not None:
         raise ValueError("--loss prices one GPU's step: leave it out with --zero/--fsdp2 (zero.estimate_rank models the "
                          "whole loss)")
@@ -400,6 +416,9 @@ def _estimate_options(ns) -> tuple[dict, argparse.Namespace]:
                          "checkpointing (layouts that recompute: `vramlab plan`)")
     if ns.optimizer not in (None, "adam", "adamw"):
         raise ValueError(f"--optimizer {ns.optimizer}: ZeRO and FSDP are estimated with Adam(W) only")
+    if ns.optimizer_in_backward or ns.galore_rank is not None:
+        raise ValueError(f"--{'optimizer-in-backward' if ns.optimizer_in_backward else 'galore-rank'} is modelled on "
+                         "one GPU: leave out --zero/--fsdp2")
     if ns.device != "cuda":
         raise ValueError("--zero/--fsdp2 estimate a GPU rank: leave --device at cuda")
     if ns.recipe is not None and ns.precision is not None:
