@@ -283,3 +283,42 @@ def test_issue35_snapshot_calculator_section(built):
     assert "built to PyTorch" in sec and "not expected by the estimate" in sec
     allocated = C.get("explain").run(**C.EXAMPLE).numbers["allocated"]
     assert f'data-key="allocated" data-value="{allocated[0]!r}"' in sec and allocated[1] in sec
+
+
+def test_issue36_optimizer_section(built):
+    """Chapter 8's optimizer section: every optimizer's bytes for one model computed at build (where they live,
+    the peak with the step after and inside the backward), the live calculator pre-rendered, the stored CPU
+    measurements of the real libraries' storage beside the estimate."""
+    from vramlab import optimizers as O
+    from vramlab.present import calculators as C
+
+    html, _ = built
+    ch8 = (html / "book" / "08_compression.html").read_text()
+    sec = ch8.split('id="the-optimizer-s-share')[1].split('id="try-it"')[0]
+    for name in O.NAMES:
+        assert O.INFO[name].label in sec.replace("&amp;", "&"), name
+    assert "stepped in the backward" in sec and "Traceback" not in sec and 'data-calc="optimizers"' in sec
+    peak = C.get("optimizers").run(model="llama-3.2-1b", optimizer="adafactor").numbers["peak"]
+    assert f'data-key="peak" data-value="{peak[0]!r}"' in sec
+
+
+def test_issue36_fp8_section(built):
+    """Chapter 5's FP8 section: the recipes' bytes per parameter computed from `FP8_RECIPES` beside the Playbook's
+    totals (which they reproduce), Llama 3.1 8B's model states and scales, the delayed-against-current scaling
+    figure, the tile-scaling and format tables, and the statement that nothing ran on a GPU."""
+    import html as _html
+
+    from vramlab import precision as P
+
+    out, _ = built
+    ch5 = (out / "book" / "05_mixed_precision.html").read_text()
+    sec = ch5.split('id="fp8-training-what-is-stored-in-eight-bits"')[1].split('id="the-calculator"')[0]
+    for r in P.FP8_RECIPES.values():
+        assert _html.escape(r.label) in sec, r.label
+    assert "reproduces the Playbook" in sec and ">Playbook</th>" in sec
+    assert "llama-3.1-8b" in sec and "149.58 GiB" in sec  # 20 B/param of the baseline, computed at build
+    assert "one scale per tensor" in sec and "one per 1×128 tile" in sec and "e5m2" in sec
+    assert "No fp8 matrix multiply ran" in sec and "no GPU was" in sec.replace("\n", " ")
+    imgs = re.findall(r'<img[^>]+src="([^"]*_images/[^"]+\.png)"', sec)
+    assert len(imgs) == 1 and (out / "book" / imgs[0]).resolve().stat().st_size > 10_000
+    assert "Traceback" not in sec and "Error" not in sec

@@ -234,7 +234,7 @@ def optimizer_ledger(model: ModelSpec | str, optimizer: str, precision: Precisio
     lg = _optim.ledger(optimizer, spec if tensors is None else tensors, param_bytes=pb,
                        state_bytes=state_bytes(precision) if optimizer in _optim.TORCH else None, rank=galore_rank)
     if precision == "fp16-fp32-master":
-        n = spec.params if tensors is None else sum(_optim.math.prod(_optim._shape(t)) for t in tensors)
+        n = spec.params if tensors is None else sum(n for _, n in _optim.named_sizes(tensors))
         lg = dataclasses.replace(lg, device=lg.device + 4 * n)
     return lg
 

@@ -176,6 +176,11 @@ def _named(tensors) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def named_sizes(tensors) -> list[tuple[str, int]]:
+    """(name, values) of each tensor `ledger` takes."""
+    return [(n, math.prod(s)) for n, s in _named(tensors)]
+
+
 @dataclass(frozen=True)
 class Ledger:
     """Where an optimizer's bytes live for one model. `device`: on the GPU, counted by the caching allocator
