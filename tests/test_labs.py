@@ -50,7 +50,7 @@ def _exercises_only(nb):
     nb = copy.deepcopy(nb)
     keep = ("setup", "ex", "stream-", "accum-solution", "accum-test", "alloc-solution", "alloc-test", "moe-",
             "prefix-", "chunk-solution", "chunk-test", "inplace-solution", "inplace-test", "disk-solution", "disk-test",
-            "serve-solution", "serve-test")
+            "serve-solution", "serve-test", "adafactor-")
     nb.cells = [c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id", "").startswith(keep)]
     return nb
 
