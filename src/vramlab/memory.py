@@ -155,8 +155,10 @@ def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: 
       it only when the name is rebound): max over neighbours of size[i-1] + 2 size[i];
     - fused: one kernel updates in place: ~0. SGD (no momentum) updates in place.
     The other libraries step tensor by tensor (`impl` does not apply), each holding a few full-size
-    temporaries of the tensor it steps (a model, read from their source, not traced): torch's Adafactor
-    as AdamW (its foreach path makes one full list, var_estimates); transformers' Adafactor three fp32 copies
+    temporaries of the tensor it steps (read from their source; the CPU-measured ones checked in
+    tests/test_optimizers.py): torch's Adafactor makes one full-size var_estimate a tensor (foreach: all at once,
+    its documented "~ sizeof(params)"; the single-tensor path, its default on the CPU: the previous tensor's
+    beside the current one's); transformers' Adafactor three fp32 copies
     (the fp32 gradient, its square, the update); torchao's compiled step the two moments dequantized to fp32;
     GaLore the update projected back (two copies); bitsandbytes (paged too) updates in place; an offloaded
     optimizer steps on the host.
@@ -181,8 +183,8 @@ def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: 
         return 0
     if impl == "foreach":  # the copy has the states' dtype
         return n_params * state_bytes(precision)
-    if impl == "for-loop":
-        return _for_loop_peak(spec) * pb
+    if impl == "for-loop":  # torch's Adafactor: one full-size var_estimate a tensor, the previous one's still held
+        return _for_loop_peak(spec, copies=1 if optimizer == "adafactor" else 2) * pb
     raise ValueError(f"unknown optimizer implementation {impl!r}; choose from {', '.join(OPTIMIZER_IMPLS)}")
 
 
@@ -243,10 +245,11 @@ def _largest_tensor(spec: ModelSpec) -> int:
     return max((n for _, n in spec.param_tensors()), default=0)
 
 
-def _for_loop_peak(spec: "ModelSpec | Iterable[int]") -> int:
-    """The for-loop AdamW's largest moment in elements: a tensor's two copies beside its predecessor's."""
+def _for_loop_peak(spec: "ModelSpec | Iterable[int]", copies: int = 2) -> int:
+    """The for-loop AdamW's largest moment in elements: a tensor's two copies beside its predecessor's
+    (`copies` = 1: torch's single-tensor Adafactor, one copy a tensor)."""
     sizes = [0] + ([n for _, n in spec.param_tensors()] if isinstance(spec, ModelSpec) else list(spec))
-    return max(a + 2 * b for a, b in zip(sizes, sizes[1:]))
+    return max(a + copies * b for a, b in zip(sizes, sizes[1:]))
 
 
 # ============================================================================ training

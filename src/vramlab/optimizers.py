@@ -35,7 +35,8 @@ AO_BLOCK = {"adamw-8bit-ao": 256, "adamw-4bit-ao": 128, "adamw-fp8-ao": 256}
 AO_QMAP = {"adamw-8bit-ao": 256, "adamw-4bit-ao": 16, "adamw-fp8-ao": 0}  # fp32 entries of each state's map
 OFFLOAD_MIN = 4096  # torchao's CPUOffloadOptimizer keeps smaller parameters (and their optimizer) on the device
 GALORE_RANK = 128  # GaLore's default rank (its README's 7B recipe uses 1024, its 60M-1B runs 128-512)
-GALORE_TARGETS = ("attn", "attention", "mlp")  # the modules whose linear weights GaLore projects
+GALORE_TARGETS = ("attn", "attention", "mlp", "densereludense")  # modules whose linear weights GaLore projects
+ROUTERS = ("gate", "router")  # a mixture of experts' router (`mlp.gate`, `shared_expert_gate`) is not projected
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,14 @@ def _shape(shape) -> tuple[int, ...]:
 
 
 def galore_target(name: str, shape: tuple[int, ...], targets: Iterable[str] = GALORE_TARGETS) -> bool:
-    """GaLore's split (its torchrun_main.py): the 2-D weights of the linear layers in modules whose name has one of
-    `targets` are projected; embeddings, norms, biases, heads and 3-D expert tensors are not."""
-    module = name.rsplit(".", 1)[0]
-    return len(shape) == 2 and name.endswith(".weight") and any(t in module for t in targets)
+    """GaLore's split: the 2-D weights of the attention and MLP projections are projected (its torchrun_main.py
+    takes the nn.Linear weights of modules named "attn" or "mlp"; here every family's: GPT-2's Conv1D, T5's
+    SelfAttention and DenseReluDense too); embeddings, norms, biases, the head, routers and 3-D expert tensors
+    keep plain Adam."""
+    module = name.rsplit(".", 1)[0].lower()
+    last = module.rsplit(".", 1)[-1]
+    router = last == "gate" or last.endswith("_gate") or "router" in last
+    return len(shape) == 2 and name.endswith(".weight") and not router and any(t in module for t in targets)
 
 
 def tensor_states(optimizer: str, shape, *, param_bytes: int, state_bytes: int | None = None,
@@ -147,8 +152,11 @@ def tensor_states(optimizer: str, shape, *, param_bytes: int, state_bytes: int |
         rank = _checks.whole("rank", rank, lo=1, hi=1 << 24)
         if not projected or len(shape) != 2:
             return {"exp_avg": n * pb, "exp_avg_sq": n * pb}
-        m, k = max(shape), min(rank, *shape)
-        return {"exp_avg": m * k * pb, "exp_avg_sq": m * k * pb, "ortho_matrix": min(shape) * k * pb}
+        m, s, k = max(shape), min(shape), min(rank, *shape)
+        # the projection: k of the SVD's s singular vectors. For fp32 weights it is a slice of the SVD's whole
+        # s x s factor, which its storage keeps; a 16-bit weight's is a converted copy of the slice
+        ortho = s * s * 4 if pb == 4 else s * k * pb
+        return {"exp_avg": m * k * pb, "exp_avg_sq": m * k * pb, "ortho_matrix": ortho}
     if optimizer == "adamw-cpu-offload":  # the host's torch AdamW
         return {"exp_avg": n * pb, "exp_avg_sq": n * pb, **step}
     raise AssertionError(optimizer)  # pragma: no cover
@@ -204,19 +212,23 @@ class Ledger:
 
 
 def ledger(optimizer: str, tensors, *, param_bytes: int, state_bytes: int | None = None, rank: int = GALORE_RANK,
-           targets: Iterable[str] = GALORE_TARGETS, trainable: Iterable[str] | None = None) -> Ledger:
+           targets: Iterable[str] = GALORE_TARGETS, trainable: Iterable[str] | None = None,
+           projected: Iterable[str] | None = None) -> Ledger:
     """`optimizer`'s bytes for the parameter tensors `tensors` (a ModelSpec, or (name, shape) pairs, or shapes),
-    split by where they live (`Ledger`). `trainable`: the names stepped (default all)."""
+    split by where they live (`Ledger`). `trainable`: the names stepped (default all); `projected`: the names
+    GaLore projects (default `galore_target`'s rule)."""
     optimizer = check(optimizer)
     named = _named(tensors)
     if trainable is not None:
         keep = set(trainable)
         named = [(n, s) for n, s in named if n in keep]
     targets = tuple(targets)
+    chosen = None if projected is None else set(projected)
     device = paged = host = steps = host_states = 0
     for name, shape in named:
+        proj = galore_target(name, shape, targets) if chosen is None else name in chosen
         st = tensor_states(optimizer, shape, param_bytes=param_bytes, state_bytes=state_bytes, rank=rank,
-                           projected=galore_target(name, shape, targets))
+                           projected=proj)
         s = st.pop("step", 0)
         body = sum(st.values())
         n = math.prod(shape)
