@@ -38,6 +38,9 @@ Steps (each configuration measured in its own process, so nothing of one can cou
              after the forward and the backward, and at a real out-of-memory error, each with its sidecar of
              provenance; the probe then checks explain's verdicts by running them) -> benchmarks/results/snapshots/
              (tests/test_snapshot.py gains these real snapshots once they are stored)
+- fp8:       one training step of Llama-3.2-1B (b=4, s=2048), bf16 against torchao's float8 training, one process
+             each: the allocator's peak beside vramlab's bf16 estimate (benchmarks/fp8_probe.py; skipped where
+             torchao's float8 is not installed) -> benchmarks/results/fp8/<gpu>.json
 - labs:      every lab's instructor version, run without a Jupyter kernel (labs/kernelless.py)
              -> labs/results/<gpu>/<lab>_<gpu>.json (<gpu>: the catalogue's key, h100 on an H100, else
              the device's name; labs/results/<lab>.json holds each lab's CPU run)
@@ -70,7 +73,7 @@ def _use_this_checkout() -> None:
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), *rest])
 STEPS = ("accuracy", "inference", "maxbatch", "fsdp2", "offload", "allocator", "pinned", "inplace", "compile", "serving",
-         "snapshots", "labs")
+         "snapshots", "fp8", "labs")
 LABS = ("lab01_where_memory_goes", "lab02_collectives", "lab03_parallelism", "lab04_zero", "lab05_mixed_precision",
         "lab06_offload", "lab07_checkpointing", "lab08_compression")
 INFERENCE = [  # (preset, batch, prompt, new tokens or None for a prefill with all logits, dtype)
@@ -332,6 +335,20 @@ def snapshots(dry: bool) -> None:
                          f"failed ({r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}"))
 
 
+def fp8_training(dry: bool, tag: str) -> None:
+    """Chapter 5's FP8 training on a GPU (benchmarks/fp8_probe.py)."""
+    import subprocess
+
+    dest = RESULTS / "fp8" / f"{tag}.json"
+    say(f"fp8: Llama-3.2-1B b=4 s=2048, bf16 against torchao float8 training -> {dest.relative_to(ROOT)}")
+    if dry:
+        return
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_probe.py"), "--out", str(dest)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    say("fp8: " + ((r.stdout.strip().splitlines() or ["done"])[-1] if r.returncode == 0 else
+                   f"failed ({r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}"))
+
+
 def gpu_tag(name: str) -> str:
     """The folder a GPU's lab runs go in: the catalogue's name for the device where it has one
     (labs/results/h100/ on any H100, t4/ on a Colab T4), else the device's name as a file name."""
@@ -421,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
         serving_vllm(args.dry_run, gpu_tag(name))
     if "snapshots" in steps:
         snapshots(args.dry_run)
+    if "fp8" in steps:
+        fp8_training(args.dry_run, gpu_tag(name))
     if "labs" in steps:
         labs(args.dry_run, gpu_tag(name))
     say("done" + (" (dry run: nothing measured)" if args.dry_run else ""))

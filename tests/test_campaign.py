@@ -23,7 +23,7 @@ def test_dry_run_lists_every_step_and_lab():
     r = run("--dry-run")
     assert r.returncode == 0, r.stderr
     for needle in ("accuracy: 33 cases", "inference: 6 configurations", "fit() says 104", "fit() says 111",
-                   "serving: vLLM's KV blocks", "snapshots: GPT-2 b8 s1024",
+                   "serving: vLLM's KV blocks", "snapshots: GPT-2 b8 s1024", "fp8: Llama-3.2-1B",
                    *campaign.LABS, "nothing measured"):
         assert needle in r.stdout, needle
     assert set(campaign.LABS) == {p.name for p in (ROOT / "labs" / "source").iterdir() if p.is_dir()}
@@ -84,3 +84,15 @@ def test_lab_runs_on_a_gpu_go_in_that_gpus_folder():
     assert r.returncode == 0, r.stderr
     assert os.path.join("labs", "results", "h100", "lab08_compression_h100.json") in r.stdout
     assert (ROOT / "labs" / "results" / "h100" / "lab06_offload_h100.json").exists()
+
+
+def test_the_fp8_probe_says_in_one_line_what_it_needs():
+    """benchmarks/fp8_probe.py measures on a GPU only: elsewhere one line, exit 0, nothing written."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_probe.py")], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("fp8_probe: needs a CUDA GPU") and len(r.stdout.splitlines()) == 1
+    assert not (ROOT / "benchmarks" / "results" / "fp8").exists()

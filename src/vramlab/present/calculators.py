@@ -492,7 +492,7 @@ COLLECTIVES = Calculator(
 
 # ----------------------------------------------------------------------------- chapter 5
 
-def _precision(*, value: float, model: str, batch_size: int) -> Result:
+def _precision(*, value: float, model: str, batch_size: int, fp8_recipe: str = "deepseek-v3") -> Result:
     lines = [f"{'format':10s}{'rounded':>14}{'rel. error':>12}"]
     rounded = {}
     for f in P.FORMATS.values():
@@ -506,17 +506,31 @@ def _precision(*, value: float, model: str, batch_size: int) -> Result:
     svg, narrow = _both(stacked_bars, bars, title=f"{model}, b={batch_size}, s=1024: training peak by recipe", wide=720)
     lines += ["", f"{'recipe':20s}{'training peak':>14}"] + [f"{p:20s}{fmt_bytes(e.total):>14}"
                                                              for p, e in zip(P.PRECISIONS, ests)]
+    spec = specs.preset(model)
+    gemms = [sh for n, sh in spec.param_shapes() if len(sh) == 2 and memory._in_block(n)]
+    lines += ["", f"FP8 training recipes, {model}'s model states (the Ultra-Scale Playbook's bytes a parameter; "
+                  "scales of its matmul weights)", f"{'recipe':34s}{'B/param':>8}{'states':>12}{'scales':>12}"]
+    for r in P.FP8_RECIPES.values():
+        mark = " <" if r.name == fp8_recipe else ""
+        lines.append(f"{r.name:34s}{r.total:>8g}{fmt_bytes(P.fp8_model_states(r, spec.params)['total']):>12}"
+                     f"{fmt_bytes(P.fp8_scale_bytes(r, gemms)):>12}{mark}")
+    chosen = P.FP8_RECIPES[fp8_recipe]
+    lines += ["", f"{chosen.label}: {chosen.note} ({chosen.source})"]
+    fp8_states = P.fp8_model_states(chosen, spec.params)["total"] + P.fp8_scale_bytes(chosen, gemms)
     return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
         "fp16": (rounded["fp16"], f"{rounded['fp16']:.6g}"), "bf16": (rounded["bf16"], f"{rounded['bf16']:.6g}"),
-        "amp_peak": (ests[1].total, fmt_bytes(ests[1].total))})
+        "fp8": (rounded["fp8-e4m3"], f"{rounded['fp8-e4m3']:.6g}"),
+        "amp_peak": (ests[1].total, fmt_bytes(ests[1].total)), "fp8_states": (fp8_states, fmt_bytes(fp8_states))})
 
 
 PRECISION = Calculator(
     name="precision", title="Number formats and precision recipes", compute=_precision,
-    number_labels={"fp16": "in fp16", "bf16": "in bf16", "amp_peak": "bf16 AMP peak"},
+    number_labels={"fp16": "in fp16", "bf16": "in bf16", "fp8": "in fp8 e4m3", "amp_peak": "bf16 AMP peak",
+                   "fp8_states": "FP8 recipe's model states"},
     inputs=(Input(name="value", label="value", kind="float", default=1e-4, min=1e-10, max=1e5, log=True),
             Input(name="model", label="model", kind="choice", default="gpt2", choices=specs.preset_names()),
-            Input(name="batch_size", label="batch size", kind="int", default=8, min=1, max=64)))
+            Input(name="batch_size", label="batch size", kind="int", default=8, min=1, max=64),
+            Input(name="fp8_recipe", label="FP8 recipe", kind="choice", default="deepseek-v3", choices=tuple(P.FP8_RECIPES))))
 
 # ----------------------------------------------------------------------------- chapter 3
 
@@ -1329,14 +1343,14 @@ def _optimizers(*, model: str, precision: str, optimizer: str, in_backward: str,
         bars.append((OPT_LABELS[name] + (" <" if name == optimizer else ""), segs))
     step = "stepped in the backward" if in_bwd else "optimizer.step() after the backward"
     svg, narrow = _both(stacked_bars, bars, title=f"{spec.name}, {precision}, b={batch_size}, s={seq_len}: "
-                                                  f"each optimizer's training peak ({step})", wide=720)
-    lines = [f"{'optimizer':20s}{'device states':>14}{'paged':>11}{'host':>11}{'peak':>11}  phase"]
+                                                  f"each optimizer's training peak ({step})", wide=720, horizontal=True)
+    lines = [f"{'optimizer':20s}{'device states':>14}{'paged':>11}{'host':>11}{'peak':>11}"]
     for name, lg, peak in rows:
         lines.append(f"{name:20s}{fmt_bytes(lg.device):>14}{fmt_bytes(lg.paged) if lg.paged else '-':>11}"
-                     f"{fmt_bytes(lg.host) if lg.host else '-':>11}{fmt_bytes(peak.total):>11}  {peak.phase}")
+                     f"{fmt_bytes(lg.host) if lg.host else '-':>11}{fmt_bytes(peak.total):>11}")
     name, lg, peak = next(r for r in rows if r[0] == optimizer)
     info = optimizers.INFO[optimizer]
-    lines += ["", f"{info.label}: {info.keeps} ({info.source})",
+    lines += ["", f"{info.label}: {info.keeps} ({info.source}); its peak: {peak.phase}",
               "device states: what the caching allocator holds (max_memory_allocated); paged: CUDA unified memory the "
               "driver moves to the host under pressure; host: an offloaded optimizer's pinned copies"]
     return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={

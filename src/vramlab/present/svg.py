@@ -103,12 +103,13 @@ def _wrap(label: str, width: int) -> list[str]:
 
 
 def stacked_bars(bars: Sequence[tuple[str, Sequence[tuple[str, float, str]]]], *, title: str = "", unit: str = "GiB",
-                 line: tuple[float, str] | None = None, width: int = WIDE, height: int = 300) -> str:
+                 line: tuple[float, str] | None = None, width: int = WIDE, height: int = 300,
+                 horizontal: bool = False) -> str:
     """Stacked bars. `bars`: (label, [(segment name, value in `unit`, colour), ...]); `line`:
     (value, label) drawn across, e.g. a GPU's usable memory. A legend lists the segments once.
-    Vertical bars with the legend beside them; below `NARROW` wide, horizontal bars (a row each,
-    its label above it) with the legend below."""
-    if width < NARROW:
+    Vertical bars with the legend beside them; below `NARROW` wide, or `horizontal` (many bars),
+    horizontal bars (a row each, its label above it) with the legend below."""
+    if width < NARROW or horizontal:
         return _hbars(bars, title=title, unit=unit, line=line, width=width)
     left, right, bottom = 56, 170, 52
     heads, ty = _title(title, left, width)
