@@ -307,46 +307,39 @@ def compile_step(dry: bool, tag: str) -> None:
                        f"failed ({r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}"))
 
 
-def serving_vllm(dry: bool, tag: str) -> None:
-    """Chapter 1's serving section on a GPU: vLLM's pool and blocks (benchmarks/vllm_serving_probe.py)."""
+def _script(step: str, script: str, args: list[str], *, timeout: int, env: dict | None = None) -> None:
+    """Run benchmarks/<script> in its own process and say its last line (or why it failed)."""
     import subprocess
 
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=timeout, env=env)
+    say(f"{step}: " + ((r.stdout.strip().splitlines() or ["done"])[-1] if r.returncode == 0 else
+                       f"failed ({r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}"))
+
+
+def serving_vllm(dry: bool, tag: str) -> None:
+    """Chapter 1's serving section on a GPU: vLLM's pool and blocks (benchmarks/vllm_serving_probe.py)."""
     dest = RESULTS / "serving" / f"{tag}_vllm.json"
     say(f"serving: vLLM's KV blocks and concurrency for 3 presets, dummy weights -> {dest.relative_to(ROOT)}")
-    if dry:
-        return
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm_serving_probe.py"), "--out", str(dest)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=3600, env={**os.environ, "VRAMLAB_GPU": tag})
-    say("serving: " + ((r.stdout.strip().splitlines() or ["done"])[-1] if r.returncode == 0 else
-                       f"failed ({r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}"))
+    if not dry:
+        _script("serving", "vllm_serving_probe.py", ["--out", str(dest)], timeout=3600,
+                env={**os.environ, "VRAMLAB_GPU": tag})
 
 
 def snapshots(dry: bool) -> None:
     """Issue 35's real snapshots: benchmarks/snapshot_probe.py, each case in its own process."""
-    import subprocess
-
     dest = RESULTS / "snapshots"
     say(f"snapshots: GPT-2 b8 s1024 fp32 after forward and backward, and at a real OOM -> {dest.relative_to(ROOT)}/")
-    if dry:
-        return
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "snapshot_probe.py"), "--out-dir", str(dest)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    say("snapshots: " + ((r.stdout.strip().splitlines() or ["done"])[-1] if r.returncode == 0 else
-                         f"failed ({r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}"))
+    if not dry:
+        _script("snapshots", "snapshot_probe.py", ["--out-dir", str(dest)], timeout=1800)
 
 
 def fp8_training(dry: bool, tag: str) -> None:
     """Chapter 5's FP8 training on a GPU (benchmarks/fp8_probe.py)."""
-    import subprocess
-
     dest = RESULTS / "fp8" / f"{tag}.json"
     say(f"fp8: Llama-3.2-1B b=4 s=2048, bf16 against torchao float8 training -> {dest.relative_to(ROOT)}")
-    if dry:
-        return
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_probe.py"), "--out", str(dest)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=3600)
-    say("fp8: " + ((r.stdout.strip().splitlines() or ["done"])[-1] if r.returncode == 0 else
-                   f"failed ({r.returncode}): {(r.stderr.strip().splitlines() or [''])[-1]}"))
+    if not dry:
+        _script("fp8", "fp8_probe.py", ["--out", str(dest)], timeout=3600)
 
 
 def gpu_tag(name: str) -> str:
