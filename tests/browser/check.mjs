@@ -111,7 +111,8 @@ for (const w of widths) {
     report.pages[`${path} @${w}`] = { errors: seen.errors, external: seen.external, failed: seen.failed, ...layout };
     if (plan.screenshots && (plan.shots || []).includes(path)) {
       const file = `${plan.screenshots}/${path.replace(/[/.]/g, "_")}-${w}.png`;
-      await page.screenshot({ path: file, fullPage: true });
+      // a full page of chapter 1 (40,000 px tall) takes ~30 s to paint without a GPU: a picture, not a speed check
+      await page.screenshot({ path: file, fullPage: true, timeout: 300000 });
       report.screenshots.push(file);
     }
     await page.close();
