@@ -85,8 +85,18 @@ def test_the_ledger_says_where_the_bytes_live():
     assert off.device == 4 * small and off.host > 3 * 2 * (spec.params - small)
     # model_states counts what the allocator holds
     assert M.model_states(spec, precision="bf16", optimizer="paged-adamw").optimizer_states == paged.device
-    ms = M.model_states(spec, precision="bf16", optimizer="adamw-cpu-offload")
-    assert ms.gradients == 2 * max(n for _, n in spec.param_tensors())  # one tensor's gradient at a time
+    # pinned copies of each weight and gradient, rounded to a power of two by the pinned allocator; unpinned states
+    big = [n for _, n in spec.param_tensors() if n >= O.OFFLOAD_MIN]
+    assert off.host == sum(2 * O.pinned_bytes(2 * n) + 4 * n + 4 for n in big)
+    assert O.pinned_bytes(3) == 4 and O.pinned_bytes(4096) == 4096 and O.pinned_bytes(0) == 0
+    # torchao's default keeps the device's gradients until zero_grad (offload_gradients=False) and steps on the
+    # host after the backward; offload_gradients=True is the optimizer in the backward: one tensor's at a time
+    kw = dict(batch_size=1, seq_len=256, precision="bf16", optimizer="adamw-cpu-offload")
+    assert M.model_states(spec, precision="bf16", optimizer="adamw-cpu-offload").gradients == 2 * spec.params
+    step = next(p for p in M.training_phases(spec, **kw) if p.phase == "optimizer.step()")
+    assert step.gradients == 2 * spec.params and step.temporaries == 0 and step.optimizer_states == off.device
+    inb = M.training_phases(spec, optimizer_in_backward=True, **kw)
+    assert max(p.gradients for p in inb) <= 2 * 2 * max(big)
 
 
 def test_bad_input_is_one_line():
@@ -101,6 +111,8 @@ def test_bad_input_is_one_line():
         M.model_states("gpt2", precision="bf16-fp32-states", optimizer="adafactor")
     with pytest.raises(ValueError, match="adapters' shapes"):
         M.model_states("gpt2", optimizer="galore-adamw", trainable_params=1000)
+    with pytest.raises(ValueError, match="no fused implementation"):
+        M.estimate_training("gpt2", batch_size=1, seq_len=64, optimizer="adafactor", optimizer_impl="fused")
 
 
 @pytest.mark.parametrize("model, b, s", [("llama-3.2-1b", 1, 512), ("gpt2", 1, 128), ("qwen2.5-7b", 1, 256)])

@@ -160,8 +160,9 @@ def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: 
     its documented "~ sizeof(params)"; the single-tensor path, its default on the CPU: the previous tensor's
     beside the current one's); transformers' Adafactor three fp32 copies
     (the fp32 gradient, its square, the update); torchao's compiled step the two moments dequantized to fp32;
-    GaLore the update projected back (two copies); bitsandbytes (paged too) updates in place; an offloaded
-    optimizer steps on the host.
+    GaLore the update projected back (two copies), and on the steps that recompute its projection (the first,
+    then every update_proj_gap) the SVD of the largest projected matrix (its fp32 copy, U and Vh), LAPACK's or
+    cuSOLVER's workspace aside; bitsandbytes (paged too) updates in place; an offloaded optimizer steps on the host.
     `spec`: the model, or the element counts of the tensors stepped (one device's share)."""
     _check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
     _check_choice(impl, OPTIMIZER_IMPLS, "optimizer implementation")
@@ -171,14 +172,22 @@ def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: 
     pb = param_bytes(precision)
     sizes = [n for _, n in spec.param_tensors()] if isinstance(spec, ModelSpec) else list(spec)
     largest = max(sizes, default=0)
+    if impl == "fused" and optimizer == "adafactor":
+        raise ValueError("torch.optim.Adafactor has no fused implementation: use optimizer_impl foreach or for-loop")
     if optimizer in ("adamw-8bit", "paged-adamw", "paged-adamw-8bit", "adamw-cpu-offload"):
         return 0  # bitsandbytes dequantizes block by block, in place; an offloaded step runs on the host
-    if optimizer in ("adafactor-hf", "adafactor-momentum"):
-        return 3 * largest * 4
+    if optimizer in ("adafactor-hf", "adafactor-momentum"):  # grad**2 + eps and the estimate; a 16-bit tensor's
+        return (2 if pb == 4 else 4) * largest * 4          # fp32 gradient and weight copies too
     if optimizer in ("adamw-8bit-ao", "adamw-4bit-ao", "adamw-fp8-ao"):
         return 2 * largest * 4
     if optimizer == "galore-adamw":
-        return 2 * largest * pb
+        svd = 0
+        if isinstance(spec, ModelSpec):
+            for name, shape in spec.param_shapes():
+                if _optim.galore_target(name, shape):
+                    m, s = max(shape), min(shape)
+                    svd = max(svd, (m * s * 4 if pb != 4 else 0) + (m * s + s * s) * 4)
+        return max(2 * largest * pb, svd)
     if impl == "fused" or optimizer in ("sgd", "sgd-momentum"):  # SGD updates buffers and params in place
         return 0
     if impl == "foreach":  # the copy has the states' dtype
@@ -195,8 +204,7 @@ def model_states(model: ModelSpec | str, *, precision: Precision = "fp32", optim
     counts every expert. `optimizer` is any of ALL_OPTIMIZERS (`vramlab.optimizers`): the states counted
     are those the device's caching allocator holds (`optimizers.Ledger.device`): a paged optimizer's
     paged buffers and an offloaded optimizer's host copies are not (`optimizer_ledger`); torch's 0-dim step
-    counters, on the host unless the step is fused, are not either. An offloaded optimizer's gradients
-    leave the device as the backward makes them: `gradients` is what one tensor's can reach."""
+    counters, on the host unless the step is fused, are not either."""
     spec = _inference_spec(model)
     _check_choice(precision, PRECISIONS, "precision")
     _check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
@@ -213,9 +221,8 @@ def model_states(model: ModelSpec | str, *, precision: Precision = "fp32", optim
             states = optimizer_ledger(spec, optimizer, precision, tensors=[(n_train,)] if n_train else []).device
         grads = n_train * pb
     else:
-        lg = optimizer_ledger(spec, optimizer, precision, galore_rank=galore_rank)
-        states = lg.device
-        grads = n_train * pb if optimizer != "adamw-cpu-offload" else _largest_tensor(spec) * pb
+        states = optimizer_ledger(spec, optimizer, precision, galore_rank=galore_rank).device
+        grads = n_train * pb
     return MemoryBreakdown(parameters=n_all * pb, gradients=grads, optimizer_states=states,
                            label=f"{spec.name} model states ({precision}, {optimizer})")
 
@@ -240,9 +247,6 @@ def optimizer_ledger(model: ModelSpec | str, optimizer: str, precision: Precisio
         lg = dataclasses.replace(lg, device=lg.device + 4 * n)
     return lg
 
-
-def _largest_tensor(spec: ModelSpec) -> int:
-    return max((n for _, n in spec.param_tensors()), default=0)
 
 
 def _for_loop_peak(spec: "ModelSpec | Iterable[int]", copies: int = 2) -> int:
@@ -362,7 +366,9 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     optimizer_in_backward  each parameter stepped as soon as its gradient is made, then the gradient freed
                 (PyTorch's `register_post_accumulate_grad_hook` recipe, torchtune's optimizer_in_bwd): no phase
                 holds more than one tensor's gradient (a tied embedding's waits for both uses), and there is no
-                optimizer.step() after the backward. torchao's CPU-offloaded optimizer works this way too.
+                optimizer.step() after the backward. It rules out gradient accumulation and a global gradient-norm
+                clip. With adamw-cpu-offload it is torchao's offload_gradients=True: each gradient leaves the
+                device as it is made (by default they stay until zero_grad, and the host steps after the backward).
     attention   eager (stores the s x s scores) | sdpa (flash / memory-efficient kernels)
     recompute   a plan (`recompute_plan`): none | full (activation checkpointing of every block) |
                 selective | sac-matmuls | sqrt | offload | every-K | first-N | segments-K | block set
@@ -428,7 +434,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     _check_choice(device, ("cuda", "cpu"), "device")
     use_cache = _checks.flag("use_cache", use_cache)
     k_acc = _checks.whole("accumulation_steps", accumulation_steps, hi=MAX_ACCUMULATION)
-    in_bwd = _checks.flag("optimizer_in_backward", optimizer_in_backward) or optimizer == "adamw-cpu-offload"
+    in_bwd = _checks.flag("optimizer_in_backward", optimizer_in_backward)
     if optimizer not in OPTIMIZERS and not share.whole:
         raise ValueError(f"optimizer {optimizer!r} is modelled on one device; a parallel layout takes one of "
                          f"{', '.join(OPTIMIZERS)}")
@@ -436,8 +442,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
         raise ValueError("optimizer_in_backward is modelled on one device, not a parallel layout's share")
     if in_bwd and k_acc > 1:
         raise ValueError("optimizer_in_backward steps each parameter as its gradient is made, so gradients cannot "
-                         f"accumulate over micro-batches: pass accumulation_steps=1 (got {k_acc})"
-                         + (f"; {optimizer!r} steps in the backward" if optimizer == "adamw-cpu-offload" else ""))
+                         f"accumulate over micro-batches: pass accumulation_steps=1 (got {k_acc})")
     chunk = loss_chunk_size(spec, tokens=batch_size * seq_len, loss=loss, loss_chunk_tokens=loss_chunk_tokens)
     if loss != "whole" and not spec.is_causal_lm:
         raise ValueError(f"loss={loss!r} is modelled for causal LMs (decoder-only), not {spec.family}; use loss='whole'")
@@ -577,18 +582,19 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
 
         def grads(made: int) -> int:  # noqa: F811
             return pending + (own if made else 0)
+    block_step = step_of(one // pb) if in_bwd and one else 0  # a block's largest tensor stepped as its gradient lands
     for i, alive in act["backward"]:
         if i in segment_ends:
             block_phases.append(MemoryBreakdown(
                 **base, activations=others + boundary + alive + act["outside"] - head_side,
-                temporaries=act["block_backward"] + act["block_grad_in"],
+                temporaries=max(act["block_backward"] + act["block_grad_in"], block_step),
                 gradients=grads(head_grad + (last_block - i) * block_grads + own),
                 phase=f"backward of a recomputed block (block {i})"))
         elif i == last_block:
             block_phases.append(MemoryBreakdown(
                 **base, activations=others + boundary + alive + act["outside"] + act["weight_copies"] - head_side,
                 gradients=grads(head_grad + (own if made is not None and trained else 0)),
-                temporaries=act["block_backward"] + act["block_grad_in"],
+                temporaries=max(act["block_backward"] + act["block_grad_in"], block_step),
                 phase="backward of the last block"))
     if block_phases:
         phases.append(max(block_phases, key=lambda m: m.total))

@@ -10,8 +10,11 @@ matrix plus the projection itself. `tensor_states` gives one tensor's state byte
 caching allocator sees it, in memory the driver pages (bitsandbytes' paged optimizers), or on the host
 (torchao's `CPUOffloadOptimizer`).
 
-Every rule is read off the library's source and checked against the real storage after a real step on the
-CPU (tests/test_optimizers.py, benchmarks/results/optimizers/cpu.json).
+Every rule is read off the library's source. The state bytes of every optimizer that steps on the CPU are checked
+against the real storage after a real step (tests/test_optimizers.py, benchmarks/results/optimizers/cpu.json).
+Where bytes live is not: on the CPU bitsandbytes' paged optimizers fall back to ordinary buffers (the same bytes)
+and torchao's CPUOffloadOptimizer refuses to run, so which buffers are paged and what the host holds are read from
+their source only.
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ AO_MIN = 4096  # torchao quantizes a tensor of at least 4096 values whose size t
 AO_BLOCK = {"adamw-8bit-ao": 256, "adamw-4bit-ao": 128, "adamw-fp8-ao": 256}
 AO_QMAP = {"adamw-8bit-ao": 256, "adamw-4bit-ao": 16, "adamw-fp8-ao": 0}  # fp32 entries of each state's map
 OFFLOAD_MIN = 4096  # torchao's CPUOffloadOptimizer keeps smaller parameters (and their optimizer) on the device
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """What PyTorch's pinned host allocator (CachingHostAllocator) takes for a block of `nbytes`: the next power
+    of two."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 GALORE_RANK = 128  # GaLore's default rank (its README's 7B recipe uses 1024, its 60M-1B runs 128-512)
 GALORE_TARGETS = ("attn", "attention", "mlp", "densereludense")  # modules whose linear weights GaLore projects
 ROUTERS = ("gate", "router")  # a mixture of experts' router (`mlp.gate`, `shared_expert_gate`) is not projected
@@ -73,7 +82,7 @@ INFO: dict[str, Info] = {
     "paged-adamw-8bit": Info("paged 8-bit AdamW (bitsandbytes)", "bitsandbytes.optim.PagedAdamW8bit",
                              "8-bit m and v in unified memory"),
     "adamw-cpu-offload": Info("AdamW offloaded to the CPU (torchao)", "torchao.optim.CPUOffloadOptimizer",
-                              "states, an fp32-or-param-dtype copy of the weights and the gradients on the host"),
+                              "on the host: the states, and pinned copies of the weights and gradients in their dtype"),
 }
 
 
@@ -194,7 +203,8 @@ class Ledger:
     """Where an optimizer's bytes live for one model. `device`: on the GPU, counted by the caching allocator
     (`max_memory_allocated`); `paged`: in CUDA unified memory (cudaMallocManaged), on the GPU until the driver
     pages it to the host under pressure, never counted by the allocator; `host`: on the CPU (an offloaded
-    optimizer's states, its copies of the weights and gradients); `steps`: torch's 0-dim step counters (host
+    optimizer's states, and its pinned copies of the weights and gradients, each rounded up to a power of two by the
+    pinned allocator); `steps`: torch's 0-dim step counters (host
     unless fused or capturable)."""
 
     optimizer: str
@@ -233,8 +243,8 @@ def ledger(optimizer: str, tensors, *, param_bytes: int, state_bytes: int | None
         body = sum(st.values())
         n = math.prod(shape)
         if optimizer == "adamw-cpu-offload" and n >= OFFLOAD_MIN:
-            # the host keeps a copy of the parameter, its gradient and the states (pinned)
-            host += body + s + 2 * n * param_bytes
+            # the host keeps pinned copies of the parameter and its gradient, and the (unpinned) states
+            host += body + s + 2 * pinned_bytes(n * param_bytes)
             host_states += body + s
             continue
         if optimizer.startswith("paged") and n >= BNB_PAGE_MIN:

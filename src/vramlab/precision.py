@@ -305,6 +305,7 @@ class FP8Recipe:
     scaling: FP8Scaling
     published_total: float  # the Playbook's total, bytes per parameter
     note: str = ""
+    amax_history: int = 0  # delayed scaling: amaxes kept per scaled operand (0: no history)
 
     def __post_init__(self) -> None:
         _checks.text("name", self.name)
@@ -313,6 +314,7 @@ class FP8Recipe:
             object.__setattr__(self, k, _checks.number(k, getattr(self, k), lo=0, hi=64))
         _checks.one_of("scaling", self.scaling, ("none", "delayed", "dynamic", "block"))
         _checks.one_of("gemm", self.gemm, ("bf16", "fp8"))
+        object.__setattr__(self, "amax_history", _checks.whole("amax_history", self.amax_history, lo=0, hi=1 << 20))
 
     @property
     def optimizer_states(self) -> float:
@@ -342,13 +344,13 @@ FP8_RECIPES: dict[str, FP8Recipe] = {r.name: r for r in (
               note="the ZeRO paper's 16 B/param (Rajbhandari et al. 2019): gradients accumulate in bf16"),
     FP8Recipe(name="transformer-engine", label="Transformer Engine", gemm="fp8", master_weights=0,
               accumulated_gradients=0, weights=4, gradients=4, first_moment=4, second_moment=4, saved_input=1,
-              scaling="delayed", published_total=16,
+              scaling="delayed", published_total=16, amax_history=1024,
               source="NVIDIA Transformer Engine (fp8_autocast with DelayedScaling), as the Playbook tabulates it",
               note="fp32 weights are the master copy; the fp8 casts of weights and inputs are made per step, the "
                    "input's kept for the backward; each GEMM operand has an amax history and a scale"),
     FP8Recipe(name="fp8-lm-o3", label="FP8-LM's O3 level", gemm="fp8", master_weights=2, accumulated_gradients=2,
               weights=1, gradients=1, first_moment=1, second_moment=2, saved_input=1, scaling="delayed",
-              published_total=9, source="Peng et al. 2023, FP8-LM (arXiv:2310.18313), level O3",
+              published_total=9, amax_history=1, source="Peng et al. 2023, FP8-LM (arXiv:2310.18313), level O3",
               note="fp16 master weights with a tensor scale, fp8 gradients and first moment, fp16 second moment"),
     FP8Recipe(name="deepseek-v3", label="DeepSeek-V3", gemm="fp8", master_weights=4, accumulated_gradients=4,
               weights=1, gradients=2, first_moment=2, second_moment=2, saved_input=1, scaling="block",
@@ -357,7 +359,7 @@ FP8_RECIPES: dict[str, FP8Recipe] = {r.name: r for r in (
                    "and Adam moments, fp32 master weights and gradient accumulation"),
     FP8Recipe(name="nanotron-fp8", label="nanotron's FP8", gemm="fp8", master_weights=2, accumulated_gradients=4,
               weights=1, gradients=1, first_moment=1, second_moment=1, saved_input=1, scaling="delayed",
-              published_total=10, source="Hugging Face nanotron's FP8 training (nanotron PR #70), as the Playbook "
+              published_total=10, amax_history=1, source="Hugging Face nanotron's FP8 training (nanotron PR #70), as the Playbook "
                                          "tabulates it",
               note="bf16 master weights, fp32 accumulation, fp8 weights, gradients and both moments"),
 )}
@@ -373,17 +375,20 @@ def fp8_recipe(name: str | FP8Recipe) -> FP8Recipe:
     return FP8_RECIPES[_checks.one_of("FP8 recipe", name, FP8_RECIPES)]
 
 
-def fp8_scale_bytes(recipe: str | FP8Recipe, shapes, *, amax_history: int = TE_AMAX_HISTORY) -> int:
+def fp8_scale_bytes(recipe: str | FP8Recipe, shapes, *, amax_history: int | None = None) -> int:
     """Bytes of the scale tensors a recipe keeps for the weights of the matmuls whose weight shapes are `shapes`
     (each (out, in); the scaled GEMMs' weights), beyond the table's bytes per parameter.
-    - delayed (Transformer Engine, FP8-LM, nanotron): per GEMM, 3 forward and 2 backward operands, each an fp32
-      amax history of `amax_history` entries, a scale and its inverse;
+    - delayed: Transformer Engine's layout, per GEMM 3 forward and 2 backward operands, each an fp32 amax history
+      of `amax_history` entries (default: the recipe's; Transformer Engine's DelayedScaling keeps 1024), a scale and
+      its inverse. FP8-LM (MS-AMP's ScalingMeta, window 1) and nanotron (FP8Meta) keep such a meta per fp8 tensor
+      rather than per operand slot: counted the same way, at their window of 1 -- a few bytes a tensor either way;
     - dynamic (per-tensor, computed from the current amax: torchao's tensorwise float8): one fp32 scale per operand;
     - block (DeepSeek-V3): one fp32 scale per 128x128 weight block (the inputs' 1x128 scales are per token:
       `fp8_saved_input_bytes`);
     - none: 0."""
     r = fp8_recipe(recipe)
-    amax_history = _checks.whole("amax_history", amax_history, lo=1, hi=1 << 20)
+    amax_history = r.amax_history if amax_history is None else _checks.whole("amax_history", amax_history, lo=1,
+                                                                             hi=1 << 20)
     shapes = [tuple(_checks.wholes("shape", s, lo=1)) for s in shapes]
     for s in shapes:
         if len(s) != 2:

@@ -1352,7 +1352,7 @@ def _optimizers(*, model: str, precision: str, optimizer: str, in_backward: str,
     info = optimizers.INFO[optimizer]
     lines += ["", f"{info.label}: {info.keeps} ({info.source}); its peak: {peak.phase}",
               "device states: what the caching allocator holds (max_memory_allocated); paged: CUDA unified memory the "
-              "driver moves to the host under pressure; host: an offloaded optimizer's pinned copies"]
+              "driver may move to the host; host: an offloaded optimizer's states and pinned copies"]
     return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
         "states": (lg.device, fmt_bytes(lg.device)), "peak": (peak.total, fmt_bytes(peak.total)),
         "adamw_peak": (rows[0][2].total, fmt_bytes(rows[0][2].total))})
