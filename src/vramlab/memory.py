@@ -158,8 +158,8 @@ def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: 
     temporaries of the tensor it steps (read from their source; the CPU-measured ones checked in
     tests/test_optimizers.py): torch's Adafactor makes one full-size var_estimate a tensor (foreach: all at once,
     its documented "~ sizeof(params)"; the single-tensor path, its default on the CPU: the previous tensor's
-    beside the current one's); transformers' Adafactor three fp32 copies
-    (the fp32 gradient, its square, the update); torchao's compiled step the two moments dequantized to fp32;
+    beside the current one's); transformers' Adafactor two fp32 copies (grad**2 + eps, the estimate), four for
+    a 16-bit tensor (its fp32 gradient and weight too); torchao's compiled step the two moments dequantized to fp32;
     GaLore the update projected back (two copies), and on the steps that recompute its projection (the first,
     then every update_proj_gap) the SVD of the largest projected matrix (its fp32 copy, U and Vh), LAPACK's or
     cuSOLVER's workspace aside; bitsandbytes (paged too) updates in place; an offloaded optimizer steps on the host.
@@ -211,19 +211,16 @@ def model_states(model: ModelSpec | str, *, precision: Precision = "fp32", optim
     n_all = spec.params
     n_train = n_all if trainable_params is None else _checks.whole("trainable_params", trainable_params, lo=0, hi=n_all)
     pb = param_bytes(precision)
-    if optimizer in OPTIMIZERS and optimizer != "adamw-8bit" or trainable_params is not None:
-        if optimizer not in OPTIMIZERS and (trainable_params is not None and optimizer in _optim.SHAPED):
-            raise ValueError(f"optimizer {optimizer!r} with trainable_params: its states depend on the adapters' "
-                             f"shapes, which are not modelled; use one of {', '.join(OPTIMIZERS)}")
-        if optimizer in OPTIMIZERS:
-            states = optimizer_state_bytes(optimizer, n_train, precision)
-        else:
-            states = optimizer_ledger(spec, optimizer, precision, tensors=[(n_train,)] if n_train else []).device
-        grads = n_train * pb
-    else:
+    if trainable_params is not None and optimizer in _optim.SHAPED:
+        raise ValueError(f"optimizer {optimizer!r} with trainable_params: its states depend on the adapters' "
+                         f"shapes, which are not modelled; use one of {', '.join(OPTIMIZERS)}")
+    if optimizer in OPTIMIZERS and (optimizer != "adamw-8bit" or trainable_params is not None):
+        states = optimizer_state_bytes(optimizer, n_train, precision)
+    elif trainable_params is not None:  # the adapters, as one flat tensor
+        states = optimizer_ledger(spec, optimizer, precision, tensors=[(n_train,)] if n_train else []).device
+    else:  # tensor by tensor
         states = optimizer_ledger(spec, optimizer, precision, galore_rank=galore_rank).device
-        grads = n_train * pb
-    return MemoryBreakdown(parameters=n_all * pb, gradients=grads, optimizer_states=states,
+    return MemoryBreakdown(parameters=n_all * pb, gradients=n_train * pb, optimizer_states=states,
                            label=f"{spec.name} model states ({precision}, {optimizer})")
 
 
@@ -246,7 +243,6 @@ def optimizer_ledger(model: ModelSpec | str, optimizer: str, precision: Precisio
         n = spec.params if tensors is None else sum(n for _, n in _optim.named_sizes(tensors))
         lg = dataclasses.replace(lg, device=lg.device + 4 * n)
     return lg
-
 
 
 def _for_loop_peak(spec: "ModelSpec | Iterable[int]", copies: int = 2) -> int:
@@ -623,7 +619,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
                                           phase="embedding backward (gradient accumulation)"))
     if k_acc > 1:
         phases += _later_micro_batches(phases, k_acc, held=buckets + G, head_grad=head_grad,
-                                       tied=bool(spec.tie_word_embeddings and first and last))
+                                       tied=tied)
     if not in_bwd:
         phases.append(MemoryBreakdown(**base, gradients=buckets + G, temporaries=T_opt, phase="optimizer.step()"))
     return phases

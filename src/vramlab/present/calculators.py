@@ -510,13 +510,14 @@ def _precision(*, value: float, model: str, batch_size: int, fp8_recipe: str = "
     gemms = [sh for n, sh in spec.param_shapes() if len(sh) == 2 and memory._in_block(n)]
     lines += ["", f"FP8 training recipes, {model}'s model states (the Ultra-Scale Playbook's bytes a parameter; "
                   "scales of its matmul weights)", f"{'recipe':34s}{'B/param':>8}{'states':>12}{'scales':>12}"]
+    kept = {}  # each recipe's model states and its scales
     for r in P.FP8_RECIPES.values():
-        mark = " <" if r.name == fp8_recipe else ""
-        lines.append(f"{r.name:34s}{r.total:>8g}{fmt_bytes(P.fp8_model_states(r, spec.params)['total']):>12}"
-                     f"{fmt_bytes(P.fp8_scale_bytes(r, gemms)):>12}{mark}")
+        kept[r.name] = (P.fp8_model_states(r, spec.params)["total"], P.fp8_scale_bytes(r, gemms))
+        lines.append(f"{r.name:34s}{r.total:>8g}{fmt_bytes(kept[r.name][0]):>12}{fmt_bytes(kept[r.name][1]):>12}"
+                     + (" <" if r.name == fp8_recipe else ""))
     chosen = P.FP8_RECIPES[fp8_recipe]
     lines += ["", f"{chosen.label}: {chosen.note} ({chosen.source})"]
-    fp8_states = P.fp8_model_states(chosen, spec.params)["total"] + P.fp8_scale_bytes(chosen, gemms)
+    fp8_states = sum(kept[fp8_recipe])
     return Result(text="\n".join(lines), svg=svg, svg_narrow=narrow, numbers={
         "fp16": (rounded["fp16"], f"{rounded['fp16']:.6g}"), "bf16": (rounded["bf16"], f"{rounded['bf16']:.6g}"),
         "fp8": (rounded["fp8-e4m3"], f"{rounded['fp8-e4m3']:.6g}"),
