@@ -8,10 +8,14 @@ None (subclasses and numpy's scalars and arrays as the built-in values they stan
 reference to an object that stays here. Nothing of the student's code ever runs in the
 grader, and nothing of the grader's (its tests, its expected values) is sent here.
 
+The lab's setup imports (`import torch`, ...) are bound as modules imported on first use, and the answers'
+annotations are kept as text: a process whose answers never run torch does not spend seconds importing it.
+
 Before any student code runs: resource limits (file size, memory, no core files), and the packages
 that would answer the exercises for the student (vramlab, transformers, ...) made unimportable.
 """
 
+import __future__
 import json
 import math
 import os
@@ -167,6 +171,48 @@ def block(names):
     sys.meta_path.insert(0, Blocked())
 
 
+class Deferred:
+    """A module named by the lab's setup (`import torch.distributed as dist`) that is imported the first
+    time the answer uses it: most answers never touch torch, and importing it costs each answer's
+    process seconds. Once imported, every attribute is the real module's."""
+
+    def __init__(self, name):
+        object.__setattr__(self, "_name", name)
+
+    def _module(self):
+        import importlib
+
+        return importlib.import_module(object.__getattribute__(self, "_name"))
+
+    def __getattr__(self, attr):
+        return getattr(self._module(), attr)
+
+    def __setattr__(self, attr, value):
+        setattr(self._module(), attr, value)
+
+    def __dir__(self):
+        return dir(self._module())
+
+    def __repr__(self):
+        return repr(self._module())
+
+
+def setup(stmt, ns):
+    """Run one of the setup's import statements in `ns`: `import a.b` and `import a.b as c` bind a
+    `Deferred` module unless it is loaded already (the same names, imported on first use); anything
+    else runs as written."""
+    import ast
+
+    node = ast.parse(stmt).body[0] if stmt.strip() else None
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            bound = alias.asname or alias.name.split(".")[0]
+            target = alias.name if alias.asname else bound
+            ns[bound] = sys.modules.get(target) or Deferred(target)
+        return
+    exec(compile(stmt, "<setup>", "exec"), ns)
+
+
 def main():
     req, resp = int(sys.argv[1]), int(sys.argv[2])
     init = read_frame(req)
@@ -182,7 +228,7 @@ def main():
     ns = {"__name__": "__main__", "__builtins__": __builtins__}
     for stmt in init.get("preamble", []):  # the lab's setup imports (import torch, ...), minus the blocked
         try:
-            exec(compile(stmt, "<setup>", "exec"), ns)
+            setup(stmt, ns)
         except Exception:  # noqa: BLE001 - a missing optional module: the answer will say NameError
             pass
     refs = Refs()
@@ -190,7 +236,9 @@ def main():
     for gid, source in init["cells"]:
         before = dict(ns)
         try:
-            exec(compile(source, f"<answer {gid}>", "exec"), ns)
+            # annotations are kept as text (PEP 563), not evaluated: `def f(x: torch.Tensor)` defines f without
+            # importing torch, which the answer's process then imports only where an answer runs it
+            exec(compile(source, f"<answer {gid}>", "exec", flags=__future__.annotations.compiler_flag), ns)
         except BaseException as e:  # noqa: BLE001 - whatever the answer raised (SystemExit too) is its result
             errors[gid] = error(e)
         for k, v in ns.items():
