@@ -1,12 +1,56 @@
+import contextlib
+import fcntl
+import hashlib
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# Files whose tests share an expensive module- or session-scoped fixture (a built book, a built wheel, a
+# virtual environment, live gloo runs): under pytest-xdist (`-n 2 --dist loadgroup`, the README's command) each
+# such group runs on one worker, so the fixture is made once; every other test goes to whichever worker is free.
+GROUPS = {"test_book.py": "book", "test_browser.py": "book", "test_package.py": "package",
+          "test_lab_install.py": "lab_install", "test_expert_parallel.py": "expert_parallel"}
+
+
+# The files whose tests each take a minute or more (notebooks run end to end, graded submissions): run first, so
+# that two workers end together rather than one waiting for the other's last long test.
+LONG_FIRST = ("test_labs.py", "test_grading_attacks.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        group = GROUPS.get(item.path.name) if item.path.parent == ROOT / "tests" else None
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.path.name not in LONG_FIRST)  # stable: the order within each part is kept
+
+
+@contextlib.contextmanager
+def _checkout_lock():
+    """Holds, across the test processes of one checkout (pytest-xdist's workers), the one lock of the tests that
+    write into the checkout's labs/ or src/ (a wheel built from it rewrites src/vramlab.egg-info) and of those that
+    grade without a sandbox, which fingerprint labs/ and src/ and void the grading when a file changes under them."""
+    lock = Path(tempfile.gettempdir()) / f"vramlab-checkout-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:16]}.lock"
+    with open(lock, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def checkout_lock():
+    """`with checkout_lock():` -- see _checkout_lock."""
+    return _checkout_lock
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ Threat model: labs/README.md."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
+
+pytestmark = pytest.mark.slow  # notebooks, processes, a browser or a book build
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("tools", ROOT / "labs" / "tools.py")
@@ -106,7 +109,7 @@ def test_an_endless_solution_ends_with_a_reason():
 
 
 @pytest.mark.parametrize("sandbox", [None, False])
-def test_background_processes_huge_output_memory_and_an_exit(tmp_path, sandbox):
+def test_background_processes_huge_output_memory_and_an_exit(tmp_path, sandbox, checkout_lock):
     """Correct answers to exercises 1 and 2, the second of which starts a background process that
     leaves its process group (setsid) and prints 30 MB; a third answer that asks for 8 GiB and then
     ends its process: 6/21, the third's 0 with its reason; no process the answers started outlives
@@ -123,7 +126,8 @@ def test_background_processes_huge_output_memory_and_an_exit(tmp_path, sandbox):
                                        "import os\nos._exit(3)")
     report: dict = {}
     t0 = time.perf_counter()
-    scores = tools.grade(nb, LAB, timeout=120, sandbox=sandbox, report=report)
+    with checkout_lock() if sandbox is False else contextlib.nullcontext():  # fingerprints the checkout
+        scores = tools.grade(nb, LAB, timeout=120, sandbox=sandbox, report=report)
     assert time.perf_counter() - t0 < HANG  # a hang guard, not a budget
     assert scores["ex1-test"][0] == 3 and scores["ex2-test"][0] == 3 and tools.total(scores) == (6, 21), scores
     assert "ended" in scores["ex3-test"][2] and "exit code 3" in scores["ex3-test"][2]
@@ -170,16 +174,17 @@ def test_unwritable_json_report_is_a_reason(tmp_path):
     assert r.returncode == 1 and "cannot write /proc/nope/scores.json" in r.stderr and "total 0/21" in r.stdout
 
 
-def test_instructor_commands_fail_cleanly():
+def test_instructor_commands_fail_cleanly(checkout_lock):
     r = run_cli("record", "UNKNOWN", timeout=300)
     assert r.returncode == 2 and "unknown lab 'UNKNOWN'" in r.stderr and "Traceback" not in r.stderr
     stray = ROOT / "labs" / "release" / "lab99_stray"
-    stray.mkdir()
-    try:
-        r = run_cli("check", timeout=120)
-        assert r.returncode == 1 and "lab99_stray" in r.stdout
-    finally:
-        stray.rmdir()
+    with checkout_lock():  # a folder in the checkout, for as long as the check runs
+        stray.mkdir()
+        try:
+            r = run_cli("check", timeout=120)
+            assert r.returncode == 1 and "lab99_stray" in r.stdout
+        finally:
+            stray.rmdir()
 
 
 def test_assemble_takes_only_solution_cells():
@@ -341,12 +346,13 @@ if _found:
     assert INSTRUCTOR_SOURCE.read_bytes() == before
 
 
-def test_without_a_sandbox_a_changed_file_voids_the_grading():
+def test_without_a_sandbox_a_changed_file_voids_the_grading(checkout_lock):
     """Without a sandbox an answer can write to the checkout: the grader notices (change times, sizes and contents of
     labs/, src/ and the Python packages) and scores nothing, saying which file."""
     readme = ROOT / "labs" / "README.md"
     code = solutions()["ex1-solution"] + f"\nimport os\nos.utime({str(readme)!r})\n"
-    scores = _graded_with(LAB, "ex1-solution", code, sandbox=False)
+    with checkout_lock():
+        scores = _graded_with(LAB, "ex1-solution", code, sandbox=False)
     assert tools.total(scores) == (0, 21) and "labs/README.md" in scores["ex1-test"][2], scores
 
 
@@ -880,7 +886,7 @@ def test_in_the_sandbox_ranks_have_no_channel_but_the_check():
     assert got[0] == 0 and "no other channel" in got[2], got
 
 
-def test_the_command_grades_without_a_sandbox_only_when_told(tmp_path):
+def test_the_command_grades_without_a_sandbox_only_when_told(tmp_path, checkout_lock):
     """Issue 28: without a sandbox an answer can read the instructor sources from disk, which no check
     can undo. The command then refuses, in one line that says why and what to do; with --no-sandbox
     it grades and marks the scores provisional (printed and in --json)."""
@@ -890,7 +896,8 @@ def test_the_command_grades_without_a_sandbox_only_when_told(tmp_path):
     assert r.returncode == 2 and "--no-sandbox" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "Traceback" not in r.stderr and not r.stdout
     out = tmp_path / "scores.json"
-    r = run_cli("grade", str(path), "--no-sandbox", "--json", str(out), "--timeout", "120", timeout=300)
+    with checkout_lock():  # without a sandbox the grader fingerprints the checkout
+        r = run_cli("grade", str(path), "--no-sandbox", "--json", str(out), "--timeout", "120", timeout=300)
     assert r.returncode == 0 and "PROVISIONAL" in r.stdout and "total 21/21" in r.stdout, (r.stdout, r.stderr)
     got = json.loads(out.read_text())
     assert got["provisional"] is True and got["total"] == [21, 21]

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # notebooks, processes, a browser or a book build
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("tools", ROOT / "labs" / "tools.py")
 tools = importlib.util.module_from_spec(_spec)
@@ -27,12 +29,13 @@ STACK = ["torch==2.13.0", "transformers==5.23.0", "nbclient==0.11.0", "nbformat=
 
 
 @pytest.fixture(scope="module")
-def dist(tmp_path_factory) -> dict[str, Path]:
+def dist(tmp_path_factory, checkout_lock) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
-                   cwd=ROOT, check=True)
-    code = f"from setuptools import build_meta as b; print(b.build_sdist({str(out)!r}))"
-    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
+    with checkout_lock():  # building from the checkout rewrites src/vramlab.egg-info
+        subprocess.run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w",
+                        str(out)], cwd=ROOT, check=True)
+        code = f"from setuptools import build_meta as b; print(b.build_sdist({str(out)!r}))"
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
     return {"wheel": next(out.glob("*.whl")), "sdist": next(out.glob("*.tar.gz"))}
 
 
