@@ -106,6 +106,7 @@ def test_stored_traces_show_both_regimes():
     assert states[1] > states[8]  # accumulating costs memory: the gradients stay
 
 
+@pytest.mark.slow
 def test_stored_file_reproduces():
     """One stored number, traced again here: the file is what the benchmark measures."""
     bench = _bench()
@@ -119,6 +120,7 @@ def test_stored_file_reproduces():
     assert m.total == row["measured"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,extra,kw", [
     ("gpt2", dict(vocab_size=2000), dict(seq_len=64)),  # tied head and embedding, fp32
     ("bert-base", dict(vocab_size=1500), dict(seq_len=64, optimizer="sgd-momentum")),
@@ -152,6 +154,7 @@ def test_chapter_1_calculator_takes_accumulation_steps():
     assert bad.invalid == ("accumulation_steps",) and "out of range" in bad.error
 
 
+@pytest.mark.slow
 def test_trace_equals_real_cpu_tracking_of_the_loop():
     """The accumulation loop's trace is what real CPU tensors hold (the tracker sees the same
     storages): trace mode may stand for the loop."""

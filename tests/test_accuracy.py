@@ -21,6 +21,7 @@ bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
 
+@pytest.mark.slow
 def test_ci_subset_within_target():
     rows = [bench.run_case(*bench.CASES[i], mode="trace") for i in bench.CI_SUBSET]
     assert len({r["model"].split("-")[0] for r in rows}) >= 5  # families covered
@@ -53,6 +54,7 @@ def _unseen(seed):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_unseen_configs_fp32(seed):
     r = random.Random(seed)

@@ -91,6 +91,7 @@ def _same_run(p, m, schedule, v, forward=1, backward=2, ops=False):
 
 
 # ----------------------------------------------------------------------------- B: the fast paths
+@pytest.mark.slow
 def test_simulate_is_the_event_simulation_for_every_small_case():
     """p <= 8, m <= 32, every schedule, chunks 1 to 4 (interleaved: m a multiple of p), the default
     backward = 2 forward: makespan, micro-batches in flight and bubble are the replay's."""
@@ -98,6 +99,7 @@ def test_simulate_is_the_event_simulation_for_every_small_case():
         _same_run(p, m, schedule, v, ops=p * m * v <= 64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forward, backward", [(1, 1), (3, 1), (1, 7), (Fraction(2, 3), Fraction(5, 7)), (0.1, 0.3),
                                                (20, 1), (1, 20)])
 def test_simulate_is_the_event_simulation_for_any_durations(forward, backward):

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # notebooks, processes, a browser or a book build
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

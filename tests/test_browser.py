@@ -32,6 +32,8 @@ import pytest
 
 from vramlab.present import calculators as C
 
+pytestmark = pytest.mark.slow  # notebooks, processes, a browser or a book build
+
 ROOT = Path(__file__).resolve().parents[1]
 BROWSER = ROOT / "tests" / "browser"
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,6 +22,7 @@ def test_bad_steps_are_one_line():
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "error:" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_writes_rows_with_provenance_and_update_keeps_other_steps(tmp_path):
     out = tmp_path / "b.json"
     old = {"provenance": {"date": "2026-01-01", "command": "earlier"}, "reference_workload_s": {"start": 0.2, "end": 0.2},

@@ -8,6 +8,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("gpu_campaign", ROOT / "benchmarks" / "gpu_campaign.py")
 campaign = importlib.util.module_from_spec(_spec)
@@ -19,6 +21,7 @@ def run(*args):
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 def test_dry_run_lists_every_step_and_lab():
     r = run("--dry-run")
     assert r.returncode == 0, r.stderr
@@ -29,6 +32,7 @@ def test_dry_run_lists_every_step_and_lab():
     assert set(campaign.LABS) == {p.name for p in (ROOT / "labs" / "source").iterdir() if p.is_dir()}
 
 
+@pytest.mark.slow
 def test_without_a_gpu_it_says_so_in_one_line():
     import torch
 
@@ -69,6 +73,7 @@ def test_parallel_runs_stay_within_the_memory_budget():
     assert sorted(out.values()) == [10, 120] and peak[1] == 1  # a job larger than the budget runs alone
 
 
+@pytest.mark.slow
 def test_lab_runs_on_a_gpu_go_in_that_gpus_folder():
     """The labs step writes beside the stored H100 runs (labs/results/h100/<lab>_h100.json), never
     over a lab's CPU run (labs/results/<lab>.json)."""
@@ -86,6 +91,7 @@ def test_lab_runs_on_a_gpu_go_in_that_gpus_folder():
     assert (ROOT / "labs" / "results" / "h100" / "lab06_offload_h100.json").exists()
 
 
+@pytest.mark.slow
 def test_the_fp8_probe_says_in_one_line_what_it_needs():
     """benchmarks/fp8_probe.py measures on a GPU only: elsewhere one line, exit 0, nothing written."""
     import torch

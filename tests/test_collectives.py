@@ -140,6 +140,7 @@ def _commbench(tmp_path, *args, port):
     return r, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_commbench_gloo_two_ranks(tmp_path):
     pytest.importorskip("torch")
     r, res = _commbench(tmp_path, "--sizes", "4096,65536,1048576", "--warmup", "1", "--iters", "3", "--runs", "2",
@@ -165,6 +166,7 @@ def _held_out_errors(rows):
             for r in held]
 
 
+@pytest.mark.slow
 def test_gloo_alpha_beta_fits_a_live_benchmark(tmp_path):
     """A live 4 KiB .. 256 KiB x 4^k gloo all-reduce benchmark on this machine fits: alpha >= 0, a finite positive
     bandwidth, predictions that grow with the size, a finite error for every held-out size (printed). How close the

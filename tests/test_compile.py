@@ -121,6 +121,7 @@ def test_chunked_cross_entropy_against_live_tensors(tokens, hidden, vocab, chunk
     assert abs(m["peak"] - est["peak"]) <= 0.03 * est["peak"], (m, est)
 
 
+@pytest.mark.slow
 def test_one_small_block_compiled_live_matches_the_estimate():
     """A block with shapes no stored run has (Llama-style, GQA 4:1, gated SiLU MLP): one inductor compile."""
     torch = pytest.importorskip("torch")
@@ -147,6 +148,7 @@ def test_the_command_refuses_in_one_line_before_any_compile(argv, says, capsys):
     assert len(err) == 1 and err[0].startswith("python -m vramlab.measure.checkpointing compile: error: ") and says in err[0]
 
 
+@pytest.mark.slow
 def test_the_compile_run_on_cuda_is_a_campaign_step_and_refuses_without_a_gpu():
     import importlib.util
     import subprocess

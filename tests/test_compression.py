@@ -40,6 +40,7 @@ def _peft_trainable(spec, rank: int, targets) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", preset_names())
 def test_lora_count_equals_peft_for_every_preset(name):
     spec = preset(name)
@@ -248,6 +249,7 @@ _T5 = dataclasses.replace(preset("t5-small"), num_layers=2, num_decoder_layers=2
                           attention_dropout=0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which, targets, b, s", [("lab", "default", 8, 128), ("lab", "all-linear", 8, 128),
                                                   ("gpt2", "default", 4, 256), ("gpt2", "all-linear", 4, 256),
                                                   ("t5", "default", 4, 128), ("t5", "all-linear", 4, 128)])
@@ -337,6 +339,7 @@ def test_quantized_inference_weights_and_bad_format():
         C.weight_bytes("gpt2", "int3")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("autocast, recompute", [(True, "none"), (False, "none"), (True, "full")])
 def test_qlora_step_within_5_percent_of_bitsandbytes_on_cpu(autocast, recompute):
     """A real QLoRA step (bitsandbytes' NF4 Linear4bit base, CPU backend; fp32 peft adapters on every
@@ -407,6 +410,7 @@ def _peft_measured(spec, targets, rank, **kw):
                                 model_hook=lambda m: get_peft_model(m, LoraConfig(r=rank, target_modules=tm)), **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which, targets, rank", [("gpt2", "all-linear", 64), ("llama", "all-linear", 64),
                                                   ("llama", "default", 16), ("opt", "all-linear", 32)])
 def test_lora_on_a_bf16_base_keeps_fp32_adapters_as_peft_does(which, targets, rank):
@@ -445,6 +449,7 @@ def test_sparse24_keeps_half_and_a_nibble_per_four():
         C.sparse24_bytes(8, 6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which, targets, rank", [("gpt2", "default", 16), ("gpt2", "all-linear", 64),
                                                   ("llama", "default", 16), ("llama", "all-linear", 64),
                                                   ("opt", "default", 16), ("opt", "all-linear", 64)])

@@ -210,6 +210,7 @@ def test_gloo_ranks_match_one_process_and_the_calculator(config):
         _check_row(row, config.get("recompute", "none"))
 
 
+@pytest.mark.slow
 def test_one_gloo_run_of_fsdp_over_the_cp_ranks():
     """One small live run (two gloo ranks, ring, the states sharded by FSDP2): its peak within 5 % of the
     calculator's, its shards exact, its gradients those of one process on the whole sequence."""

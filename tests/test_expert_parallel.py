@@ -112,6 +112,7 @@ def live():
             run_ep(dict(model="ep-qwen2", ep=2, dp=2, micro_batch=2, seq=64, zero=1), timeout=300)]
 
 
+@pytest.mark.slow
 def test_live_runs_against_the_calculator(live):
     from vramlab.measure.parallel import ep_prediction
 

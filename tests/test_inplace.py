@@ -203,6 +203,7 @@ def test_family_sites():
         inplace_sites(preset("gpt2"), device="tpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "t5-small", "opt-125m"])
 def test_inplace_step_counts_the_output_dropouts_transformers_builds(name):
     """`inplace_step` multiplies one block's sites by the blocks, and T5's decoder blocks carry one more

@@ -26,6 +26,7 @@ def cli(*args, timeout=120):  # a hang guard: the commands answer in about a sec
 
 # ----------------------------------------------------------------------------- configs
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field, value, model_type", [
     ("n_positions", -1024, "gpt2"), ("type_vocab_size", -2, "bert"), ("relative_attention_num_buckets", -32, "t5"),
     ("n_layer", 12.5, "gpt2"), ("n_embd", 768.0, "gpt2"), ("vocab_size", 1e30, "gpt2"),
@@ -176,6 +177,7 @@ junk = st.one_of(st.none(), st.booleans(), st.floats(allow_nan=True, allow_infin
                  st.dictionaries(st.text(max_size=2), st.integers(), max_size=2))
 
 
+@pytest.mark.slow
 @FAST
 @given(field=st.sampled_from(("batch_size", "seq_len", "precision", "optimizer", "optimizer_impl", "attention",
                               "recompute", "device", "trainable_params", "gpu")), value=junk)

@@ -17,6 +17,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+pytestmark = pytest.mark.slow  # notebooks, processes, a browser or a book build
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("labtools", ROOT / "labs" / "tools.py")
 tools = importlib.util.module_from_spec(_spec)

@@ -97,6 +97,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,blocks,b,s,precision,chunked,fused", CASES, ids=lambda x: str(x))
 def test_traced_peaks_and_savings(name, blocks, b, s, precision, chunked, fused):
     from vramlab.measure.memory import measure_training

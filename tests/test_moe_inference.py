@@ -52,6 +52,7 @@ def _measure_prefills(spec, sizes):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,sizes", CASES, ids=[c[0] for c in CASES])
 def test_estimate_matches_the_trace_at_real_sizes(name, sizes):
     spec = preset(name)

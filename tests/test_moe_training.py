@@ -93,6 +93,7 @@ def _id(case):
     return f"{spec.model_type}-b{b}-s{s}-{p}-{r}-cf{cf}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_estimate_matches_the_trace(case):
     spec, b, s, precision, recompute, cf, check_act = case
@@ -110,6 +111,7 @@ def test_estimate_matches_the_trace(case):
                                                                                  measured.activations)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [DEEPSEEK_V2, DEEPSEEK_V2_GROUPED], ids=["greedy", "group-limited"])
 def test_deepseek_v2_in_pure_bf16_counts_the_norms_fp32_copies(spec):
     """Pure bf16: transformers' RMSNorm saves an fp32 copy of its 16-bit input; the Llama twin whose two norms

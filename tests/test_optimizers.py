@@ -253,6 +253,7 @@ def test_step_peaks_with_the_optimizer_in_and_after_the_backward():
         assert abs(max(p.total for p in phases) - r["peak"]) <= 0.01 * r["peak"]
 
 
+@pytest.mark.slow
 def test_live_states_on_a_family_the_stored_runs_lack():
     """A fresh model of another family (OPT), the libraries that step without compiling: the real storage after one
     step (vramlab.measure.optimizers counts it) equals the estimate to the byte."""

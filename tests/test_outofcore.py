@@ -17,6 +17,7 @@ from vramlab.measure import offload as M  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- the DataLoader
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers, prefetch_factor", [(0, None), (1, 2), (2, 2), (2, 3), (1, 4)])
 def test_batches_in_flight_are_what_a_real_dataloader_makes_ahead(num_workers, prefetch_factor):
     torch.set_num_threads(1)
@@ -37,6 +38,7 @@ def test_pinned_memory_needs_an_accelerator_here():
 
 
 # ----------------------------------------------------------------------------- layers streamed from disk
+@pytest.mark.slow
 @pytest.mark.parametrize("layers, d, buffers", [(4, 1024, 2), (8, 1024, 1), (6, 768, 3), (3, 1536, 2)])
 def test_streaming_from_disk_holds_what_disk_streaming_predicts(tmp_path, layers, d, buffers):
     r = M.run_isolated("stream_from_disk", folder=str(tmp_path), layers=layers, d=d, buffers=buffers, steps=2)
@@ -57,6 +59,7 @@ def test_streaming_from_disk_holds_what_disk_streaming_predicts(tmp_path, layers
         assert r["peak_rss_above_start_bytes"] < 0.85 * r["model_bytes"]
 
 
+@pytest.mark.slow
 def test_more_layers_cost_their_saved_outputs_only(tmp_path):
     """16 more layers on disk add 16 saved outputs (rows x d fp32) in memory, not 16 layers."""
     few = M.run_isolated("stream_from_disk", folder=str(tmp_path), layers=8, d=1024, rows=256, buffers=2, steps=1)
@@ -66,6 +69,7 @@ def test_more_layers_cost_their_saved_outputs_only(tmp_path):
     assert many["model_bytes"] - few["model_bytes"] == 16 * 1024 * 1024 * 4  # 64 MiB more on disk
 
 
+@pytest.mark.slow
 def test_more_buffers_cost_one_layer_each(tmp_path):
     one = M.run_isolated("stream_from_disk", folder=str(tmp_path), layers=6, d=1024, buffers=1, steps=1)
     three = M.run_isolated("stream_from_disk", folder=str(tmp_path), layers=6, d=1024, buffers=3, steps=1)

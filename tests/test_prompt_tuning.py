@@ -48,6 +48,7 @@ SETTINGS = [("prompt", {"num_virtual_tokens": 20}), ("prompt", {"num_virtual_tok
             ("p-tuning", {"num_virtual_tokens": 4, "encoder_type": "LSTM", "encoder_hidden_size": 64, "encoder_num_layers": 3})]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mt5-base", "gpt2", "llama-3.2-1b", "t5-small", "opt-125m", "pythia-160m"])
 @pytest.mark.parametrize("method, kw", SETTINGS, ids=[f"{m}-{i}" for i, (m, _) in enumerate(SETTINGS)])
 def test_prompt_learning_counts_equal_peft(name, method, kw):

@@ -226,6 +226,7 @@ def _invalid_value(i: calculators.Input):
     return st.sampled_from(bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(calculators.CALCULATORS))
 def test_calculators_answer_every_valid_input_with_finite_numbers(name):
     calc = calculators.get(name)

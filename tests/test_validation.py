@@ -218,6 +218,7 @@ def test_cuda_fp32_gqa_attention_runs_the_math_path():
     assert abs(est / row["measured"]["peak_allocated"] - 1) < 0.01
 
 
+@pytest.mark.slow
 def test_training_with_the_kv_cache_on_changes_fused_qkv_blocks():
     """transformers' configs default to use_cache=True, and without gradient checkpointing a training step
     then fills a DynamicCache: every block copies k and v (torch.cat) and attention saves the copies.
@@ -269,6 +270,7 @@ def test_training_with_the_kv_cache_on_changes_fused_qkv_blocks():
         estimate_training("pythia-160m", batch_size=1, seq_len=128, recompute="full", use_cache=True)
 
 
+@pytest.mark.slow
 def test_pure_bf16_t5_keeps_fp32_copies():
     """Pure-bf16 T5 saves more than half its fp32 activations: the norm squares x.to(float32) (pow saves
     the copy) and multiplies the 16-bit x (saved too); on the CPU the self-attention's position bias,
@@ -344,6 +346,7 @@ def test_layout_rank_peak_within_the_gate(name, schedule, m, rank):
         f"{r['measured'] / 1e6:.2f} MB ({r['measured_phase']}): {100 * r['error']:+.1f} %")
 
 
+@pytest.mark.slow
 def test_pipeline_receive_buffers_are_what_torch_allocates():
     """A receive buffer per micro-batch for each virtual stage's input (all but the model's first) and
     for its output's gradient (all but the last): the estimate's framework bytes (`other`, no

@@ -65,6 +65,7 @@ def test_zero2_documentation_formula_prints_what_the_docs_print():
     assert f"{offloaded / 2**30:.2f}" == "5.31" and offloaded == 2 * psi
 
 
+@pytest.mark.slow
 def test_largest_layer_is_deepspeeds_largest_module():
     """DeepSpeed's model_to_params on a real GPT-2 and a Llama built from configs (random init)."""
     ds = pytest.importorskip("deepspeed.runtime.zero.stage3")
@@ -236,6 +237,7 @@ def test_bad_input_is_one_clear_error(call, match):
         call()
 
 
+@pytest.mark.slow
 def test_zerolab_runs_two_ranks_and_matches_the_stored_resident_bytes(tmp_path):
     """A fresh run of ZeRO-1 and FSDP2 (about 10 s): the same resident bytes as the stored run, byte for byte."""
     import subprocess

@@ -99,6 +99,7 @@ def test_the_two_draws_of_a_case_agree():
     assert all(torch.equal(a, b) for a, b in zip(chunk_inputs(case), chunk_ce.build(case)))
 
 
+@pytest.mark.slow
 def test_the_labs_chunked_loss_passes_every_case_and_holds_three_chunks():
     """Measured (the program's dispatch mode): the checkpointed chunks hold three chunk x V tensors at
     once in the backward, the count vramlab.checkpointing.loss_bytes makes (3 c V)."""
@@ -108,12 +109,14 @@ def test_the_labs_chunked_loss_passes_every_case_and_holds_three_chunks():
         assert m["peak"] == 3 * min(m["chunk_size"], m["n"]) * m["v"] and m["peak_phase"] == "backward", m
 
 
+@pytest.mark.slow
 def test_an_autograd_function_that_computes_the_gradients_chunk_by_chunk_passes():
     from vramlab.grading.checkpointing import CHUNK_REMAINDER, check_chunked_ce
 
     check_chunked_ce(_ce(FUNCTION), cases=((48, 6),) + CHUNK_REMAINDER)
 
 
+@pytest.mark.slow
 def test_the_whole_loss_and_its_measured_peak():
     """The tracker, on F.cross_entropy of all the logits: 3 N V elements at once (log-probabilities,
     their gradient, the logits' gradient), as loss_bytes counts; one N x V tensor the largest."""
@@ -130,6 +133,7 @@ def test_the_whole_loss_and_its_measured_peak():
         assert tracker.largest[0] == n * v and tracker.peak_phase == "backward"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source, cases, match", [
     (WHOLE, ((48, 6),), r"made a tensor of shape \(48, \d+\) \(aten.mm.default\).*8 tokens' worth"),
     (NAIVE, ((48, 6),), r"alive at once in the backward \(10.0 chunks' worth; at most 4"),
@@ -152,6 +156,7 @@ def test_wrong_chunked_losses_are_explained(source, cases, match):
         check_chunked_ce(_ce(source), cases=cases)
 
 
+@pytest.mark.slow
 def test_a_detached_or_wrongly_typed_loss_is_explained():
     from vramlab.grading.checkpointing import check_chunked_ce
 
@@ -163,6 +168,7 @@ def test_a_detached_or_wrongly_typed_loss_is_explained():
         check_chunked_ce(_ce(number), cases=((12, 4),))
 
 
+@pytest.mark.slow
 def test_the_stub_is_let_through_as_not_implemented():
     from vramlab.grading.checkpointing import check_chunked_ce
 

@@ -112,6 +112,7 @@ def test_every_drawn_case_drops_and_shows_every_mistake():
                 assert bool((~ref["kept"]).all(-1).any()), case  # a token lost both choices: nothing to renormalise
 
 
+@pytest.mark.slow
 def test_the_labs_solution_passes_through_the_runner():
     """The real runner (a process of its own, the program copied beside the answer): every visible and
     hidden case, with drops where the capacity is below the dropless one."""
@@ -168,6 +169,7 @@ def test_renormalising_before_the_drops_is_named():
     assert why is not None and "before the drops" in why, why
 
 
+@pytest.mark.slow
 def test_a_mistake_reaches_the_student_through_the_runner_in_one_line():
     wrong = edited(SOLUTION, "for j in range(top_k):", "for j in reversed(range(top_k)):")
     with pytest.raises(AssertionError, match=r"^24 tokens, 4 experts, top_k=2, capacity 12: the second choices") as e:
@@ -175,6 +177,7 @@ def test_a_mistake_reaches_the_student_through_the_runner_in_one_line():
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, error, match, timeout", [
     ("    raise ValueError('no experts today')\n", AssertionError, r"capacity 4: ValueError: no experts today$", 60),
     ("    while True:\n        pass\n", AssertionError, r"gave no answer within 8 s \(a loop that never ends\?\)$", 8),

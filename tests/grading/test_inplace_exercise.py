@@ -30,6 +30,7 @@ def mlp_forward(x, w1, b1, w2, b2, *, act, drop1=None, drop2=None):
 '''
 
 
+@pytest.mark.slow
 def test_the_labs_solution_passes_the_visible_and_a_hidden_draw():
     check_inplace_mlp(answer(SOLUTION, "mlp_forward"), seed=0)
     # seed 1: every activation, relu without dropout, a dropout off, float32 and bfloat16
@@ -54,6 +55,7 @@ def mlp_forward(x, w1, b1, w2, b2, *, act, drop1=None, drop2=None):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("src", [
     # SiLU in place gains nothing (autograd copies its input first): out of place is as good
     edited(SOLUTION, "getattr(F, act)(h, inplace=True)", "getattr(F, act)(h, inplace=act == 'relu')"),
@@ -90,6 +92,7 @@ WRONG = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("src,match", WRONG, ids=["out-of-place", "relu-out-of-place", "dropout1-out-of-place", "dropout2-out-of-place",
                                                  "residual-out-of-place", "residual-into-x", "dropout-over-relu",
                                                  "data-trick", "no-grad-write", "gelu-inplace", "matmul", "no-residual"])
@@ -99,6 +102,7 @@ def test_a_wrong_answer_fails_with_one_line_naming_the_mistake(src, match):
     assert "\n" not in str(e.value) and "Traceback" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_the_stub_says_it_is_not_implemented():
     stub = "def mlp_forward(x, w1, b1, w2, b2, *, act, drop1=None, drop2=None):\n    raise NotImplementedError()\n"
     with pytest.raises(NotImplementedError):

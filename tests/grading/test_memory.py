@@ -38,6 +38,7 @@ def _accum():
     return answer, edited, solution("lab01_where_memory_goes", "accum-solution")
 
 
+@pytest.mark.slow
 def test_the_labs_accumulation_passes_every_case():
     from vramlab.grading.memory import ACCUM_CASES, ACCUM_REMAINDER, check_accumulate
 
@@ -45,6 +46,7 @@ def test_the_labs_accumulation_passes_every_case():
     check_accumulate(answer(acc, "accumulate"), cases=ACCUM_CASES + ACCUM_REMAINDER)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("old,new,cases,match", [
     ("        p.grad = None  # what an earlier step left does not count\n", "        pass\n", ((12, 4),),
      "already in .grad were kept"),
@@ -62,6 +64,7 @@ def test_wrong_accumulation_is_explained(old, new, cases, match):
         check_accumulate(answer(edited(acc, old, new), "accumulate"), cases=cases)
 
 
+@pytest.mark.slow
 def test_full_batch_gradient_with_fake_micro_batches_still_needs_the_right_shapes():
     """An answer that never splits the batch cannot pass by returning the right count."""
     from vramlab.grading.memory import check_accumulate

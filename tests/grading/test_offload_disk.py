@@ -45,6 +45,7 @@ def test_every_case_shows_the_mistakes():
         assert all(nbytes % case["align"] for _, nbytes in disk_layout(case)[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", [
     SOURCE,
     edited(SOURCE, READ, "f.readinto(memoryview(buffer)[:-(-nbytes // align) * align])"),  # with its padding
@@ -54,6 +55,7 @@ def test_the_solution_passes(source):
     _check(source, n=3)
 
 
+@pytest.mark.slow
 def test_the_hidden_run_draws_its_models_from_the_os():
     _check(SOURCE, seed=None)
 
@@ -92,6 +94,7 @@ WRONG = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source, match", [(s, m) for _, s, m in WRONG], ids=[k for k, _, _ in WRONG])
 def test_wrong_answers_fail_with_their_mistake(source, match):
     with pytest.raises(AssertionError, match=match) as e:
@@ -99,6 +102,7 @@ def test_wrong_answers_fail_with_their_mistake(source, match):
     assert "\n" not in str(e.value) and "Traceback" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_the_stub_says_it_is_not_implemented():
     with pytest.raises(NotImplementedError):
         _check("def forward_from_disk(f, manifest, x, *, run_layer, align, buffer):\n    raise NotImplementedError()\n")

@@ -88,11 +88,13 @@ def _tp(source: str) -> None:
                    cases=((2, 2, 3, 8, 16),))
 
 
+@pytest.mark.slow
 def test_tp_mlp_passes():
     GP.check_tp_mlp(answer(TP, "tp_mlp"), answer(TP, "CopyToTP"), answer(TP, "ReduceFromTP"),
                    cases=((2, 2, 3, 8, 16), (3, 1, 2, 6, 10)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source, message", [
     (edited(TP, "        total = grad.clone()\n        dist.all_reduce(total)", "        total = grad"),
      "CopyToTP.backward called dist.all_reduce 0 times"),  # the forward-only MLP of the old exercise
@@ -114,6 +116,7 @@ def test_tp_mlp_wrong_answers(source, message):
     assert message in str(e.value), str(e.value)
 
 
+@pytest.mark.slow
 def test_tp_mlp_through_distributed_c10d_is_the_same_traffic():
     """Issue 28: distributed_c10d's all_reduce was a back door around the logged dist.all_reduce. The
     ranks' collectives now all go through the check's switchboard, whichever module they are called
@@ -134,10 +137,12 @@ def test_grad_buckets():
     assert GP.grad_buckets(numels, 10**6) == [[5, 4, 3, 2, 1, 0]]
 
 
+@pytest.mark.slow
 def test_bucketed_ddp_passes():
     GP.check_bucketed_ddp(answer(DDP, "BucketedDDP"), cases=((2, 1000), (2, 600), (3, 10**6)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source, message", [
     (edited(edited(DDP, "self.in_flight.append((k, flat, dist.all_reduce(flat, async_op=True)))",
                    "self.in_flight.append((k, flat, None))"), "handle.wait()", "dist.all_reduce(flat)"),
@@ -164,6 +169,7 @@ def test_bucketed_ddp_wrong_answers(source, message):
 # ----------------------------------------------------------------------------- ZeRO-2 (gloo ranks)
 
 
+@pytest.mark.slow
 def test_answers_defined_in_a_kernelless_cell_reach_the_ranks():
     """labs/kernelless.py (the GPU campaign's way to run a lab without Jupyter) compiles each cell as
     "<lab cell N>" with its lines in linecache, as IPython does: a class or function defined there is
@@ -182,6 +188,7 @@ def test_answers_defined_in_a_kernelless_cell_reach_the_ranks():
 # ----------------------------------------------------------------------------- the ranks' switchboard (issue 28)
 
 
+@pytest.mark.slow
 def test_a_rank_cannot_write_a_call_into_its_log():
     """The harness's notes (which gradient became ready) come over the same link as the calls; a note
     shaped like a call is refused, so that the log's calls are only what was communicated. (The answer

@@ -63,6 +63,7 @@ def test_a_program_imports_nothing_of_vramlab(name):
         assert roots <= set(sys.stdlib_module_names) | {"torch"}, f"{name} imports {roots}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODULES)
 def test_each_program_module_imports_as_part_of_vramlab(name):
     module = importlib.import_module(f"vramlab.grading.programs.{name}")
@@ -104,6 +105,7 @@ def test_the_answer_packages_are_blocked_with_their_loaded_submodules(monkeypatc
     del sys.modules["vramlab_fake_other"]
 
 
+@pytest.mark.slow
 def test_one_count_of_what_a_process_holds():
     """ZeRO-2 counts tensors' bytes, ZeRO-1 numbers however held (a float32 tensor's elements, lists of
     floats): one function, `common.held`."""
@@ -118,6 +120,7 @@ def test_one_count_of_what_a_process_holds():
     assert common.held([kept[0]]) - before_bytes == 0 and view.numel() == 10
 
 
+@pytest.mark.slow
 def test_a_program_runs_from_a_copy_of_its_folder_without_vramlab(tmp_path):
     """The single-process program, staged as a check stages it, run where vramlab cannot be imported at
     all (as in the sandbox): the link measurement on a correct answer reports the link's rate."""
@@ -133,6 +136,7 @@ def test_a_program_runs_from_a_copy_of_its_folder_without_vramlab(tmp_path):
     assert [round(rep["got"], 6) for rep in reports] == [c["GBps"] for c in cases]
 
 
+@pytest.mark.slow
 def test_the_runner_runs_a_harness_and_reads_its_reports():
     """Through the real runner (a go-between, a process group, the report read as a regular file): a
     correct answer passes, a misuse comes back with the harness's words, a syntax error with Python's."""

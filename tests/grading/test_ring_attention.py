@@ -19,6 +19,7 @@ def _check(source: str, worlds=(2,)) -> None:
     GP.check_ring_attention(answer(source, "ring_attention"), worlds=worlds)
 
 
+@pytest.mark.slow
 def test_the_solution_passes_on_2_3_and_4_ranks():
     _check(RING_ATTN, worlds=(2, 3, 4))
 
@@ -68,6 +69,7 @@ WRONG = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source, message, worlds", WRONG)
 def test_wrong_answers_fail_with_one_line_that_names_the_mistake(source, message, worlds):
     with pytest.raises(AssertionError, match=message) as err:
@@ -75,6 +77,7 @@ def test_wrong_answers_fail_with_one_line_that_names_the_mistake(source, message
     assert "\n" not in str(err.value) and "Traceback" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_the_stub_says_it_is_not_implemented():
     stub = "def ring_attention(q, k, v, rank, world_size):\n    raise NotImplementedError()\n"
     with pytest.raises(NotImplementedError):

@@ -73,6 +73,7 @@ def _linked(tmp_path, monkeypatch, case, world=3):
                         on_timeout="linked ranks: no answer within 60 s")
 
 
+@pytest.mark.slow
 def test_the_switchboard_computes_collectives_as_gloo_would(tmp_path, monkeypatch):
     """The ranks' collectives are computed by the check's process from what each rank sent: the
     expected values here are written out by hand for 3 ranks holding [r + 1, 10 r]."""
@@ -93,6 +94,7 @@ def test_the_switchboard_computes_collectives_as_gloo_would(tmp_path, monkeypatc
     assert [e["values"] for e in reports[0]["log"] if e.get("call") == "send"] == [[1.0, 2.0, 3.0]]
 
 
+@pytest.mark.slow
 def test_the_switchboard_names_mismatches_and_deadlocks(tmp_path, monkeypatch):
     """Ranks that call different collectives at the same point fail at once, saying which; ranks that
     all wait on a receive nobody sends are a deadlock, named at once (not at the timeout)."""

@@ -12,10 +12,12 @@ from .conftest import answer, edited, solution  # noqa: F401
 ZERO2 = solution("lab04_zero", "ex2-solution")
 
 
+@pytest.mark.slow
 def test_zero2_passes():
     GZ.check_zero2(answer(ZERO2, "Zero2Gradients"), cases=((2, 1000), (3, 1000), (3, 10**6)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source, world, message", [
     (edited(ZERO2, "q.grad = None  # sent", "pass  # kept"), 2, "free a bucket's gradients (p.grad = None)"),
     (edited(ZERO2, "shard, flat, handle = self.in_flight.pop(k)", "shard, flat, handle = self.in_flight[k]"), 2,
@@ -65,10 +67,12 @@ def test_accumulate_ddp_harness_builds_the_checks_model():
         assert torch.equal(p.detach(), q)
 
 
+@pytest.mark.slow
 def test_accumulate_ddp_passes():
     GZ.check_accumulate_ddp(answer(ACCUM, "accumulate_ddp"), cases=((2, 2), (2, 4), (3, 3), (3, 2)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source, case, message", [
     (EVERY_MICRO_BATCH, (2, 3), "sent 3 times the bytes DDP's no_sync sends"),
     (edited(ACCUM, "dist.all_reduce(flat)", "pass"), (2, 3),

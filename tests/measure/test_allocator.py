@@ -41,6 +41,7 @@ def _live_peak_after_reset(events: list[tuple]) -> int:
     return peak
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, opts", [("gpt2", {}), ("llama-3.2-1b", dict(precision="bf16-mixed"))])
 def test_recorded_events_are_the_steps_tensors(family, opts):
     torch.set_num_threads(1)
@@ -148,6 +149,7 @@ def test_stored_validation_has_its_provenance_and_the_expandable_rows():
     assert all(truth[k] == r["fits"] for r in mb["model"] for k in [(r["batch"], r["alloc_conf"])] if k in truth)
 
 
+@pytest.mark.slow
 def test_the_gpu_probe_refuses_without_a_gpu_in_one_line(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the campaign runs the probe")

@@ -67,6 +67,7 @@ def test_commbench_refuses_bad_arguments_before_running(args, needle):
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_commbench_rank_that_never_starts_ends_with_a_message():
     """Launched as rank 0 of 2 (as torchrun would) with no rank 1: it stops after --timeout, saying so."""
     import socket
@@ -83,6 +84,7 @@ def test_commbench_rank_that_never_starts_ends_with_a_message():
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_two_commbench_runs_at_once_do_not_collide_and_p90_is_not_below_the_median(tmp_path):
     """Free ports by default; with two operations per size the 90th percentile interpolates."""
     import json

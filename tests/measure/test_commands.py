@@ -37,6 +37,7 @@ END_TO_END = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lab, argv, says", END_TO_END, ids=[f"{lab} {' '.join(a)}" for lab, a, _ in END_TO_END])
 def test_commands_print_one_line_and_exit_2(lab, argv, says, tmp_path):
     (tmp_path / "afile").write_text("")

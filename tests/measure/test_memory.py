@@ -41,6 +41,7 @@ def test_trace_mode_measures_gpu_sized_models_without_their_memory():
     assert m.breakdown.parameters == 4 * spec.params  # 5 GiB of fp32 weights that were never allocated
 
 
+@pytest.mark.slow
 def test_frozen_parameters_peft():
     peft = pytest.importorskip("peft")
     spec = tiny()
@@ -75,6 +76,7 @@ def test_cuda_mode_needs_a_gpu():
 
 # ----------------------------------------------------------------------------- nothing leaks
 
+@pytest.mark.slow
 def test_a_measurement_leaves_nothing_alive_and_repeats_exactly():
     """After measure_training returns, its model, optimizer, batch and tracker are gone (a weak
     reference to the model dies), and repeated measurements read the same peak: nothing of one
@@ -97,6 +99,7 @@ def test_a_measurement_leaves_nothing_alive_and_repeats_exactly():
     assert inf[0] == inf[1]
 
 
+@pytest.mark.slow
 def test_warmup_steps_do_not_count_in_the_measured_peak():
     """Warm-up steps run before the tracked step: the peak is one step's, however many came first."""
     spec = tiny()
@@ -106,6 +109,7 @@ def test_warmup_steps_do_not_count_in_the_measured_peak():
     assert len(three.step_seconds) == 2 and three.seconds == sum(three.step_seconds) / 2  # the median of two
 
 
+@pytest.mark.slow
 def test_measure_isolated_runs_in_a_fresh_process_and_round_trips():
     spec = tiny()
     here = measure_training(spec, batch_size=2, seq_len=32, mode="cpu")
@@ -115,6 +119,7 @@ def test_measure_isolated_runs_in_a_fresh_process_and_round_trips():
     assert there.provenance["torch"] == torch.__version__
 
 
+@pytest.mark.slow
 def test_measure_isolated_reports_errors_in_one_line():
     with pytest.raises(RuntimeError, match="failed: .*batch_size"):
         measure_isolated("training", tiny(), batch_size="two", seq_len=32, mode="cpu")
@@ -122,6 +127,7 @@ def test_measure_isolated_reports_errors_in_one_line():
         measure_isolated("training-step", tiny(), batch_size=2, seq_len=32)
 
 
+@pytest.mark.slow
 def test_recompute_full_works_with_either_transformers_api():
     """transformers 5.17 (the GPU image) has only gradient_checkpointing_enable."""
     from vramlab.measure.memory import _enable_checkpointing
@@ -176,6 +182,7 @@ def test_generate_measurement_runs_for_decoders_and_t5():
     assert measure_inference(t5, batch_size=1, seq_len=16, precision="fp32", mode="cpu", new_tokens=4).total > 0
 
 
+@pytest.mark.slow
 def test_kernelless_lab_runner_matches_jupytext_and_runs_lab1(tmp_path):
     """The GPU campaign runs labs without Jupyter (the GPU image has no Jupyter stack): its cells
     are jupytext's, and lab 1 runs end to end from them and saves its results."""

@@ -17,6 +17,7 @@ def test_build_model_modes():
     assert not build_model(spec, device="meta", train=False).training
 
 
+@pytest.mark.slow
 def test_building_and_running_a_model_prints_no_library_warning():
     """Newcomers saw transformers' 'loss_type=None' and out-of-vocabulary token warnings on every run."""
     code = ("import dataclasses, vramlab; from vramlab.measure.models import build_model, make_batch; "

@@ -40,6 +40,7 @@ def test_cpu_link_copies_at_its_rate():
     assert took >= 16 * 2**20 / 1e9  # paced: never faster than its rate (how much slower is the machine's load)
 
 
+@pytest.mark.slow
 def test_serial_streaming_gets_no_overlap():
     """All 8 layers streamed: with no overlap the pass is compute + every copy; the schedule with
     two buffers (the lab's solution, run in test_labs) hides part of it. The serial run's measured

@@ -172,6 +172,7 @@ def test_the_optimizer_in_backward_frees_every_gradient():
         h.remove()
 
 
+@pytest.mark.slow
 def test_in_backward_peak_traced_on_a_tiny_model():
     spec = tiny("llama-3.2-1b", vocab_size=256, num_kv_heads=2)
     normal = opt_lab.measure_step_peak(spec, batch_size=1, seq_len=16, loop="normal", mode="trace")

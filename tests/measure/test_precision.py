@@ -24,6 +24,7 @@ def test_flushed_fraction_agrees_with_doing_the_cast():
     assert flushed_fraction([None], [reference]) == 1.0
 
 
+@pytest.mark.slow
 def test_fp16_backward_flushes_logit_gradients_of_a_large_vocabulary():
     """A mean loss over b*s tokens makes each logit's gradient ~ 1/(V b s): with GPT-2's vocabulary
     and 1024 tokens that is below 2^-25, so an unscaled fp16 backward loses updates (the embedding

@@ -47,6 +47,7 @@ def test_prefix_sharing_and_kv_quant():
     assert q["fp8"] == 2 * 8 * 2 * 16 and q["int8"] == 2 * 8 * 2 * 16 + 2 * 8 * 2 * 4
 
 
+@pytest.mark.slow
 def test_command_refuses_bad_out_in_one_line(tmp_path):
     (tmp_path / "afile").write_text("")
     r = subprocess.run([sys.executable, "-m", "vramlab.measure.serving", "--out", str(tmp_path / "afile" / "x.json")],

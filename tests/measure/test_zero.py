@@ -40,6 +40,7 @@ def test_new_options_refuse_bad_values_in_one_line(argv, says):
     assert len([ln for ln in r.stderr.splitlines() if "error:" in ln]) == 1
 
 
+@pytest.mark.slow
 def test_models_build_to_their_spec_sizes():
     """Each model zerolab can train has the parameters vramlab.specs counts from its config (the mT5-like
     model's head untied, as the published mT5's is), and the shape the sweep relies on."""
@@ -163,6 +164,7 @@ def test_zerolab_cli_refuses_bad_input_in_one_line(argv, says):
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["vramlab.measure.zero", "vramlab.measure.parallel", "vramlab.measure.collectives"])
 def test_nccl_without_gpus_is_one_line(module):
     """The three multi-process tools share one launcher: --backend nccl on a machine without GPUs is

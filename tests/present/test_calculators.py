@@ -395,6 +395,7 @@ def test_compression_bad_combinations_are_one_line_naming_the_control(values, ne
     assert out["error"] == r.error and out["invalid"] == list(r.invalid)
 
 
+@pytest.mark.slow
 def test_compression_new_methods_answer_every_model_without_a_traceback():
     """Every preset with every method at 16 bits: a result or one line, never an exception."""
     from vramlab import specs

@@ -52,6 +52,7 @@ def test_bad_input_one_line_exit_2(args, needle):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_bad_configs_exit_2(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{oops")
@@ -206,6 +207,7 @@ README_8B = ["estimate", "train", "--model", "llama-3.1-8b", "--batch-size", "1"
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [
     README_8B, ZERO_70B,
     ["plan", "--model", "llama-3.1-70b", "--gpus", "8", "--gpu", "h100", "--seq-len", "4096"],
@@ -252,6 +254,7 @@ def test_precision_help_lists_every_recipe():
     assert all(p in help_ for p in PRECISIONS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, needle", [
     (ZERO_70B[:-2] + ["--precision", "bf16"], "not a ZeRO recipe"),
     (ZERO_70B + ["--recompute", "full"], "--recompute does not apply"),
@@ -435,6 +438,7 @@ def test_context_is_the_lever_for_a_sequence_too_long_for_one_gpu(capsys):
     assert again["gpu"]["fits"] and again["gpu"]["needed_bytes"] == ctx[0]["needed_bytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, needle", [
     (["--seq-len", "1000", "--cp", "8"], "multiple of 16"),
     (["--seq-len", "4096", "--cp", "3", "--method", "ulysses"], "must divide"),
@@ -470,6 +474,7 @@ def test_context_with_recompute_and_the_fused_loss(capsys):
     assert bad.returncode == 2 and "invalid choice" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_experts_answers_as_expert_parallel(capsys):
     """`vramlab experts` is `parallel.expert_parallel` at --ep and at every EP size that divides the experts
     and the ranks; bad input is one line."""
@@ -506,6 +511,7 @@ def test_experts_with_tensor_and_pipeline_parallelism_prints_every_stage(capsys)
     assert r.returncode == 2 and "etp x ep must divide tp x dp" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_serve_is_the_serving_plan(capsys):
     """`vramlab serve` is `serving.serving_plan` (vLLM's pool, blocks and start-up line) and the same at every KV
     dtype; a deployment whose weights do not fit is one line."""
