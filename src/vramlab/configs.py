@@ -42,7 +42,6 @@ import json
 import math
 import os
 import re
-import tomllib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -410,14 +409,25 @@ def _load(source, fmt: str | None, yaml_loader=None) -> tuple[Any, str, str | No
     return data, fmt, path
 
 
+def _toml():
+    """The standard library's TOML reader (Python 3.11+), else one line: the rest of vramlab, the command line
+    included, runs on Python 3.10, which has none (this layer imports nothing outside the standard library)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:
+        _fail("reading a TOML config needs Python 3.11 or later (this is Python 3.10)")
+    return tomllib
+
+
 def _parse(text: str, path: str | None, fmt: str | None, yaml_loader: Callable[[str], Any] | None = None):
     where = repr(path) if path else "the text"
     ext = os.path.splitext(path or "")[1].lower()
     section = re.compile(r"^\[[A-Za-z_][\w.]*\]\s*(#.*)?$", re.M)  # a TOML table header: [training]
     if ext == ".toml" or fmt == "torchtitan" or (ext not in (".json", ".yaml", ".yml") and section.search(text)):
+        toml = _toml()
         try:
-            return tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
+            return toml.loads(text)
+        except toml.TOMLDecodeError as e:
             _fail(f"{where} is not valid TOML: {e}")
     if ext == ".json" or text.lstrip().startswith("{"):
         try:

@@ -533,3 +533,44 @@ def test_serve_is_the_serving_plan(capsys):
                        (["--model", "llama-3.1-8b", "--utilization", "1.5"], "gpu_memory_utilization")):
         r = run("serve", *args, "--gpu", "h100", "--prompt-len", "100", "--output-len", "100")
         assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def _oldest_python():
+    """An interpreter of the lowest Python that pyproject.toml allows, if this machine has one (pyenv's included)."""
+    import glob
+    import os
+    import re
+    import shutil
+    from pathlib import Path
+
+    floor = re.search(r'requires-python = ">=(\d+)\.(\d+)"',
+                      (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()).groups()
+    want = ".".join(floor)
+    home = os.path.expanduser("~/.pyenv/versions")
+    for exe in [shutil.which(f"python{want}"), *sorted(glob.glob(f"{home}/{want}.*/bin/python"))]:
+        if exe and subprocess.run([exe, "-c", f"import sys; assert sys.version_info[:2] == {tuple(map(int, floor))}"],
+                                  capture_output=True).returncode == 0:
+            return exe, want
+    return None, want
+
+
+def test_the_command_line_runs_on_the_lowest_python_allowed(tmp_path):
+    """pyproject.toml allows Python 3.10, which has no tomllib: the CLI (pure Python) starts and estimates there,
+    and a TOML config is one line that says what it needs."""
+    from pathlib import Path
+
+    exe, want = _oldest_python()
+    if exe is None:
+        pytest.skip(f"no Python {want} on this machine")
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from vramlab.present.cli import main; "
+            "raise SystemExit(main(sys.argv[2:]))")
+    r = subprocess.run([exe, "-I", "-c", code, src, "estimate", "train", "--model", "gpt2", "--batch-size", "2",
+                        "--seq-len", "128"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "total" in r.stdout, r.stderr
+    toml = tmp_path / "train.toml"  # reading TOML says what it needs, in one line
+    toml.write_text('[model]\nname = "llama3"\n')
+    r = subprocess.run([exe, "-I", "-c", code, src, "estimate", "--from", str(toml)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == ("vramlab: error: reading a TOML config needs Python 3.11 or later "
+                                                      "(this is Python 3.10)"), r.stderr
