@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -156,3 +157,25 @@ def test_the_grading_programs_import_nothing_of_vramlab():
     bad = [f"{n} imports {i}" for n in MODULES if n.startswith("vramlab.grading.programs")
            for i, _ in _imports(n) if i.split(".")[0] == "vramlab" and not i.startswith("vramlab.grading.programs")]
     assert not bad, bad
+
+
+def test_the_readmes_package_map_names_every_module():
+    """The README's map of the package (its section 'The package') lists each folder's modules, every one of them
+    and none that is gone."""
+    text = (ROOT / "README.md").read_text().split("## The package: the folder tells the layer", 1)[1]
+    block = text.split("```\n", 2)[1]
+    folders = {"src/vramlab/": SRC, "measure/": SRC / "measure", "present/": SRC / "present",
+               "grading/": SRC / "grading", "programs/": SRC / "grading" / "programs"}
+    listed: dict[Path, set[str]] = {}
+    current = None
+    for line in block.splitlines():
+        head = line.split()[0] if line.strip() else ""
+        if head in folders:
+            current = folders[head]
+            listed[current] = set()
+        elif current is not None and line.strip():  # module names, then (after a wide gap) a description
+            listed[current] |= set(re.split(r"\s{3,}", line.strip())[0].split())
+    for folder in folders.values():
+        modules = {p.stem for p in folder.glob("*.py") if not p.stem.startswith("_")}
+        assert modules <= listed[folder], (folder.name, sorted(modules - listed[folder]))
+        assert listed[folder] <= modules, (folder.name, sorted(listed[folder] - modules))
