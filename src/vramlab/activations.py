@@ -839,7 +839,7 @@ def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision:
     # attention's) only one b x s x h gradient exists in a sequential pre-norm block: d(out) (AddBackward0
     # hands the same tensor to both branches of the residual), then d(h) once the MLP's branch is summed
     # into it. A parallel residual (GPT-NeoX) or a post-norm block (BERT) and T5's decoder hold a second one
-    # (traced op by op on Llama-family blocks, CPU, with and without recompute; issue 33, item 6)
+    # (traced op by op on Llama-family blocks, CPU, with and without recompute)
     grads_in = 2 if frozen_base or spec.parallel_residual or spec.family in ("bert", "t5") else 1
     # The block's own weight gradients made by that moment (element counts): in the MLP's backward only
     # the output projection's (its MmBackward0 runs first); in attention's the whole MLP's, the second

@@ -1,4 +1,4 @@
-"""The estimate of the training configuration a user already has (issue 35, item 1).
+"""The estimate of the training configuration a user already has.
 
 `read_setup(path_or_text)` reads one of
 

@@ -1132,7 +1132,7 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     ring and Ulysses, 2 and 4 ranks, full recompute, chunked and fused losses, three models, with and without
     FSDP2; the shards exact, every rank's peak within -2 ... +0 %, CP's attention-backward moments within
     -0.6 ... 0 % and its attention-forward ones within -3.3 ... +0.8 % of the busiest rank's (the recomputed
-    last block's moments traced tensor by tensor in the ranks' ledgers, issue 33 item 6).
+    last block's moments traced tensor by tensor in the ranks' ledgers).
 
     Known limitations: ring attention's p2p and FSDP2's collectives share no buffers here, and
     neither's overlap with the other is priced; sharding over a dp x cp mesh (dp > 1) is cp x dp ranks of
@@ -1256,7 +1256,7 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     # a tied head's gradient waits in autograd's input buffer for the embedding's (one AccumulateGrad node, two
     # incoming edges) through every block's backward, beside the kept gradients (seen on gloo ranks: an add
     # (6144, 256) in llama-gqa-val's attention backward; FSDP2's phases count the head's gradients themselves)
-    # (cp 1 stays the one-device ledger, `memory.training_phases` with kept gradients, which leaves it out: issue 33)
+    # (cp 1 stays the one-device ledger, `memory.training_phases` with kept gradients, which leaves it out)
     pending = 0 if shard_states or cp == 1 or not spec.tie_word_embeddings else \
         spec.vocab_size * (spec.word_embed_proj_dim or spec.hidden_size) * (phases[0].gradients // spec.params)
     totals = []

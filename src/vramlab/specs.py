@@ -5,7 +5,7 @@ A `ModelSpec` names every weight tensor a transformers model of a supported fami
 Families: GPT-2, GPT-NeoX, OPT, Llama / Mistral / Qwen2 (grouped-query attention, gated MLP),
 BERT (masked-LM head) and T5 / mT5 (encoder-decoder); mixture-of-experts decoders (Mixtral, Qwen2-
 and Qwen3-MoE, OLMoE, DeepSeek-V2/V3 with multi-head latent attention) as the family "moe", whose
-`active_params` counts what one token's forward uses (issue 33). `resolve` refuses an MoE spec (the
+`active_params` counts what one token's forward uses. `resolve` refuses an MoE spec (the
 parallel, ZeRO and fitting calculators do not model one yet), and `preset_names` lists the dense
 presets only (`moe_preset_names` the others); `vramlab.moe` prices an MoE model's parameters, KV
 cache and saved tensors, and `memory.estimate_training` its one-device training step.
@@ -1080,7 +1080,7 @@ def preset_names() -> tuple[str, ...]:
 def moe_preset_names() -> tuple[str, ...]:
     """The mixture-of-experts presets (Mixtral, Qwen-MoE, OLMoE, DeepSeek): `preset` builds them and
     `vramlab.moe` prices them; `resolve`, and so the calculators built on it (parallel layouts, ZeRO,
-    fitting), refuses them; `memory.estimate_training` takes them (issue 33)."""
+    fitting), refuses them; `memory.estimate_training` takes them."""
     return tuple(sorted(n for n, t in _preset_types().items() if MODEL_TYPES.get(t) == "moe"))
 
 

@@ -528,7 +528,7 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
                 # the last block (first in the backward): it and the next one prefetched, and the gradients
                 # it has made by its peak (`activation_bytes`' "block_grads_made": in its MLP's backward the
                 # down projection's), unsharded in the policy's parameter dtype until the block's reduce-scatter
-                # (measured: lab 4's 2-rank GPT-2, c_proj's gradient at the step's peak; issue 33, item 6)
+                # (measured: lab 4's 2-rank GPT-2, c_proj's gradient at the step's peak)
                 phases.append((ph.phase, min(ph.gradients, head_grad) + own_made, ph.activations,
                                ph.temporaries + R + 2 * unit))
                 # an earlier block: the later block's activations freed, its gradients flat in the reduce

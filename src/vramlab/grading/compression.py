@@ -596,7 +596,7 @@ def check_prefix_count(fn: Callable, cases) -> None:
                   unit="parameters")
 
 
-# ============================================================================ Adafactor (issue 36)
+# ============================================================================ Adafactor
 def _adafactor_cases(seed: int, n: int):
     import random
 

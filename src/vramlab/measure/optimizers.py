@@ -1,4 +1,4 @@
-"""Optimizer memory, measured (issue 36, item 3): what the real libraries allocate, for the
+"""Optimizer memory, measured: what the real libraries allocate, for the
 estimator of optimizer states and step peaks to be checked against. Imports torch.
 
 Four measurements, each written to one JSON file (`python -m vramlab.measure.optimizers`):

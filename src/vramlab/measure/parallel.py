@@ -1507,7 +1507,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ----------------------------------------------------------------------------- CP (context parallelism)
-# `python -m vramlab.measure.parallel cp --method ring|ulysses --nproc 2|4` (issue 33): the sequence split
+# `python -m vramlab.measure.parallel cp --method ring|ulysses --nproc 2|4`: the sequence split
 # over cp ranks, each rank running the whole model on its own tokens. Attention is replaced (a registered
 # transformers attention function, this process only) by
 # - ring attention (Liu et al. 2023; Megatron-LM's context parallelism): each rank's K/V block travels

@@ -1321,7 +1321,7 @@ EXPLAIN = Calculator(
             Input(name="gpu", label="GPU (its total memory)", kind="choice", default=EXAMPLE["gpu"],
                   choices=(NO_GPU,) + GPU_CHOICES)))
 
-# ----------------------------------------------------------------------------- optimizers (chapter 8, issue 36)
+# ----------------------------------------------------------------------------- optimizers (chapter 8)
 OPT_MODELS = tuple(n for n in specs.preset_names() if specs.preset(n).is_causal_lm)
 OPT_LABELS = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "sgd-momentum": "SGD+mom.", "adamw-8bit": "8-bit bnb",
               "adafactor": "Adafactor", "adafactor-hf": "Adafactor HF", "adafactor-momentum": "Adafactor+m",

@@ -1300,7 +1300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              or not all(isinstance(a, str) for a in argv)):
         raise ValueError(f"argv must be a list of strings (or None for sys.argv), got {argv!r:.60}")
     raw = list(sys.argv[1:] if argv is None else argv)
-    if raw[:1] == ["estimate"] and from_config.wants(raw[1:]):  # a training configuration read (issue 35)
+    if raw[:1] == ["estimate"] and from_config.wants(raw[1:]):  # a training configuration read
         return from_config.main(raw[1:])
     args = _parser().parse_args(argv)
     try:
