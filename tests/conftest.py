@@ -25,6 +25,7 @@ GROUPS = {"test_book.py": "book", "test_browser.py": "book", "test_package.py": 
 LONG_FIRST = ("test_labs.py", "test_grading_attacks.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         group = GROUPS.get(item.path.name) if item.path.parent == ROOT / "tests" else None

@@ -164,8 +164,15 @@ for (const c of plan.calcs) {
   // apply a change and wait until the calculator settles in `want` (live, or error) with a new result
   const apply = async (change, want) => {
     const old = await page.$eval(`${root} .vl-result`, (el) => el.innerHTML);
+    const files = await page.$$eval(`${root} input[type="file"][data-input]`, (els) => Object.fromEntries(els.map((el) => [el.dataset.input, el.dataset.file])));
     const t0 = performance.now();
     for (const [name, value] of Object.entries(change)) await setValue(name, value);
+    // a file is read by FileReader before its recompute starts: on a busy machine a result of the inputs before it
+    // can land first, so wait until the page holds the new file (its recompute starts in the same task)
+    for (const name of Object.keys(change).filter((n) => n in files)) {
+      await page.waitForFunction(([sel, was]) => document.querySelector(sel).dataset.file !== was,
+        [`${root} [data-input="${name}"]`, files[name]], { timeout: 120000 });
+    }
     await page.waitForFunction(([r, o, s]) => {
       const el = document.querySelector(r);
       return el.dataset.state === s && !el.classList.contains("vl-busy") && el.querySelector(".vl-result").innerHTML !== o;
