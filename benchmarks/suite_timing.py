@@ -2,7 +2,7 @@
 clone of this checkout's HEAD, with what dominates each. The tests never time anything (a busy machine must not
 fail a test): the README's figures come from this file.
 
-    python benchmarks/suite_timing.py                 # setup + full suite (as .ci/run) + fast tier (~25 min, 2 cores)
+    python benchmarks/suite_timing.py                 # setup + full suite (as .ci/run) + fast tier
     python benchmarks/suite_timing.py --busy          # the same with one core kept busy by another process
     python benchmarks/suite_timing.py --tiers fast    # only the fast tier (setup still runs, from pip's cache)
 
@@ -40,17 +40,19 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _readme_section(heading: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    return text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
 def readme_command(heading: str) -> str:
     """The first ```bash block under the README's section `heading` (its commands, verbatim)."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```bash\n(.*?)\n```", section, re.S).group(1).strip()
+    return re.search(r"```bash\n(.*?)\n```", _readme_section(heading), re.S).group(1).strip()
 
 
 def fast_tier_command() -> str:
     """The README's fast-tier command: the ```bash block that follows 'The fast tier' in its Tests section."""
-    section = (ROOT / "README.md").read_text().split("\n## Tests\n", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"fast tier.*?```bash\n(.*?)\n```", section, re.S | re.I).group(1).strip()
+    return re.search(r"fast tier.*?```bash\n(.*?)\n```", _readme_section("Tests"), re.S | re.I).group(1).strip()
 
 
 def busy_core() -> subprocess.Popen:
