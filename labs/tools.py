@@ -223,7 +223,7 @@ def _graded(cell) -> bool:
 
 
 def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float = 4, sandbox: bool | None = None,
-          report: dict | None = None) -> dict:
+          report: dict | None = None, only: Any = None) -> dict:
     """Autograde a submission. Threat model (labs/README.md): the student may edit the notebook in any
     way and run any Python in their solution cells. So:
     - only the solution cells come from the submission (`assemble`); the tests are the instructor's;
@@ -234,7 +234,9 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
       no student code runs where the expected values are computed and compared;
     - an answer that changes a file of the checkout or of the Python packages voids the grading.
     Returns {grade_id: (points earned, points possible, reason or None)}; never raises for a bad
-    submission. `report`, if given, receives the sandbox used and each test's printed output."""
+    submission. `report`, if given, receives the sandbox used and each test's printed output. `only`, if given,
+    names the test cells to grade (grade ids; each is graded exactly as in a whole grading, since every test
+    cell runs in a process of its own with the answers above it) and the scores hold those alone."""
     import tempfile
 
     import sandbox as sb
@@ -242,6 +244,11 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
     if lab not in labs():
         raise ValueError(f"unknown lab {lab!r}; labs: {', '.join(labs())}")
     nb = assemble(submission, lab)
+    if only is not None:
+        only = {only} if isinstance(only, str) else set(only)
+        unknown = only - {c.metadata["nbgrader"]["grade_id"] for c in nb.cells if _graded(c)}
+        if unknown:
+            raise ValueError(f"{lab} has no test cell {', '.join(sorted(unknown))}")
     answers = [(i, c.metadata["nbgrader"]["grade_id"], c.source) for i, c in enumerate(nb.cells)
                if c.metadata.get("nbgrader", {}).get("solution") and c.cell_type == "code"]
     sources = {gid: src for _, gid, src in answers}
@@ -267,6 +274,8 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
                 if not _graded(cell):
                     continue
                 gid, points = cell.metadata["nbgrader"]["grade_id"], cell.metadata["nbgrader"]["points"]
+                if only is not None and gid not in only:
+                    continue
                 here = Path(scratch) / f"test-{i}"
                 here.mkdir()
                 # as in the notebook: the answers above this test, in order (an answer further down that

@@ -35,13 +35,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @contextlib.contextmanager
-def _checkout_lock():
-    """Holds, across the test processes of one checkout (pytest-xdist's workers), the one lock of the tests that
-    write into the checkout's labs/ or src/ (a wheel built from it rewrites src/vramlab.egg-info) and of those that
-    grade without a sandbox, which fingerprint labs/ and src/ and void the grading when a file changes under them."""
+def _checkout_lock(shared: bool = False):
+    """One reader-writer lock per checkout, across the test processes (pytest-xdist's workers). Writers hold it
+    alone: the tests that write into the checkout's labs/ or src/ (a wheel built from it rewrites
+    src/vramlab.egg-info; a stray lab folder; a probe file). Readers share it: the tests that grade (without a
+    sandbox the grader fingerprints labs/, src/ and the packages and voids the grading when a file changes under
+    it; in the sandbox a stray folder in labs/release would still be read)."""
     lock = Path(tempfile.gettempdir()) / f"vramlab-checkout-{hashlib.sha256(str(ROOT).encode()).hexdigest()[:16]}.lock"
-    with open(lock, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    with open(lock, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -50,8 +52,23 @@ def _checkout_lock():
 
 @pytest.fixture(scope="session")
 def checkout_lock():
-    """`with checkout_lock():` -- see _checkout_lock."""
+    """`with checkout_lock():` -- see _checkout_lock. Not for the files in GRADING (their tests hold it already)."""
     return _checkout_lock
+
+
+# The files whose tests grade: each of their tests holds the checkout lock for as long as it runs, alone when it is
+# marked `writes_checkout`, shared otherwise. (A test holds one lock, never two: taking the lock alone while
+# holding it shared would wait for itself.)
+GRADING = ("test_labs.py", "test_grading_attacks.py")
+
+
+@pytest.fixture(autouse=True)
+def _checkout_access(request):
+    if request.node.path.name not in GRADING:
+        yield
+        return
+    with _checkout_lock(shared=request.node.get_closest_marker("writes_checkout") is None):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -191,10 +191,10 @@ def _with_solutions(nb, answers):
     return nb
 
 
-def _graded_with(lab, answers):
+def _graded_with(lab, answers, only=None):
     """The lab's exercises with the solution cells in `answers` ({grade_id: code}) replaced, graded
-    as a submission: {test grade_id: (score, points, feedback)}."""
-    return tools.grade(_with_solutions(_exercises_only(tools.source_notebook(lab)), answers), lab)
+    as a submission: {test grade_id: (score, points, feedback)}; `only`: the test cells read (tools.grade)."""
+    return tools.grade(_with_solutions(_exercises_only(tools.source_notebook(lab)), answers), lab, only=only)
 
 
 def _with_solution(nb, grade_id, code):
@@ -488,7 +488,8 @@ def test_lab3_wrong_answers_lose_their_points():
     off_by_one = dispatch.replace("if filled[e] < capacity:", "if filled[e] <= capacity:")
     assert no_backward != tp and after != ddp and off_by_one != dispatch
     scores = _graded_with("lab03_parallelism", {"ex1-solution": WRONG_1F1B, "ex2-solution": no_backward,
-                                                "ex3-solution": after, "ex5-solution": off_by_one})
+                                                "ex3-solution": after, "ex5-solution": off_by_one},
+                          only=("ex1-test", "ex2-test", "ex3-test", "ex5-test"))
     assert scores["ex5-test"][0] == 0 and "off by one" in scores["ex5-test"][2], scores["ex5-test"]
     assert scores["ex1-test"][0] == 0 and "GPipe" in scores["ex1-test"][2], scores["ex1-test"]
     assert scores["ex2-test"][0] == 0 and "CopyToTP.backward called dist.all_reduce 0 times" in scores["ex2-test"][2]
@@ -539,7 +540,7 @@ def test_lab4_wrong_answers_lose_their_points():
     zero2 = _solution("lab04_zero", "ex2-solution")
     keeps = zero2.replace("q.grad = None  # sent", "pass  # kept: q.grad")
     assert keeps != zero2
-    scores = _graded_with("lab04_zero", {"ex1-solution": WRONG_ZERO1, "ex2-solution": keeps})
+    scores = _graded_with("lab04_zero", {"ex1-solution": WRONG_ZERO1, "ex2-solution": keeps}, only=("ex1-test", "ex2-test"))
     assert scores["ex1-test"][0] == 0 and "optimizer-state values" in scores["ex1-test"][2]
     assert scores["ex2-test"][0] == 0 and "free a bucket's gradients" in scores["ex2-test"][2], scores["ex2-test"]
 
@@ -735,9 +736,11 @@ def test_lab6_wrong_answers_lose_their_points():
                      if c.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "ex2-solution")
     scores = _graded_with("lab06_offload", {"ex1-solution": WRONG_LINK, "ex2-solution": WRONG_PASS,
                                             "ex3-solution": good_pass + "\n" + WRONG_FEWEST,
-                                            "stream-solution": WRONG_STREAM})
+                                            "stream-solution": WRONG_STREAM},
+                          only=("ex1-test", "ex2-test", "ex3-test", "stream-test"))
     assert scores["stream-test"][0] == 0 and "slower" in scores["stream-test"][2], scores["stream-test"]
-    scores_racing = _graded_with("lab06_offload", {"stream-solution": RACING_STREAM, "ex1-solution": RACING_LINK})
+    scores_racing = _graded_with("lab06_offload", {"stream-solution": RACING_STREAM, "ex1-solution": RACING_LINK},
+                                 only=("ex1-test", "stream-test"))
     assert scores_racing["stream-test"][0] == 0 and "before waiting" in scores_racing["stream-test"][2]
     assert scores_racing["ex1-test"][0] == 0 and "did not move" in scores_racing["ex1-test"][2]
     assert scores["ex1-test"][0] == 0 and "median" in scores["ex1-test"][2]
@@ -889,7 +892,8 @@ def adafactor_state_values(shapes):
 def test_lab8_wrong_answers_lose_their_points():
     scores = _graded_with("lab08_compression", {"ex1-solution": WRONG_QUANT, "ex2-solution": WRONG_LORA,
                                                 "ex3-solution": WRONG_INT8, "ex4-solution": WRONG_DISTILL,
-                                                "ex5-solution": WRONG_MASK, "ex6-solution": WRONG_QLORA})
+                                                "ex5-solution": WRONG_MASK, "ex6-solution": WRONG_QLORA},
+                          only=("ex1-test", "ex2-test", "ex3-test", "ex4-test", "ex5-test", "ex6-test"))
     assert scores["ex1-test"][0] == 0 and "absmax" in scores["ex1-test"][2]
     assert scores["ex2-test"][0] == 0 and "B must start at zero" in scores["ex2-test"][2]
     assert scores["ex3-test"][0] == 0 and "full precision" in scores["ex3-test"][2]
@@ -897,13 +901,13 @@ def test_lab8_wrong_answers_lose_their_points():
     assert scores["ex5-test"][0] == 0 and "magnitude" in scores["ex5-test"][2]
     assert scores["ex6-test"][0] == 0 and "Llama-3.1-8B" in scores["ex6-test"][2]
     # with the right initialisation, the forward's missing alpha / r is what the check names
-    scores = _graded_with("lab08_compression", {"ex2-solution": UNSCALED_LORA})
+    scores = _graded_with("lab08_compression", {"ex2-solution": UNSCALED_LORA}, only="ex2-test")
     assert scores["ex2-test"][0] == 0 and "alpha / r" in scores["ex2-test"][2], scores["ex2-test"]
     # Adafactor: an estimate without the 1 / mean(R) normalisation, and a state count that forgets the 3-D experts
-    scores = _graded_with("lab08_compression", {"adafactor-solution": WRONG_ADAFACTOR})
+    scores = _graded_with("lab08_compression", {"adafactor-solution": WRONG_ADAFACTOR}, only="adafactor-test")
     assert scores["adafactor-test"][0] == 0 and "factored second moment" in scores["adafactor-test"][2], \
         scores["adafactor-test"]
-    scores = _graded_with("lab08_compression", {"adafactor-solution": WRONG_ADAFACTOR_COUNT})
+    scores = _graded_with("lab08_compression", {"adafactor-solution": WRONG_ADAFACTOR_COUNT}, only="adafactor-test")
     assert scores["adafactor-test"][0] == 0 and "last two dimensions" in scores["adafactor-test"][2], \
         scores["adafactor-test"]
 
