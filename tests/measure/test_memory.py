@@ -110,13 +110,25 @@ def test_warmup_steps_do_not_count_in_the_measured_peak():
 
 
 @pytest.mark.slow
-def test_measure_isolated_runs_in_a_fresh_process_and_round_trips():
+@pytest.mark.parametrize("fork", [True, False], ids=["forked-from-the-fork-server", "new-interpreter"])
+def test_measure_isolated_runs_in_a_fresh_process_and_round_trips(fork, monkeypatch):
+    """On the CPU the measurement runs in a process forked from a fork server that imported torch once; on a GPU
+    (and here with FORK_ON_CPU off) in a new interpreter. Either way a process of its own, with the same answer."""
+    import os
+
+    import vramlab.measure.memory as M
+
+    monkeypatch.setattr(M, "FORK_ON_CPU", fork)
     spec = tiny()
     here = measure_training(spec, batch_size=2, seq_len=32, mode="cpu")
+    pids = []
+    real = M._answer
+    monkeypatch.setattr(M, "_answer", lambda request: pids.append(os.getpid()) or real(request))
     there = measure_isolated("training", spec, batch_size=2, seq_len=32, mode="cpu")
     assert there is not None and there.total == here.total
     assert there.breakdown == here.breakdown  # categories, label, precision and device survive the trip
     assert there.provenance["torch"] == torch.__version__
+    assert not pids  # (not measured in this process: the patched function here was never called)
 
 
 @pytest.mark.slow

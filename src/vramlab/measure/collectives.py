@@ -276,10 +276,17 @@ def backend_problem(args) -> str | None:
     return None
 
 
-def launch(worker, args, *, prog: str, error: type[Exception], torchrun_port: int) -> int:
+def launch(worker, args, *, prog: str, error: type[Exception], torchrun_port: int, preload: tuple[str, ...] = ()) -> int:
     """Run `worker(rank, world, args, port)` in place under torchrun (RANK and WORLD_SIZE set), else in
-    `args.nproc` spawned local processes on `args.port` (or a free one). A rank's `error` or any other
-    failure is printed as one line prefixed with `prog`; returns the exit status."""
+    `args.nproc` local processes on `args.port` (or a free one). A rank's `error` or any other failure is
+    printed as one line prefixed with `prog`; returns the exit status.
+
+    Each rank is a process of its own, started afresh for this call. With NCCL they are spawned (a new
+    interpreter each: nothing of CUDA can be inherited). On the CPU (gloo) they are forked from a fork
+    server that imported `worker`'s module and `preload` (e.g. deepspeed, transformers) once, before any
+    rank of this command ran: a rank then starts in a second rather than importing the same libraries
+    again, and its state is still its own (the server holds imported modules, never a model or a tensor
+    of a measurement)."""
     why = backend_problem(args)
     if why:  # one process per GPU: say so before any rank starts
         print(f"{prog}: {why}", file=sys.stderr)
@@ -288,9 +295,15 @@ def launch(worker, args, *, prog: str, error: type[Exception], torchrun_port: in
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
             worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, args.port or torchrun_port)
             return 0
+        import multiprocessing
+
         import torch.multiprocessing as mp
 
-        mp.spawn(worker, args=(args.nproc, args, args.port or free_port()), nprocs=args.nproc, join=True)
+        method = "spawn" if getattr(args, "backend", "gloo") == "nccl" else "forkserver"
+        if method == "forkserver":
+            multiprocessing.get_context(method).set_forkserver_preload([worker.__module__, *preload])
+        mp.start_processes(worker, args=(args.nproc, args, args.port or free_port()), nprocs=args.nproc, join=True,
+                           start_method=method)
     except error as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1

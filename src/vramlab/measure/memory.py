@@ -647,6 +647,13 @@ def measure_isolated(kind: Literal["training", "inference"], spec: ModelSpec, *,
     (e.g. "expandable_segments:True"). Errors other than OOM are raised with the child's message."""
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {', '.join(_KINDS)}, got {kind!r}")
+    mode = options.get("mode", "auto")
+    if FORK_ON_CPU and (mode in ("cpu", "trace") or (mode == "auto" and not torch.cuda.is_available())):
+        answer, err = _forked({"kind": kind, "spec": dataclasses.asdict(spec), "options": options}, timeout)
+        if "error" in answer or not answer:
+            why = answer.get("error") or (err.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"isolated {kind} measurement of {spec.name} failed: {why}")
+        return None if answer.get("oom") else Measurement.from_dict(answer)
     env = dict(os.environ)
     # the child imports this very vramlab, wherever the parent found it (a checkout on PYTHONPATH too,
     # even after the parent changed directory)
@@ -686,27 +693,65 @@ def largest_batch(spec: ModelSpec, *, start: int = 1, alloc_conf: str | None = N
     return largest_true(fits, start=start, limit=limit), probes
 
 
-def _child() -> int:
-    """`python -m vramlab.measure.memory`: one measurement described on stdin, its JSON on stdout."""
-    request = json.loads(sys.stdin.read())
+def _answer(request: dict) -> dict:
+    """One measurement described by `request`: the Measurement's dict, {"oom": True} or {"error": one line}."""
     spec = ModelSpec(**request["spec"])
     fn = globals()[_KINDS[request["kind"]]]
     try:
-        m = fn(spec, **request["options"])
+        return fn(spec, **request["options"]).to_dict()
     except torch.cuda.OutOfMemoryError:
-        print(json.dumps({"oom": True}))
-        return 0
+        return {"oom": True}
     except RuntimeError as e:  # some libraries report an OOM as a plain RuntimeError (cuBLAS, NCCL)
         if "out of memory" in str(e).lower() or "ALLOC_FAILED" in str(e):
-            print(json.dumps({"oom": True}))
-            return 0
-        print(json.dumps({"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}))
-        return 1
+            return {"oom": True}
+        return {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
     except Exception as e:  # noqa: BLE001 - reported to the parent in one line
-        print(json.dumps({"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}))
-        return 1
-    print(json.dumps(m.to_dict()))
-    return 0
+        return {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
+
+
+def _child() -> int:
+    """`python -m vramlab.measure.memory`: one measurement described on stdin, its JSON on stdout."""
+    answer = _answer(json.loads(sys.stdin.read()))
+    print(json.dumps(answer))
+    return 1 if "error" in answer else 0
+
+
+# On the CPU (trace or cpu mode) a fresh interpreter per measurement would spend most of its time importing
+# torch and transformers again: the measurement runs instead in a process forked from a fork server that
+# imported them once (its first use in this process). The process is still new for each measurement and
+# holds nothing of an earlier one (the server never builds a model); on a GPU a new interpreter is kept.
+_PRELOAD = ["vramlab.measure.memory", "transformers", "transformers.modeling_utils"]
+FORK_ON_CPU = True  # False: a new interpreter on the CPU too, as on a GPU
+
+
+def _in_fork(request: dict, out: str) -> None:
+    fd = os.open(out + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # its prints, as a child's stderr
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    Path(out).write_text(json.dumps(_answer(request)))
+
+
+def _forked(request: dict, timeout: float | None) -> tuple[dict, str]:
+    """`request` measured in a process forked from the fork server: (its answer or {}, what it printed)."""
+    import multiprocessing
+    import tempfile
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    with tempfile.TemporaryDirectory(prefix="vramlab-measure-") as tmp:
+        out = os.path.join(tmp, "answer.json")
+        p = ctx.Process(target=_in_fork, args=(request, out), daemon=True)
+        p.start()
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+            p.join()
+            raise subprocess.TimeoutExpired(f"isolated {request['kind']} measurement", timeout or 0)
+        answer = json.loads(Path(out).read_text()) if os.path.exists(out) else {}
+        log = Path(out + ".log").read_text(errors="replace") if os.path.exists(out + ".log") else ""
+        if not answer and p.exitcode:
+            log += f"\nthe measuring process ended with exit code {p.exitcode}"
+    return answer, log
 
 
 if __name__ == "__main__":

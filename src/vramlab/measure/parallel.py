@@ -1322,6 +1322,12 @@ def bubble_rows(result: dict) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------- processes
 
+# what the CPU ranks import, loaded once by the fork server they start from (collectives.launch)
+RANK_IMPORTS = ("transformers", "transformers.modeling_utils", "transformers.masking_utils", "torch.distributed.tensor",
+                "torch.distributed.tensor.parallel", "torch.distributed.pipelining", "torch.distributed.fsdp",
+                "torch.nn.parallel", "torch.distributed.optim", "vramlab.measure.memory", "vramlab.measure.models")
+
+
 def _worker(rank: int, world: int, args, port: int) -> None:
     import torch.distributed as dist
 
@@ -1502,7 +1508,7 @@ def main(argv: list[str] | None = None) -> int:
     from .collectives import launch
 
     checks.output_path(PROG, args.out, make_folder=True)
-    return launch(_worker, args, prog=PROG, error=ParlabError, torchrun_port=29512)
+    return launch(_worker, args, prog=PROG, error=ParlabError, torchrun_port=29512, preload=RANK_IMPORTS)
 
 
 
@@ -2216,7 +2222,7 @@ def cp_main(argv: list[str]) -> int:
     from .collectives import launch
 
     checks.output_path(PROG, args.out, make_folder=True)
-    return launch(_worker, args, prog=f"{PROG} cp", error=ParlabError, torchrun_port=29513)
+    return launch(_worker, args, prog=f"{PROG} cp", error=ParlabError, torchrun_port=29513, preload=RANK_IMPORTS)
 
 
 # the campaign stored in benchmarks/results/context_parallel/cpu.json: both methods, 2 and 4 ranks, MHA (lab 3's
@@ -2889,7 +2895,7 @@ def ep_main(argv: list[str]) -> int:
     from .collectives import launch
 
     checks.output_path(PROG, args.out, make_folder=True)
-    return launch(_worker, args, prog=f"{PROG} ep", error=ParlabError, torchrun_port=29514)
+    return launch(_worker, args, prog=f"{PROG} ep", error=ParlabError, torchrun_port=29514, preload=RANK_IMPORTS)
 
 
 

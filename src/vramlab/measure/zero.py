@@ -1234,6 +1234,10 @@ def _elements(minimum: int):
 
 
 PROG = "python -m vramlab.measure.zero"
+# what every CPU rank imports, loaded once by the fork server the ranks start from (collectives.launch); the
+# profiler's memory record and DeepSpeed's optimizers import torch's compiler stack
+RANK_IMPORTS = ("deepspeed", "transformers", "torch.distributed.fsdp", "torch._dynamo", "torch._inductor.compile_fx",
+                "torch.profiler")
 MAX_RANKS = 256  # real ranks (processes on this machine, or one per GPU)
 MAX_FAKE_WORLD = 1 << 16  # --backend fake: the world one measured rank belongs to
 
@@ -1344,7 +1348,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.model} ({k + 1}/{len(setups)})", file=sys.stderr, flush=True)
             with tempfile.TemporaryDirectory() as tmp:
                 args.setups, args.out = [setup], str(Path(tmp) / "part.json")
-                status = launch(_worker, args, prog=PROG, error=ZerolabError, torchrun_port=29500)
+                status = launch(_worker, args, prog=PROG, error=ZerolabError, torchrun_port=29500, preload=RANK_IMPORTS)
                 if status:
                     return status
                 if not Path(args.out).exists():  # under torchrun only rank 0 writes
