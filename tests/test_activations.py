@@ -59,7 +59,7 @@ def test_t5_self_attention_on_cuda_keeps_one_mask_for_the_batch():
     pinned transformers the memory-efficient kernel takes it and keeps the (1, heads, s, s) mask, which
     the batch broadcasts (one per block, whatever the batch); the CPU's math path keeps the
     b x heads x s x s probabilities (tests/test_gpu_truth.py measures both versions on an H100)."""
-    from vramlab.activations import _saved_bytes
+    from vramlab.activations import saved_tensor_bytes
 
     spec = preset("t5-small")
     s, a = 256, spec.num_heads
@@ -69,7 +69,7 @@ def test_t5_self_attention_on_cuda_keeps_one_mask_for_the_batch():
         assert len(masks) == 1 and masks[0].shared_batch
         nbytes = {"half": nb}
         for b in (1, 8):
-            assert _saved_bytes(masks[0], tokens=b * s, scores=b * a * s * s, nbytes=nbytes, batch=b) == a * s * s * nb
+            assert saved_tensor_bytes(masks[0], tokens=b * s, scores=b * a * s * s, nbytes=nbytes, batch=b) == a * s * s * nb
         cpu = layer_saved(spec, device="cpu", precision=precision)
         assert any(x.per_score and not x.shared_batch for x in cpu)  # the probabilities
     # the bias's share of a step: activations grow with the batch except the masks, one a block

@@ -336,7 +336,7 @@ def test_shard_states_composes_zero_fsdp2_phases_with_cps_moments(lab):
                               device="cpu", optimizer_impl="foreach")
     between = zero.model_states(lab, 2, 3, recipe="fp32-adam", implementation="fsdp2")
     delta = r["states"]["parameters"] + r["states"]["optimizer_states"] - between.total
-    unit = zero._units(lab)[0] * 4  # the last block's flat all-gather output, kept until the root's post-forward
+    unit = zero.zero_units(lab)[0] * 4  # the last block's flat all-gather output, kept until the root's post-forward
     for ph in phases:
         assert r["moments"][ph.phase] == ph.total + delta + (unit if ph.phase.startswith("forward") else 0), ph.phase
     assert {"attention forward of the last block", "attention backward of the last block"} <= set(r["moments"])

@@ -179,3 +179,38 @@ def test_the_readmes_package_map_names_every_module():
         modules = {p.stem for p in folder.glob("*.py") if not p.stem.startswith("_")}
         assert modules <= listed[folder], (folder.name, sorted(modules - listed[folder]))
         assert listed[folder] <= modules, (folder.name, sorted(listed[folder] - modules))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_uses_another_modules_private_name():
+    """What another module imports is public: `from vramlab.x import _y`, or `x._y` on an imported vramlab module,
+    is refused (the name is made public, or moves to the module that uses it)."""
+    bad = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        package = name if _is_package(name) else name.rpartition(".")[0]
+        aliases: dict[str, str] = {}  # a local name bound to a vramlab module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                for a in node.names:
+                    if f"{mod}.{a.name}" in MODULES:
+                        aliases[a.asname or a.name] = f"{mod}.{a.name}"
+                    elif mod in MODULES and mod != name and _private(a.name):
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {mod}.{a.name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname and a.name in MODULES:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and aliases[node.value.id] != name and _private(node.attr)):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
+    assert not bad, "\n".join(bad)

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 torch.set_num_threads(1)
 
-from vramlab.measure.memory import _fake_mode, measure  # noqa: E402
+from vramlab.measure.memory import fake_mode, measure  # noqa: E402
 from vramlab.measure.models import build_model, make_batch  # noqa: E402
 
 # (preset, [(batch, seq_len, all_logits)]): a short prefill, and a long one where the MoE block is the peak
@@ -33,7 +33,7 @@ def _measure_prefills(spec, sizes):
     `model(ids, use_cache=True)` keeping its outputs (as `measure.memory.measure_inference` does), or
     with `logits_to_keep=1` where `all_logits` is off."""
     results = []
-    with _fake_mode(True):
+    with fake_mode(True):
         model = build_model(spec, dtype=torch.bfloat16, device="cpu", train=False)
         for b, s, all_logits in sizes:
             batch = make_batch(spec, batch_size=b, seq_len=s, with_labels=False)

@@ -280,7 +280,7 @@ def test_bminf_prefill_multiplies_in_int8():
     from vramlab.specs import gpu
 
     ten = O.ten_b_model()
-    block, _ = O._units(ten)
+    block, _ = O.zero_units(ten)
     g = gpu("gtx-1060")
     int8 = O.stream_model(ten, g, tokens=512, weight_bytes=1)
     assert int8.layer_seconds == pytest.approx(2 * block * 512 / (4 * 4.4e12 * O.STREAM_MFU))

@@ -125,7 +125,7 @@ def test_offloaded_host_states_equal_deepspeeds_estimator(model):
     from vramlab import specs
 
     spec = specs.preset(model)
-    block, _ = O._units(spec)
+    block, _ = O.zero_units(spec)
     kw = dict(batch_size=1, seq_len=512)
     for params, cpu_params in (("gpu", False), ("cpu", True)):
         cpu, gpu, _ = estimate_zero3_model_states_mem_needs(spec.params, block, cpu_offload=True,

@@ -24,7 +24,7 @@ from typing import Iterable, Literal
 from . import checks as _checks
 from . import moe as _moe
 from .checks import MAX_BYTES, MAX_PARAMS
-from .precision import PRECISIONS, PURE_16BIT, Precision, _dtype_bytes, _loss_bytes
+from .precision import PRECISIONS, PURE_16BIT, Precision, dtype_sizes, loss_bytes
 from .specs import ModelSpec, moe_preset_names as _moe_preset_names, resolve as _resolve
 
 
@@ -81,7 +81,7 @@ class Saved:
                 object.__setattr__(self, k, _checks.flag(k, getattr(self, k)))
 
 
-# a saved tensor's dtype, by kind (`_dtype_bytes`)
+# a saved tensor's dtype, by kind (`dtype_sizes`)
 SAVED_KINDS: tuple[str, ...] = ("x", "half", "f32", "loss", "mask", "i64", "up32")
 
 
@@ -95,7 +95,7 @@ _ACT_SAVES = {"gelu_new": 4, "gelu_fast": 4, "quick_gelu": 2}
 _ACT_SAVES_F32_CUDA_AMP = {"gelu_new": 3}
 
 
-def _cuda_amp(precision: Precision, device: str) -> bool:
+def cuda_amp(precision: Precision, device: str) -> bool:
     """PyTorch AMP (fp32 model + autocast) running CUDA kernels."""
     return device == "cuda" and precision in ("bf16-mixed", "fp16-mixed")
 
@@ -133,7 +133,7 @@ def _t5_fused_self_attention(spec: ModelSpec, attention: AttentionImpl, device: 
     return spec.family == "t5" and device == "cuda" and attention == "sdpa"
 
 
-def _math_path(spec: ModelSpec, attention: AttentionImpl, device: str, precision: str | None = None) -> bool:
+def uses_math_attention(spec: ModelSpec, attention: AttentionImpl, device: str, precision: str | None = None) -> bool:
     """True where the s x s scores are materialised: eager attention; SDPA on the CPU with attention
     dropout (PyTorch's CPU flash kernel has no dropout, so it falls back to math); and SDPA on CUDA in
     fp32 for a grouped-query model: transformers passes `enable_gqa=True` (no mask), which CUDA's flash
@@ -156,7 +156,7 @@ def _attention(spec: ModelSpec, *, attention: AttentionImpl, device: str, precis
     cpu_upcast = (device == "cpu" and attention == "sdpa" and precision != "fp32") or math_upcast
     if cpu_upcast:
         saved = [dataclasses.replace(q, kind="f32") for q in saved]
-    if _math_path(spec, attention, device, precision):
+    if uses_math_attention(spec, attention, device, precision):
         # fp32, or autocast's fp32 softmax; pure bf16 keeps bf16 probabilities (except CPU SDPA)
         soft = "f32" if precision not in PURE_16BIT or cpu_upcast else "half"
         saved.append(Saved(name="softmax(QK^T)", width=1, kind=soft, per_score=True))
@@ -235,8 +235,8 @@ def layer_saved(spec: ModelSpec, *, attention: AttentionImpl = "sdpa", device: s
     f = spec.family
     h = spec.hidden_size
     kw = dict(attention=attention, device=device, precision=precision)
-    math = _math_path(spec, attention, device, precision)
-    amp = _cuda_amp(precision, device)
+    math = uses_math_attention(spec, attention, device, precision)
+    amp = cuda_amp(precision, device)
     if f == "gpt2":
         fused = [Saved(name="c_attn out (q,k,v views)", width=3 * h, kind="half")]
         if math and attention == "sdpa" and batch_size == 1:  # math SDPA scales q and k into copies;
@@ -335,7 +335,7 @@ def model_saved(spec: ModelSpec) -> list[Saved]:
     return saved
 
 
-def _saved_bytes(s: Saved, *, tokens: int, scores: int, nbytes: dict[str, int], batch: int) -> int:
+def saved_tensor_bytes(s: Saved, *, tokens: int, scores: int, nbytes: dict[str, int], batch: int) -> int:
     """One saved tensor's bytes: `tokens` (or `scores`, or the scores of one sequence for a tensor
     the batch shares) times its width, in its kind's dtype."""
     n = (scores // batch if s.shared_batch else scores) if s.per_score else tokens
@@ -365,14 +365,14 @@ def tp_split(x: Saved, spec: ModelSpec) -> bool:
     return x.width not in (spec.hidden_size, spec.word_embed_proj_dim or spec.hidden_size, 1, 2)
 
 
-def _ledger_bytes(saved: list[Saved], *, tokens: int, scores: int, nbytes: dict[str, int], batch: int,
+def ledger_bytes(saved: list[Saved], *, tokens: int, scores: int, nbytes: dict[str, int], batch: int,
                   spec: ModelSpec | None = None, tp: int = 1, sp: bool = False) -> int:
     """Bytes of saved tensors on one tensor-parallel rank (`tp_split`; with sequence parallelism the
     replicated tensors are split along the sequence too), rounded up once."""
     size = dict(tokens=tokens, scores=scores, nbytes=nbytes, batch=batch)
     if tp == 1:
-        return sum(_saved_bytes(s, **size) for s in saved)
-    return math.ceil(sum(Fraction(_saved_bytes(s, **size), tp) if sp or tp_split(s, spec) else _saved_bytes(s, **size)
+        return sum(saved_tensor_bytes(s, **size) for s in saved)
+    return math.ceil(sum(Fraction(saved_tensor_bytes(s, **size), tp) if sp or tp_split(s, spec) else saved_tensor_bytes(s, **size)
                          for s in saved))
 
 
@@ -543,7 +543,7 @@ def _matmul_outputs(spec: ModelSpec, *, attention: AttentionImpl, device: str, p
         kv = h
     saved = [Saved(name="projection outputs (split)", width=qd + 2 * kv + i * (2 if spec.gated_mlp else 1), kind="half"),
              Saved(name="projection outputs (h wide)", width=2 * h, kind="half")]  # o/down: after the all-reduce
-    if _math_path(spec, attention, device, precision):  # QK^T and probs @ V are bmm: both outputs saved
+    if uses_math_attention(spec, attention, device, precision):  # QK^T and probs @ V are bmm: both outputs saved
         f32 = device == "cpu" and attention == "sdpa" and precision != "fp32"
         saved += [Saved(name="QK^T", width=1, kind="f32" if f32 else "half", per_score=True),
                   Saved(name="probs @ V", width=qd, kind="half")]
@@ -715,8 +715,8 @@ def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision:
     moe_spec = None
     if spec.is_moe:  # attention, norms, embeddings and loss as its Llama twin's; the MLPs below
         moe_spec, spec = spec, _moe_twin(spec)
-    nb = _dtype_bytes(precision, device)
-    nb["loss"] = _loss_bytes(spec, precision)
+    nb = dtype_sizes(precision, device)
+    nb["loss"] = loss_bytes(spec, precision)
     b, s, a = batch_size, seq_len, spec.num_heads
     tokens, scores = b * s, b * a * s * s
     t, sp = share.tp, share.sp
@@ -729,9 +729,9 @@ def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision:
 
     enc_saved = keep(layer_saved(spec, **kw))
     block = keep(layer_saved(spec, decoder=True, **kw)) if spec.family == "t5" else enc_saved  # the larger block
-    enc = _ledger_bytes(enc_saved, **sizes)
-    dec = _ledger_bytes(block, **sizes) if spec.family == "t5" else 0
-    mlp_part = _ledger_bytes([x for x in block if x.part == "mlp"], **sizes)
+    enc = ledger_bytes(enc_saved, **sizes)
+    dec = ledger_bytes(block, **sizes) if spec.family == "t5" else 0
+    mlp_part = ledger_bytes([x for x in block if x.part == "mlp"], **sizes)
     n_enc, n_dec = spec.num_layers, spec.num_decoder_layers
     lo_dev, hi_dev = share.blocks or (0, n_enc + n_dec)
     mine = range(lo_dev, hi_dev)
@@ -740,21 +740,21 @@ def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision:
     if moe_spec is not None:
         if moe_spec.is_mla:  # the twin's two norms, and the latent attention between them
             norms = [x for x in enc_saved if x.name.startswith(("input_layernorm", "post_attention_layernorm"))]
-            attn = _ledger_bytes(norms, **sizes) + sum(_moe.mla_attention_saved(
+            attn = ledger_bytes(norms, **sizes) + sum(_moe.mla_attention_saved(
                 moe_spec, tokens=tokens, precision=precision, device=device).values())
             if nb["up32"]:  # DeepSeek's RMSNorms save an fp32 copy of a 16-bit input (traced: V2 and V3, pure bf16)
                 attn += 2 * tokens * moe_spec.hidden_size * (nb["up32"] - nb["x"])
         else:
-            attn = _ledger_bytes([x for x in enc_saved if x.part == "attn"], **sizes) + _qk_norm_bytes(moe_spec, tokens, nb)
+            attn = ledger_bytes([x for x in enc_saved if x.part == "attn"], **sizes) + _qk_norm_bytes(moe_spec, tokens, nb)
         mlps = [sum(_moe.training_layer_saved(moe_spec, layer=i, tokens=tokens, precision=precision, device=device,
                                               capacity_factor=capacity_factor).values()) for i in range(n_enc)]
         full = [attn + m for m in mlps]
         mlp_part = max(mlps)
     one = max((full[i] for i in mine), default=0)
-    scores_of = [_ledger_bytes([x for x in blk if x.per_score], **sizes) for blk in (enc_saved, block)]
+    scores_of = [ledger_bytes([x for x in blk if x.per_score], **sizes) for blk in (enc_saved, block)]
     per_score = [scores_of[0]] * n_enc + [scores_of[1]] * n_dec
     block_in = -(-tokens * spec.hidden_size * nb["x"] // seq_split)  # a checkpoint: the block's input (Korthikanti+22: 2sbh in 16-bit)
-    matmuls = _ledger_bytes(_matmul_outputs(spec, attention=attention, device=device, precision=precision), **sizes)
+    matmuls = ledger_bytes(_matmul_outputs(spec, attention=attention, device=device, precision=precision), **sizes)
     kept = [f - p if plan.attention_core else f for f, p in zip(full, per_score)]
     for lo, hi in plan.segments:  # (not `a`: that is the number of heads here)
         for i in range(lo, hi):
@@ -793,14 +793,14 @@ def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision:
     else:
         copies = 0
     outside_saved = [x for x in keep(model_saved(spec)) if (share.first if x.stage == "first" else share.last)]
-    outside = _ledger_bytes(outside_saved, **sizes)
+    outside = ledger_bytes(outside_saved, **sizes)
     if moe_spec is not None and moe_spec.is_mla and nb["up32"] and share.last:  # the final norm's fp32 copy, as above
         outside += tokens * moe_spec.hidden_size * (nb["up32"] - nb["x"])
     if spec.family == "t5":
         # relative-position buckets: an (s, s) int64 index per stack, kept by the bias embedding
         outside += 2 * s * s * nb["i64"]
         outside += tokens * spec.hidden_size * nb["x"]  # the encoder's output, read by every cross-attention
-        if not _math_path(spec, attention, device, precision):  # SDPA keeps the (zero) cross-attention bias,
+        if not uses_math_attention(spec, attention, device, precision):  # SDPA keeps the (zero) cross-attention bias,
             outside += a * s * s * nb["half"]  # in the compute dtype (16 bits under autocast)
         if plan.segments:  # checkpointed blocks also keep their shared inputs: a (1, a, s, s) bias
             outside += a * s * s * nb["x"]
@@ -809,7 +809,7 @@ def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision:
     # and d(scores), b * a * s^2 each). The extra over the block's saved tensors at its worst
     # (inside the heads and the MLP width: split by t):
     t5_fused = _t5_fused_self_attention(spec, attention, device)
-    math_path = _math_path(spec, attention, device, precision) or (spec.family == "t5" and not t5_fused)
+    math_path = uses_math_attention(spec, attention, device, precision) or (spec.family == "t5" and not t5_fused)
     # (a gated MLP's backward holds three (b, s, intermediate) tensors at once on CUDA, two on the CPU:
     # measured on every Llama-like CPU run, ZeRO-0 to FSDP2 and pipelines, tests/test_validation.py)
     # An ungated MLP whose activation is one kernel saving only its input (GELU): the down projection's
@@ -825,7 +825,7 @@ def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision:
                                                   capacity_factor=capacity_factor) for i in range(n_enc))
     mlp_moment, attn_moment = -(-mlp_grads // t), -(-attn_grads // t) - mlp_part
     transient = max(mlp_moment, attn_moment, 0)
-    outside_last = _ledger_bytes([x for x in outside_saved if x.stage != "first"], **sizes) if share.last else 0
+    outside_last = ledger_bytes([x for x in outside_saved if x.stage != "first"], **sizes) if share.last else 0
     # Freed before any block's backward: autograd releases a node's saved tensors once it has run
     # (torch/csrc/autograd/engine.cpp, Engine::evaluate_function: fn.release_variables() unless
     # retain_graph), and the final norm runs its backward between the head's and the last block's.
@@ -833,7 +833,7 @@ def _activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, precision:
     # Full fine-tuning only: a frozen base with adapters (PEFT) is left as it was (its blocks' backward
     # holds adapter transients this ledger does not list, which these terms stood in for: LoRA traces in
     # tests/test_compression.py fall 5-7 % short without them)
-    final_norm = _ledger_bytes(keep(_norm(spec, "final norm")), **sizes) \
+    final_norm = ledger_bytes(keep(_norm(spec, "final norm")), **sizes) \
         if share.last and not frozen_base and any(x.name.startswith("final norm") for x in outside_saved) else 0
     # The gradient entering the block: at the block's peak (inside its MLP's backward, or inside
     # attention's) only one b x s x h gradient exists in a sequential pre-norm block: d(out) (AddBackward0
@@ -914,7 +914,7 @@ class MLPBlock:
             put(k, float(p))
 
 
-def _inplace_set(inplace) -> frozenset[str]:
+def inplace_set(inplace) -> frozenset[str]:
     if isinstance(inplace, str):
         inplace = (inplace,)
     if isinstance(inplace, bool) or not isinstance(inplace, Iterable) or isinstance(inplace, (bytes, dict)):
@@ -931,7 +931,7 @@ def inplace_refusal(block: MLPBlock, inplace: Iterable[str] = ()) -> str | None:
     The rule: an op may overwrite a tensor only if no earlier op saved that tensor for backward."""
     if not isinstance(block, MLPBlock):
         raise ValueError(f"block must be a vramlab.activations.MLPBlock, got {_checks.show(block)}")
-    ops = _inplace_set(inplace)
+    ops = inplace_set(inplace)
     act = block.activation
     if "activation" in ops and act == "gelu":
         return "torch has no in-place GELU (nn.GELU and F.gelu take no inplace argument)"
@@ -967,7 +967,7 @@ def mlp_block_memory(block: MLPBlock, *, batch_size: int, seq_len: int, precisio
     b, s = _checks.whole("batch_size", batch_size), _checks.whole("seq_len", seq_len)
     _checks.one_of("precision", precision, ("fp32", "bf16", "fp16"))
     _checks.one_of("device", device, ("cuda", "cpu"))
-    ops = _inplace_set(inplace)
+    ops = inplace_set(inplace)
     why = inplace_refusal(block, ops)
     if why:
         raise ValueError(f"in place refused: {why}")
@@ -1109,7 +1109,7 @@ def inplace_sites(spec: ModelSpec, *, device: str = "cuda", precision: Precision
     _checks.one_of("device", device, ("cuda", "cpu"))
     _checks.one_of("precision", precision, PRECISIONS)
     _checks.one_of("attention implementation", attention, ATTENTIONS)
-    nb = _dtype_bytes(precision, device)
+    nb = dtype_sizes(precision, device)
     half, x = nb["half"], nb["x"]
     h, i, f = spec.hidden_size, spec.intermediate_size, spec.family
     sites: list[InplaceSite] = []

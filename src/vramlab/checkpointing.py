@@ -49,7 +49,7 @@ def flops(model: ModelSpec | str, *, batch_size: int, seq_len: int) -> dict:
     MLM head), their attention-core part per block ('attention_core'), and the step ('step': 3x
     the forward)."""
     spec = _specs.resolve(model)  # (no positions check: FLOPs are counted for any length, as the papers' formulas)
-    b, s = _mem._check_positive(batch_size=batch_size, seq_len=seq_len)
+    b, s = _mem.check_positive(batch_size=batch_size, seq_len=seq_len)
     tokens = b * s
     core = 4 * b * s * s * spec.q_dim
     cores = [core] * spec.num_layers + [2 * core] * spec.num_decoder_layers  # + cross-attention
@@ -120,18 +120,18 @@ def evaluate(model: ModelSpec | str, recompute: "str | Plan" = "none", *, batch_
     checkpoints over the host link, both ways, added to the compute: torch's `save_on_cpu` copies on
     the compute stream, measured at SAVE_ON_CPU_EFFICIENCY of the nominal rate (chapter 6)."""
     spec = _specs.resolve(model)
-    batch_size, seq_len = _mem._check_positive(batch_size=batch_size, seq_len=seq_len)
+    batch_size, seq_len = _mem.check_positive(batch_size=batch_size, seq_len=seq_len)
     plan = recompute_plan(recompute, spec)
     mfu = _checks.number("mfu", mfu, lo=0, lo_open=True, hi=1,
                          what="a fraction of the peak FLOP/s in (0, 1]")
-    _mem._check_choice(device, ("cuda", "cpu"), "device")
+    _mem.check_choice(device, ("cuda", "cpu"), "device")
     gpu = _gpu(gpu) if gpu is not None else None
     phases = _mem.training_phases(spec, batch_size=batch_size, seq_len=seq_len, precision=precision,
                                   optimizer=optimizer, attention=attention, recompute=plan, device=device,
                                   gpu=gpu if device == "cuda" else None)
     f = flops(spec, batch_size=batch_size, seq_len=seq_len)
     extra = _recomputed(plan, f)
-    x = _prec._dtype_bytes(precision, device)["x"]
+    x = _prec.dtype_sizes(precision, device)["x"]
     moved = len(plan.segments) * batch_size * seq_len * spec.hidden_size * x if plan.offload else 0
     seconds = fit = None
     top = max(phases, key=lambda m: m.total)
@@ -357,14 +357,14 @@ def compiled_activations(model: ModelSpec | str, *, batch_size: int, seq_len: in
     Known limitations: validated against CPU inductor in fp32 (`vramlab.measure.checkpointing
     compile`); other precisions price the same tensors in the compute dtype, unmeasured."""
     spec = _specs.resolve(model)
-    b, s = _mem._check_positive(batch_size=batch_size, seq_len=seq_len)
+    b, s = _mem.check_positive(batch_size=batch_size, seq_len=seq_len)
     memory_budget = _checks.number("memory_budget", memory_budget, lo=0, hi=1,
                                    what="torch._functorch.config.activation_memory_budget, in [0, 1]")
-    _mem._check_choice(device, ("cuda", "cpu"), "device")
+    _mem.check_choice(device, ("cuda", "cpu"), "device")
     ledger = compiled_block_saved(spec)
-    nb = _prec._dtype_bytes(precision, device)
+    nb = _prec.dtype_sizes(precision, device)
     size = dict(tokens=b * s, scores=b * spec.num_heads * s * s, nbytes=nb, batch=b)
-    priced = [(x.name, _act._saved_bytes(x, **size)) for x in ledger]
+    priced = [(x.name, _act.saved_tensor_bytes(x, **size)) for x in ledger]
     compiled = sum(n for _, n in priced)
     minimum = priced[0][1]  # the block's input
     eager = _act.activation_bytes(spec, batch_size=b, seq_len=s, precision=precision, device=device)["full"][0]

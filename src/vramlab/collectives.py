@@ -54,7 +54,7 @@ def _size(size_bytes, name: str = "size_bytes"):
     return _checks.number(name, size_bytes, lo=0, what="a finite number of bytes >= 0")
 
 
-def _link(lk, name: str = "lk") -> "Link":
+def as_link(lk, name: str = "lk") -> "Link":
     """A Link, or a preset's name (`link`)."""
     if isinstance(lk, str):
         return link(lk)
@@ -156,7 +156,7 @@ def collective_time(op: Op, n: int, size_bytes: int, lk: Link | str, *, algorith
     size_bytes = _size(size_bytes)
     _checks.one_of("algorithm", algorithm, ALGORITHMS)
     chunks = _checks.whole("chunks", chunks)
-    lk = _link(lk)
+    lk = as_link(lk)
     a, B, S = lk.alpha_s, lk.bytes_per_s, size_bytes
     if n == 1:
         return 0.0
@@ -231,7 +231,7 @@ def data_parallel_sync(n_params: int, n_workers: int, lk: Link | str, *, bytes_p
     n_workers = _checks.whole("n_workers", n_workers)
     bytes_per_grad = _checks.whole("bytes_per_grad", bytes_per_grad, hi=8)
     _checks.one_of("scheme", scheme, SCHEMES)
-    lk = _link(lk)
+    lk = as_link(lk)
     S = n_params * bytes_per_grad
     if scheme == "all_reduce":  # every worker's link is equally busy
         sent = bytes_sent_per_rank("all_reduce", n_workers, S)

@@ -17,9 +17,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from . import checks as _checks
-from .activations import _ledger_bytes, layer_saved, recompute_plan
+from .activations import ledger_bytes, layer_saved, recompute_plan
 from .memory import MemoryBreakdown, estimate_inference, optimizer_state_bytes, param_bytes, training_phases
-from .precision import PRECISIONS, _dtype_bytes
+from .precision import PRECISIONS, dtype_sizes
 from .specs import resolve as _resolve
 from .units import fmt_bytes
 from .specs import ModelSpec, SpecError
@@ -512,7 +512,7 @@ def prompt_params(model: ModelSpec | str, *, method: str = "prompt", num_virtual
 def _prompt_training(spec: ModelSpec, pl: PromptLearning, *, batch_size: int, seq_len: int, precision: str,
                      optimizer: str, optimizer_impl: str, attention: str, device: str, gpu, recompute) -> MemoryBreakdown:
     """`peft_training` for prompt tuning, prefix tuning and P-tuning (helper G's region; see there)."""
-    from .activations import _math_path, activation_bytes
+    from .activations import uses_math_attention, activation_bytes
 
     b, s, p, n = batch_size, seq_len, pl.num_virtual_tokens, pl.trainable
     t5, method = spec.family == "t5", pl.method
@@ -523,7 +523,7 @@ def _prompt_training(spec: ModelSpec, pl: PromptLearning, *, batch_size: int, se
                          "use recompute='none', or prompt tuning / P-tuning")
     kw = dict(precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl, attention=attention,
               device=device, gpu=gpu, recompute=recompute, trainable_params=n)
-    nb = _dtype_bytes(precision, device)
+    nb = dtype_sizes(precision, device)
     ak = dict(precision=precision, attention=attention, device=device, frozen_base=True)
     n_enc, n_dec = spec.num_layers, spec.num_decoder_layers
     if method != "prefix" and not t5:
@@ -548,11 +548,11 @@ def _prompt_training(spec: ModelSpec, pl: PromptLearning, *, batch_size: int, se
         led = dict(tokens=b * s, nbytes=nb, batch=b)
         layers = n_dec if t5 else spec.num_layers
         own = saved[:next((i for i, x in enumerate(saved) if x.name.startswith("cross")), len(saved))]  # self-attention's
-        scores = _ledger_bytes([x for x in own if x.per_score and not x.shared_batch], scores=b * spec.num_heads * s * p, **led) \
-            if _math_path(spec, attention, device, precision) else 0
+        scores = ledger_bytes([x for x in own if x.per_score and not x.shared_batch], scores=b * spec.num_heads * s * p, **led) \
+            if uses_math_attention(spec, attention, device, precision) else 0
         first = next((i for i, x in enumerate(saved) if x.name == "q" or x.name.startswith("c_attn out")
                       or x.name.startswith("qkv out")), 0)
-        unsaved = _ledger_bytes([x for x in saved[:first] if not x.for_weight], scores=0, **led)
+        unsaved = ledger_bytes([x for x in saved[:first] if not x.for_weight], scores=0, **led)
         if t5:
             unsaved += sum(activation_bytes(spec, batch_size=b, seq_len=s, **ak)["full"][:n_enc])
         extra = layers * (2 * b * p * pl.token_dim * nb["half"] + scores) - unsaved
@@ -667,7 +667,7 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
     if precision == "bf16-mixed":
         warning = (f"bf16-mixed keeps the frozen base in fp32 ({fmt_bytes(4 * (spec.params))} for {spec.name}); "
                    "load it in bf16 (precision='bf16', adapters fp32 as peft keeps them) to halve it")
-    nb = _dtype_bytes(precision, device)
+    nb = dtype_sizes(precision, device)
     # an adapter keeps A's output (r a token), and one on a layer whose input only that layer's
     # weight gradient needed (o, the MLP's) keeps that input again: the ledger's for-weight tensors
     roles = {x.role for x in targets_}
@@ -677,14 +677,14 @@ def peft_training(model: ModelSpec | str, *, method: str = "lora", rank: int = 8
     blocks = [(layer_saved(spec, **lkw), spec.num_layers)]
     if spec.family == "t5":
         blocks.append((layer_saved(spec, decoder=True, **lkw), spec.num_decoder_layers))
-    reread = sum(n_blocks * _ledger_bytes([x for x in saved if x.for_weight and _SAVED_ROLE.get(x.name) in roles], **led)
+    reread = sum(n_blocks * ledger_bytes([x for x in saved if x.for_weight and _SAVED_ROLE.get(x.name) in roles], **led)
                  for saved, n_blocks in blocks)
     # the first block of a stack reads a frozen embedding: what it computes before its first adapter
     # needs no gradient, so autograd saves none of it
     first = min((i for i, x in enumerate(blocks[0][0]) if _ROLE_START.get(x.name) in roles), default=0)
-    unsaved = len(blocks) * _ledger_bytes([x for x in blocks[0][0][:first] if not x.for_weight], **led)
+    unsaved = len(blocks) * ledger_bytes([x for x in blocks[0][0][:first] if not x.for_weight], **led)
     if fp32_adapters and not autocast:  # each adapter's own fp32 input and A output replace the shared bf16 inputs
-        shared = sum(n_blocks * _ledger_bytes([x for x in saved if not x.for_weight and _ROLE_START.get(x.name) in roles
+        shared = sum(n_blocks * ledger_bytes([x for x in saved if not x.for_weight and _ROLE_START.get(x.name) in roles
                                                and x.kind == "half"], **led) for saved, n_blocks in blocks)
         adapters = sum(b * sq * (x.d_in + rank) * 4 for x in targets_) - shared
     else:
@@ -932,12 +932,12 @@ def moefication(model: ModelSpec | str, *, experts: int, active: int, router: st
     ffn_flops = layers * (2 * active * m * h * (n_in + 1) + router_flops)
     flops_dense = f["forward"] // seq_len
     # the training ledger's FFN tensors of intermediate width, dense and with k m of the i neurons
-    nb = _dtype_bytes(precision, device)
+    nb = dtype_sizes(precision, device)
     saved = [x for x in layer_saved(s, precision=precision, device=device, batch_size=1)
              if x.part == "mlp" and x.width % i == 0 and x.width >= i]
     led = dict(tokens=1, scores=0, nbytes=nb, batch=1)
-    dense_saved = _ledger_bytes(saved, **led)
-    moe_saved = _ledger_bytes([dataclasses.replace(x, width=x.width // i * active * m) for x in saved], **led) + 8 * active
+    dense_saved = ledger_bytes(saved, **led)
+    moe_saved = ledger_bytes([dataclasses.replace(x, width=x.width // i * active * m) for x in saved], **led) + 8 * active
     params = s.params + layers * per_router
     wb = _MOE_DTYPES[dtype]
     return MoEfication(

@@ -219,7 +219,7 @@ def resolve_model(ref: str) -> ModelRef:
     else:
         _fail(f"model {ref!r} is neither a config.json path, a preset ({', '.join(specs.preset_names())}) nor a "
               "Hugging Face id (org/name)")
-    raw = specs._read_json(path)
+    raw = specs.read_json(path)
     spec = specs.from_config(path, name=ref if not os.path.exists(ref) else None)
     dtype = raw.get("dtype") or raw.get("torch_dtype") if isinstance(raw, dict) else None
     return ModelRef(spec, f"vramlab.specs.from_config({path!r}" + (f", name={ref!r})" if not os.path.exists(ref) else ")"),
@@ -324,7 +324,7 @@ class Setup:
         The fragmentation block is the largest tensor's as `zero.fits` and `fitting.fit` take it."""
         if self.gpu is None:
             _fail("no GPU given: give one (--gpu / gpu=) to check the fit")
-        prec = Z._ACT_PRECISION[self.recipe] if self.sharding != "none" else self.precision
+        prec = Z.ACT_PRECISION[self.recipe] if self.sharding != "none" else self.precision
         largest = fitting.fragmentation_bytes(self.model.spec, batch_size=self.micro_batch_size, seq_len=self.seq_len,
                                               precision=prec, attention=self.attention)
         return fitting.device_fit(self.estimate(), self.gpu, largest_tensor=largest)

@@ -14,7 +14,7 @@ from typing import Callable, Literal
 from . import checks as _checks
 from .activations import ATTENTIONS, WHOLE_MODEL, AttentionImpl, DeviceShare
 from .checks import MAX_BYTES
-from .memory import (MemoryBreakdown, _INFER_BYTES, _estimate_options, _inference_spec, estimate_inference,
+from .memory import (MemoryBreakdown, INFER_BYTES, estimate_options, inference_spec, estimate_inference,
                      estimate_training, param_bytes)
 from .precision import PRECISIONS
 from .specs import GPUSpec, ModelSpec, gpu as _gpu
@@ -126,13 +126,13 @@ def largest_tensor_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: in
     dense embedding gradient whole). Other keywords of `estimate_training`/`estimate_inference` are
     accepted (and ignored), so that one set of options serves both; any other is an error. A mixture
     of experts' gate-and-up output (top-k rows a token) is a candidate too."""
-    spec = _inference_spec(model)  # a mixture of experts too (estimate_training says which it prices)
-    _checks.no_unknown("largest_tensor_bytes", _ignored, _estimate_options())
+    spec = inference_spec(model)  # a mixture of experts too (estimate_training says which it prices)
+    _checks.no_unknown("largest_tensor_bytes", _ignored, estimate_options())
     batch_size, seq_len = _checks.whole("batch_size", batch_size), _checks.whole("seq_len", seq_len)
     _checks.one_of("mode", mode, ("train", "infer"))
     _checks.one_of("precision", precision, PRECISIONS)
     _checks.one_of("attention implementation", attention, ATTENTIONS)
-    _checks.one_of("dtype", dtype, tuple(_INFER_BYTES))
+    _checks.one_of("dtype", dtype, tuple(INFER_BYTES))
     if new_tokens is not None:
         new_tokens = _checks.whole("new_tokens", new_tokens, lo=0)
     all_logits = _checks.flag("all_logits", all_logits)
@@ -147,7 +147,7 @@ def largest_tensor_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: in
         return max(b * s * vocab * 4 if share.last else 0, emb if share.first or share.last else 0, scores)
     e = spec.word_embed_proj_dim or spec.hidden_size
     if mode == "infer":
-        nb = 2 if dtype == "int8" else _INFER_BYTES.get(dtype, 2)
+        nb = 2 if dtype == "int8" else INFER_BYTES.get(dtype, 2)
         tokens = b if (new_tokens is not None or not all_logits or spec.family == "t5") else b * s
         scores = b * spec.num_heads * s * s * nb if attention == "eager" else 0
         experts = b * s * spec.num_experts_per_tok * 2 * spec.moe_intermediate_size * nb if spec.is_moe else 0
@@ -168,8 +168,8 @@ def fragmentation_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: int
     to 104: reserved minus allocated at the peak 0.83-0.97 of the 16-bit logits; the estimate's
     largest batch is then the measured one, 104). Otherwise one block of the largest tensor
     (`largest_tensor_bytes`), which is safe without a measurement that says more."""
-    spec = _inference_spec(model)
-    _checks.no_unknown("fragmentation_bytes", kw, _estimate_options() | {"mode"})
+    spec = inference_spec(model)
+    _checks.no_unknown("fragmentation_bytes", kw, estimate_options() | {"mode"})
     largest = largest_tensor_bytes(spec, batch_size=batch_size, seq_len=seq_len, precision=precision, share=share, **kw)
     batch_size, seq_len = operator.index(batch_size), operator.index(seq_len)  # checked there
     if kw.get("mode", "train") != "train" or precision == "fp32" or not (share.whole or share.last):
@@ -374,7 +374,7 @@ def longest_sequence(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: 
     est = estimate_training if mode == "train" else estimate_inference
     options = _gpu_step_options(est, options, "longest_sequence()", f"longest_sequence(mode={mode!r})",
                                 chosen=("seq_len",))
-    spec = _inference_spec(model)
+    spec = inference_spec(model)
     est(spec, batch_size=batch_size, seq_len=1, gpu=g, **options)  # every option checked once
     limit = spec.max_position_embeddings if spec.family != "t5" and spec.max_position_embeddings else MAX_SEQ_SEARCH
     _positions(spec, limit)

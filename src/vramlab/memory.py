@@ -17,10 +17,10 @@ from typing import Iterable, Literal
 from . import checks as _checks
 from . import moe as _moe
 from . import optimizers as _optim
-from .activations import (ATTENTIONS, WHOLE_MODEL, AttentionImpl, DeviceShare, Recompute, _cuda_amp,
+from .activations import (ATTENTIONS, WHOLE_MODEL, AttentionImpl, DeviceShare, Recompute, cuda_amp,
                           activation_bytes, recompute_plan)
 from .checks import MAX_BYTES, MAX_PARAMS
-from .precision import FP32_STATES, PRECISIONS, PURE_16BIT, Precision, _dtype_bytes, _loss_bytes
+from .precision import FP32_STATES, PRECISIONS, PURE_16BIT, Precision, dtype_sizes, loss_bytes
 from .specs import GPUSpec, ModelSpec, gpu as _gpu, moe_preset_names as _moe_preset_names, preset as _preset
 from .specs import resolve as _resolve
 from .units import fmt_bytes
@@ -111,14 +111,14 @@ class MemoryBreakdown:
 def param_bytes(precision: Precision) -> int:
     """Bytes per parameter of the model as held in memory: PyTorch AMP keeps the model (the
     master weights) in fp32 and casts on the fly; pure bf16 holds bf16 weights."""
-    _check_choice(precision, PRECISIONS, "precision")
+    check_choice(precision, PRECISIONS, "precision")
     return 2 if precision in PURE_16BIT else 4
 
 
 def state_bytes(precision: Precision) -> int:
     """Bytes per element of the optimizer's states: fp32 where the recipe asks for it, otherwise the
     parameters' dtype (torch.optim's behaviour)."""
-    _check_choice(precision, PRECISIONS, "precision")
+    check_choice(precision, PRECISIONS, "precision")
     return 4 if precision in FP32_STATES else param_bytes(precision)
 
 
@@ -129,7 +129,7 @@ def optimizer_state_bytes(optimizer: Optimizer, n_params: int, precision: Precis
     bitsandbytes keeps it, the n values taken as one tensor (a flat shard): 1 byte each for m and v plus one
     fp32 absmax per 256-value block of each, and its two 256-entry maps (`vramlab.optimizers`; a whole
     model's tensors: `model_states`). The other optimizers depend on each tensor's shape: `model_states`."""
-    _check_choice(optimizer, OPTIMIZERS, "optimizer")
+    check_choice(optimizer, OPTIMIZERS, "optimizer")
     n_params = _checks.whole("n_params", n_params, lo=0, hi=MAX_PARAMS)
     sb = state_bytes(precision)
     master = 4 * n_params if precision == "fp16-fp32-master" else 0  # fp32 master weights (ZeRO's K includes them)
@@ -164,8 +164,8 @@ def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: 
     then every update_proj_gap) the SVD of the largest projected matrix (its fp32 copy, U and Vh), LAPACK's or
     cuSOLVER's workspace aside; bitsandbytes (paged too) updates in place; an offloaded optimizer steps on the host.
     `spec`: the model, or the element counts of the tensors stepped (one device's share)."""
-    _check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
-    _check_choice(impl, OPTIMIZER_IMPLS, "optimizer implementation")
+    check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
+    check_choice(impl, OPTIMIZER_IMPLS, "optimizer implementation")
     n_params = _checks.whole("n_params", n_params, lo=0, hi=MAX_PARAMS)
     if not isinstance(spec, ModelSpec):
         spec = _checks.wholes("spec", spec, lo=0, hi=MAX_PARAMS)  # the tensors' element counts
@@ -205,9 +205,9 @@ def model_states(model: ModelSpec | str, *, precision: Precision = "fp32", optim
     are those the device's caching allocator holds (`optimizers.Ledger.device`): a paged optimizer's
     paged buffers and an offloaded optimizer's host copies are not (`optimizer_ledger`); torch's 0-dim step
     counters, on the host unless the step is fused, are not either."""
-    spec = _inference_spec(model)
-    _check_choice(precision, PRECISIONS, "precision")
-    _check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
+    spec = inference_spec(model)
+    check_choice(precision, PRECISIONS, "precision")
+    check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
     n_all = spec.params
     n_train = n_all if trainable_params is None else _checks.whole("trainable_params", trainable_params, lo=0, hi=n_all)
     pb = param_bytes(precision)
@@ -230,9 +230,9 @@ def optimizer_ledger(model: ModelSpec | str, optimizer: str, precision: Precisio
     allocator, paged unified memory, the host). torch.optim's states follow the recipe (`state_bytes`); the
     other libraries keep theirs as they do whatever the recipe; fp16-fp32-master's fp32 master weights count
     with the states, as everywhere."""
-    spec = _inference_spec(model)
-    _check_choice(precision, PRECISIONS, "precision")
-    _check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
+    spec = inference_spec(model)
+    check_choice(precision, PRECISIONS, "precision")
+    check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
     if precision in FP32_STATES and optimizer not in OPTIMIZERS:
         raise ValueError(f"precision {precision!r} keeps fp32 states or master weights for a 16-bit model, which "
                          f"{optimizer!r} does not: use bf16 (its states follow the model) or one of {', '.join(OPTIMIZERS)}")
@@ -267,14 +267,14 @@ def _string(name: str, value) -> str:
     return value
 
 
-def _gpu_or_none(gpu) -> "GPUSpec | None":
+def gpu_or_none(gpu) -> "GPUSpec | None":
     return None if gpu is None else _gpu(gpu)
 
 
 _OPTIONS: frozenset[str] = frozenset()
 
 
-def _estimate_options() -> frozenset[str]:
+def estimate_options() -> frozenset[str]:
     """The keywords of estimate_training and estimate_inference (but the model): what `fit` passes on."""
     global _OPTIONS
     if not _OPTIONS:
@@ -283,7 +283,7 @@ def _estimate_options() -> frozenset[str]:
     return _OPTIONS
 
 
-def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
+def check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
     _checks.one_of(what, value, choices)
 
 
@@ -291,7 +291,7 @@ MAX_BATCH = _checks.MAX_COUNT  # sequences in one step; far beyond any GPU, smal
 MAX_ACCUMULATION = 1 << 16  # micro-batches per optimizer step
 
 
-def _check_positive(**sizes: int) -> list[int]:
+def check_positive(**sizes: int) -> list[int]:
     """Whole positive numbers (numpy integers too), and not absurdly large: a batch of 10^35 is a
     typo, not a question. Returns them as plain ints, in the order given."""
     return [_checks.whole(name, v) for name, v in sizes.items()]
@@ -307,9 +307,9 @@ def loss_chunk_size(model: ModelSpec | str, *, tokens: int, loss: Loss = "whole"
     whole loss; `loss_chunk_tokens` (at most `tokens`) for the chunked and fused ones, or by default
     torchtune's (the tokens in 8 chunks) and Liger-Kernel's (logits no larger than the head's input:
     the next power of two above tokens / ceil(V / h), `fused_linear_cross_entropy_forward`)."""
-    spec = _inference_spec(model)
+    spec = inference_spec(model)
     tokens = _checks.whole("tokens", tokens)
-    _check_choice(loss, LOSSES, "loss")
+    check_choice(loss, LOSSES, "loss")
     if loss_chunk_tokens is not None:
         loss_chunk_tokens = _checks.whole("loss_chunk_tokens", loss_chunk_tokens)
         if loss == "whole":
@@ -419,15 +419,15 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     against one GPU (an H100); other GPUs pick other kernels in places. PEFT (`trainable_params`)
     assumes adapters on the attention projections and leaves the adapters' own bytes out.
     """
-    spec = _inference_spec(model)  # a mixture of experts passes (its MLPs: `moe.training_layer_saved`)
+    spec = inference_spec(model)  # a mixture of experts passes (its MLPs: `moe.training_layer_saved`)
     capacity_factor = _moe.check_trainable(spec, capacity_factor)
-    batch_size, seq_len = _check_positive(batch_size=batch_size, seq_len=seq_len)
+    batch_size, seq_len = check_positive(batch_size=batch_size, seq_len=seq_len)
     _check_positions(spec, seq_len)
-    _check_choice(precision, PRECISIONS, "precision")
-    _check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
-    _check_choice(optimizer_impl, OPTIMIZER_IMPLS, "optimizer implementation")
-    _check_choice(attention, ATTENTIONS, "attention implementation")
-    _check_choice(device, ("cuda", "cpu"), "device")
+    check_choice(precision, PRECISIONS, "precision")
+    check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
+    check_choice(optimizer_impl, OPTIMIZER_IMPLS, "optimizer implementation")
+    check_choice(attention, ATTENTIONS, "attention implementation")
+    check_choice(device, ("cuda", "cpu"), "device")
     use_cache = _checks.flag("use_cache", use_cache)
     k_acc = _checks.whole("accumulation_steps", accumulation_steps, hi=MAX_ACCUMULATION)
     in_bwd = _checks.flag("optimizer_in_backward", optimizer_in_backward)
@@ -446,7 +446,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
                                 and share.in_flight == 1 and not share.loss_parallel):
         raise ValueError(f"loss={loss!r} is modelled with the whole model on one device (one GPU, or a context-"
                          "parallel rank), not a pipeline stage or a tensor-parallel shard; use loss='whole'")
-    gpu = _gpu_or_none(gpu)
+    gpu = gpu_or_none(gpu)
     if not isinstance(share, DeviceShare):
         raise ValueError(f"share must be a vramlab.memory.DeviceShare, got {_checks.show(share)}")
     if trainable_params is not None:
@@ -490,7 +490,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
                            recompute=plan, device=device, frozen_base=n_train < n_all, share=share,
                            use_cache=bool(use_cache), capacity_factor=capacity_factor)
     A = act["layers"] + act["outside"] + act["weight_copies"]
-    nb = _dtype_bytes(precision, device)
+    nb = dtype_sizes(precision, device)
     # a non-last pipeline stage keeps the output it sent until that micro-batch's backward
     vocab = -(-V // t)  # a vocabulary-parallel head and loss: V/t columns per rank
     # the b x s x h tensor that crosses a stage boundary (a rank's 1/t of it under sequence parallelism)
@@ -506,14 +506,14 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
         one_other = A - act["weight_copies"] + boundary
     # a received stage input is its receive buffer (in `buffers`); sends not yet waited on hold theirs
     others = (share.in_flight - 1) * one_other + (share.pending_sends - share.received) * transfer
-    amp = _cuda_amp(precision, device)
-    lsm = _loss_bytes(spec, precision)
+    amp = cuda_amp(precision, device)
+    lsm = loss_bytes(spec, precision)
     logits32 = b * s * vocab * lsm if last else 0  # the loss's log-softmax (and its gradient): fp32 ...
     logits16 = b * s * vocab * 2 if precision != "fp32" and last else 0  # the half logits under AMP
     # transformers' causal-LM loss upcasts (logits.float()), so log_softmax's input and gradient are
     # fp32. BERT and T5 hand the half logits to CrossEntropyLoss: CUDA autocast runs log_softmax
     # with dtype=fp32 (no fp32 copy of the input), and its backward returns d(logits) in half; a pure
-    # 16-bit BERT or T5 runs the whole loss in 16 bits (... or 16-bit there: `_loss_bytes`).
+    # 16-bit BERT or T5 runs the whole loss in 16 bits (... or 16-bit there: `loss_bytes`).
     upcast = spec.is_causal_lm or (not amp and lsm == 4)
     logits_alive = logits16 + (logits32 if upcast else 0)
     d_logits = logits32 if upcast else logits16
@@ -527,7 +527,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
 
     tied = bool(spec.tie_word_embeddings and first and last)
     if in_bwd:  # the largest tensor of a block: the most a block's backward holds at once
-        block_tensors = [n for name, n in spec.param_tensors() if _in_block(name)] or [0]
+        block_tensors = [n for name, n in spec.param_tensors() if in_block(name)] or [0]
         one = max(block_tensors) * pb if trained else 0
 
     def grads(made: int) -> int:
@@ -625,7 +625,7 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     return phases
 
 
-def _in_block(name: str) -> bool:
+def in_block(name: str) -> bool:
     """A parameter of a transformer block (GPT-2's h.N, Llama's layers.N, BERT's layer.N, T5's block.N)."""
     parts = name.split(".")
     return any(p in ("h", "layers", "layer", "block") and nxt.isdigit() for p, nxt in zip(parts, parts[1:]))
@@ -707,7 +707,7 @@ def _later_micro_batches(first: list[MemoryBreakdown], k: int, *, held: int, hea
 
 
 # ============================================================================ inference
-_INFER_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+INFER_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
 
 
 def kv_cache_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, dtype: str = "bf16") -> int:
@@ -717,12 +717,12 @@ def kv_cache_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, dtype: str
     cross-attention cache of the encoder's seq_len tokens. Source: Pope+22 (arXiv:2211.05102);
     vLLM (Kwon+23, arXiv:2309.06180): OPT-13B ~ 800 KB per token in fp16."""
     spec = _resolve(spec)
-    batch_size, seq_len = _check_positive(batch_size=batch_size, seq_len=seq_len)
-    _check_choice(dtype, tuple(_INFER_BYTES), "dtype")
+    batch_size, seq_len = check_positive(batch_size=batch_size, seq_len=seq_len)
+    check_choice(dtype, tuple(INFER_BYTES), "dtype")
     layers = spec.num_decoder_layers if spec.family == "t5" else spec.num_layers
     if spec.family == "bert":
         return 0
-    per_token = 2 * layers * spec.num_kv_heads * spec.head_dim * _INFER_BYTES[dtype]
+    per_token = 2 * layers * spec.num_kv_heads * spec.head_dim * INFER_BYTES[dtype]
     return per_token * seq_len * batch_size * (2 if spec.family == "t5" else 1)
 
 
@@ -740,7 +740,7 @@ def _block_transient(spec: ModelSpec, *, tokens: int, batch_size: int, seq_len: 
     return stream + max(attn, 2 * tokens * i * e)
 
 
-def _inference_spec(model: ModelSpec | str) -> ModelSpec:
+def inference_spec(model: ModelSpec | str) -> ModelSpec:
     """`resolve`, except that a mixture of experts passes (inference and one-device training are modelled)."""
     if isinstance(model, str) and model in _moe_preset_names():
         return _preset(model)
@@ -771,25 +771,25 @@ def estimate_inference(model: ModelSpec | str, *, batch_size: int, seq_len: int,
     `moe.prefill_block_bytes` (the routed experts' token copies, ~top-k x the hidden state per token).
 
     Known limitations: the block's intermediates are a bound on what it holds at once, not a trace."""
-    spec = _inference_spec(model)
-    batch_size, seq_len = _check_positive(batch_size=batch_size, seq_len=seq_len)
+    spec = inference_spec(model)
+    batch_size, seq_len = check_positive(batch_size=batch_size, seq_len=seq_len)
     if new_tokens is not None:  # by its own name, before it is added to seq_len
         new_tokens = _checks.whole("new_tokens", new_tokens, lo=0)
         _checks.has_decoder(spec, "generation (new_tokens; leave it None for a prefill)")
         _check_positions(spec, seq_len + new_tokens, name=f"seq_len + new_tokens = {seq_len:,} + {new_tokens:,} =")
     else:
         _check_positions(spec, seq_len)
-    _check_choice(dtype, tuple(_INFER_BYTES), "dtype")
-    _check_choice(attention, ATTENTIONS, "attention implementation")
-    _check_choice(device, ("cuda", "cpu"), "device")
+    check_choice(dtype, tuple(INFER_BYTES), "dtype")
+    check_choice(attention, ATTENTIONS, "attention implementation")
+    check_choice(device, ("cuda", "cpu"), "device")
     all_logits = _checks.flag("all_logits", all_logits)
     kv_dtype = dtype if kv_dtype is None else kv_dtype
-    _check_choice(kv_dtype, tuple(_INFER_BYTES), "kv_dtype")
-    gpu = _gpu_or_none(gpu)
-    e = 2 if dtype == "int8" else _INFER_BYTES[dtype]  # int8 weights compute in 16-bit
+    check_choice(kv_dtype, tuple(INFER_BYTES), "kv_dtype")
+    gpu = gpu_or_none(gpu)
+    e = 2 if dtype == "int8" else INFER_BYTES[dtype]  # int8 weights compute in 16-bit
     b, s, V = batch_size, seq_len, spec.vocab_size
     h = spec.word_embed_proj_dim or spec.hidden_size
-    weights = spec.params * _INFER_BYTES[dtype]
+    weights = spec.params * INFER_BYTES[dtype]
     workspace = cublas_workspace_bytes(gpu) if device == "cuda" else 0
     if spec.is_moe:
         kv = _moe.kv_cache_bytes(spec, batch_size=b, seq_len=s, dtype=kv_dtype)
@@ -824,8 +824,8 @@ def checkpoint_bytes(model: ModelSpec | str | int, *, dtype: str = "fp32") -> in
         n = _resolve(model).params
     else:
         n = _checks.whole("parameter_count", model, hi=MAX_PARAMS)
-    _check_choice(dtype, tuple(_INFER_BYTES), "dtype")
-    return n * _INFER_BYTES[dtype]
+    check_choice(dtype, tuple(INFER_BYTES), "dtype")
+    return n * INFER_BYTES[dtype]
 
 
 

@@ -222,7 +222,7 @@ def prefill_block_bytes(model: "ModelSpec | str", *, tokens: int, dtype_bytes: i
 # What one MoE layer's MLP (router, routed experts, shared experts) saves for backward in a training
 # step, tensor by tensor, derived op by op from transformers 5.23's modeling files (the families'
 # TopKRouter and SparseMoeBlock) and integrations/moe.py::grouped_mm_experts_forward (the default
-# experts implementation). Kinds follow `precision._dtype_bytes`: "x" the residual stream's and the
+# experts implementation). Kinds follow `precision.dtype_sizes`: "x" the residual stream's and the
 # weights' dtype (fp32 under AMP), "half" the compute dtype, "f32", "i64".
 #
 # Dropless (capacity_factor None, transformers): every token is copied once per chosen expert,
@@ -264,7 +264,7 @@ def _gated_mlp_saved(width: int, *, tokens: int, nb: dict[str, int], name: str) 
 def _layer_args(model, layer, tokens, precision, device, capacity_factor):
     """The checked arguments of the per-layer training functions: (spec, capacity_factor, layer, tokens, bytes
     per kind)."""
-    from .precision import PRECISIONS, _dtype_bytes
+    from .precision import PRECISIONS, dtype_sizes
 
     s = resolve_moe(model)
     capacity_factor = check_trainable(s, capacity_factor)
@@ -272,7 +272,7 @@ def _layer_args(model, layer, tokens, precision, device, capacity_factor):
     T = _checks.whole("tokens", tokens)
     _checks.one_of("precision", precision, PRECISIONS)
     _checks.one_of("device", device, ("cuda", "cpu"))
-    return s, capacity_factor, layer, T, _dtype_bytes(precision, device)
+    return s, capacity_factor, layer, T, dtype_sizes(precision, device)
 
 
 def training_layer_saved(model: "ModelSpec | str", *, layer: int, tokens: int, precision: str = "fp32",
@@ -383,14 +383,14 @@ def mla_attention_saved(model: "ModelSpec | str", *, tokens: int, precision: str
 
     Known limitations: SDPA's fused kernel assumed (CPU flash takes only equal q/k and v head widths;
     a CPU trace of v_head_dim != head_dim runs the math path and saves the scores)."""
-    from .precision import PRECISIONS, _dtype_bytes
+    from .precision import PRECISIONS, dtype_sizes
     s = resolve_moe(model)
     if not s.is_mla:
         raise ValueError(f"{s.name} has no multi-head latent attention (kv_lora_rank 0)")
     T = _checks.whole("tokens", tokens)
     _checks.one_of("precision", precision, PRECISIONS)
     _checks.one_of("device", device, ("cuda", "cpu"))
-    nb = _dtype_bytes(precision, device)
+    nb = dtype_sizes(precision, device)
     half, amp = nb["half"], precision in ("bf16-mixed", "fp16-mixed")
     h, a, r, rope = s.hidden_size, s.num_heads, s.kv_lora_rank, s.qk_rope_head_dim
     nope, v, qk = s.head_dim - rope, s.v_head_dim, s.head_dim

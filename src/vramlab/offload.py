@@ -41,7 +41,7 @@ from . import specs as _specs
 from . import precision as _prec
 from . import activations as _act
 from .specs import MAX_LAYERS, GPUSpec, ModelSpec, gpu as _gpu
-from .zero import REDUCE_BUCKET, _block_index, _block_tensor_sizes, _units
+from .zero import REDUCE_BUCKET, block_index, block_tensor_sizes, zero_units
 
 # PCIe per lane and direction after line coding, decimal GB/s (PCI-SIG: 8, 16, 32 GT/s with 128b/130b)
 PCIE_LANE_GBps: dict[int, float] = {3: 0.985, 4: 1.969, 5: 3.938}
@@ -133,15 +133,15 @@ def pinned_block(nbytes: int) -> int:
 def _saved_tensors(spec: ModelSpec, *, batch_size: int, seq_len: int, precision: str) -> list[int]:
     """The size of every tensor one training step saves for backward on CUDA (per block, times the
     blocks; outside the blocks; autocast's weight casts as one tensor per linear weight)."""
-    nb = _prec._dtype_bytes(precision, "cuda")
+    nb = _prec.dtype_sizes(precision, "cuda")
     tokens, scores = batch_size * seq_len, batch_size * spec.num_heads * seq_len * seq_len
-    size = lambda x: _act._saved_bytes(x, tokens=tokens, scores=scores, nbytes=nb, batch=batch_size)  # noqa: E731
+    size = lambda x: _act.saved_tensor_bytes(x, tokens=tokens, scores=scores, nbytes=nb, batch=batch_size)  # noqa: E731
     kw = dict(precision=precision, device="cuda", batch_size=batch_size)
     sizes = [size(x) for x in _act.layer_saved(spec, **kw)] * spec.num_layers
     if spec.num_decoder_layers:
         sizes += [size(x) for x in _act.layer_saved(spec, decoder=True, **kw)] * spec.num_decoder_layers
     sizes += [size(x) for x in _act.model_saved(spec)]
-    if _act._cuda_amp(precision, "cuda"):  # each linear's weight cast, saved for its input's gradient
+    if _act.cuda_amp(precision, "cuda"):  # each linear's weight cast, saved for its input's gradient
         sizes += [2 * n for name, n in spec.param_tensors() if name.endswith("weight") and n > spec.hidden_size
                   and "norm" not in name and "wpe" not in name]
     return sizes
@@ -228,10 +228,10 @@ def _gradient_in_flight(spec: ModelSpec, phase: str) -> int:
     if phase.startswith(("forward", "backward start", "optimizer")):
         return 0
     outside = [(name.split(".")[0] in ("lm_head", "embed_out"), n) for name, n in spec.param_tensors()
-               if _block_index(name) is None]  # (an untied head's?, elements)
+               if block_index(name) is None]  # (an untied head's?, elements)
     if phase.startswith("LM head backward"):
         return max((n for head, n in outside if head), default=0)
-    blocks = _block_tensor_sizes(spec)
+    blocks = block_tensor_sizes(spec)
     if phase.startswith("embedding backward") or not blocks:
         return max((n for head, n in outside if not head), default=0)
     return max(blocks)
@@ -318,7 +318,7 @@ def model_offload(model: ModelSpec | str, *, scheme: str, batch_size: int, seq_l
         down, up = (k * psi for k in ZERO_OFFLOAD_COPIES[copies])
         moved, host = down + up, 16 * psi
     else:
-        block, root = _units(spec)
+        block, root = zero_units(spec)
         peak = max((p for p in step if not p.phase.startswith("embedding")),
                    key=lambda p: p.activations + p.temporaries + p.gradients)
         # the root gathered (bf16) and the next block arriving: its fp32 shard and its bf16 copy
@@ -656,7 +656,7 @@ def stream_model(model: ModelSpec | str, gpu: GPUSpec | str, *, tokens: int = 1,
     buffers = _buffers(buffers)
     efficiency, mfu = _checks.fraction("efficiency", efficiency), _checks.fraction("mfu", mfu)
     n = spec.num_layers + spec.num_decoder_layers
-    block_params, rest = _units(spec)
+    block_params, rest = zero_units(spec)
     layer_bytes = block_params * weight_bytes
     other = rest * weight_bytes
     int8 = weight_bytes == 1 and g.peak_tops_int8 > 0
@@ -793,7 +793,7 @@ class Infinity:
 @functools.lru_cache(maxsize=64)
 def _spec_sizes(spec: ModelSpec) -> tuple[int, int, int]:
     """(the largest block's parameters, the rest's, the largest tensor's elements), cached."""
-    block, root = _units(spec)
+    block, root = zero_units(spec)
     return block, root, max((n for _, n in spec.param_tensors()), default=0)
 
 

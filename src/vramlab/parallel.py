@@ -48,7 +48,7 @@ MAX_DEVICES = 1 << 20
 MAX_MICRO_BATCHES = 1 << 14
 
 
-def _count(name: str, value, *, lo: int = 1, hi: int = MAX_DEVICES) -> int:
+def check_count(name: str, value, *, lo: int = 1, hi: int = MAX_DEVICES) -> int:
     """A whole number in [lo, hi] (numpy integers too), or a ValueError naming the argument."""
     return _checks.whole(name, value, lo=lo, hi=hi)
 
@@ -115,9 +115,9 @@ class Layout:
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
-            object.__setattr__(self, name, _count(name, getattr(self, name)))
-        object.__setattr__(self, "micro_batches", _count("micro_batches", self.micro_batches, hi=MAX_MICRO_BATCHES))
-        object.__setattr__(self, "chunks", _count("chunks", self.chunks, hi=1024))
+            object.__setattr__(self, name, check_count(name, getattr(self, name)))
+        object.__setattr__(self, "micro_batches", check_count("micro_batches", self.micro_batches, hi=MAX_MICRO_BATCHES))
+        object.__setattr__(self, "chunks", check_count("chunks", self.chunks, hi=1024))
         object.__setattr__(self, "sp", _checks.flag("sp", self.sp))
         try:
             zero = _checks.whole("zero", self.zero, lo=0, hi=1)
@@ -152,8 +152,8 @@ def korthikanti_layer_activations(*, s: int, b: int, h: int, a: int, t: int = 1,
         TP + selective     sbh (10 + 24/t)          (+ SP: 34 sbh/t)
         full recompute     2 sbh
     An exact Fraction (t need not divide the terms)."""
-    s, b, h, a = (_count(n, v, hi=1 << 40) for n, v in (("s", s), ("b", b), ("h", h), ("a", a)))
-    t = _count("t", t)
+    s, b, h, a = (check_count(n, v, hi=1 << 40) for n, v in (("s", s), ("b", b), ("h", h), ("a", a)))
+    t = check_count("t", t)
     _checks.one_of("recompute", recompute, RECOMPUTE)
     sp = _checks.flag("sp", sp)
     if sp and t == 1:
@@ -174,8 +174,8 @@ def bubble_fraction(p: int, m: int, schedule: Schedule = "1f1b", *, chunks: int 
     the step's time a device idles (GPipe's convention): (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1).
     `of="ideal"`: bubble time over ideal time (Megatron's): (p-1)/m, interleaved (p-1)/(vm).
     GPipe and 1F1B have the same bubble; 1F1B holds fewer micro-batches in flight."""
-    p, m = _count("p", p), _count("m", m, hi=MAX_MICRO_BATCHES)
-    v = _count("chunks", chunks, hi=1024)
+    p, m = check_count("p", p), check_count("m", m, hi=MAX_MICRO_BATCHES)
+    v = check_count("chunks", chunks, hi=1024)
     _check_schedule(schedule, p, m, v)
     if _checks.is_bool(of) or not isinstance(of, str) or of not in ("total", "ideal"):
         raise ValueError(f"of must be 'total' or 'ideal', got {_checks.show(of)}")
@@ -271,8 +271,8 @@ def simulate(p: int, m: int, schedule: Schedule = "1f1b", *, chunks: int = 1, fo
     against the event simulation): the makespan (m + p - 1)(f + b) for GPipe and 1F1B, (vm + p - 1)
     (f + b)/v interleaved; per device the most activations in flight, which a device's own order
     fixes (its ends come one after another); the ops themselves are replayed when first read."""
-    p, m = _count("p", p, hi=256), _count("m", m, hi=1024)
-    v = _count("chunks", chunks, hi=64)
+    p, m = check_count("p", p, hi=256), check_count("m", m, hi=1024)
+    v = check_count("chunks", chunks, hi=64)
     schedule = _check_schedule(schedule, p, m, v)
     return _simulate(p, m, schedule, v, _time("forward", forward), _time("backward", backward))
 
@@ -414,7 +414,7 @@ def _tp_numel(name: str, numel: int, t: int, vocab: int) -> int:
 
 def stage_layers(num_layers: int, pp: int) -> list[range]:
     """Contiguous blocks per stage; the first num_layers % pp stages take one more."""
-    num_layers, pp = _count("num_layers", num_layers, hi=_checks.MAX_COUNT), _count("pp", pp)
+    num_layers, pp = check_count("num_layers", num_layers, hi=_checks.MAX_COUNT), check_count("pp", pp)
     return list(_stage_layers(num_layers, pp))
 
 
@@ -460,7 +460,7 @@ def stage_tensors(model: ModelSpec | str, layout: Layout, stage: int) -> tuple[i
     norm and head on the last (and, tied, its own copy of the embedding)."""
     spec = _specs.resolve(model)
     _check_layout_model(spec, layout)
-    stage = _count("stage", stage, lo=0, hi=layout.pp - 1)
+    stage = check_count("stage", stage, lo=0, hi=layout.pp - 1)
     return _stage_tensors(spec, layout.tp, layout.pp, layout.chunks, stage)
 
 
@@ -509,9 +509,9 @@ def layer_activation_bytes(spec: ModelSpec, *, micro_batch_size: int, seq_len: i
     PyTorch really saves for this model), split as Megatron splits them (`activations.tp_split`); with
     sequence parallelism the replicated part is split along the sequence too."""
     spec = _specs.resolve(spec)
-    b, s = _count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
+    b, s = check_count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), check_count("seq_len", seq_len, hi=_checks.MAX_COUNT)
     _checks.positions(spec, s)
-    tp = _check_tp(spec, _count("tp", tp))
+    tp = _check_tp(spec, check_count("tp", tp))
     sp = _checks.flag("sp", sp)
     if sp and tp == 1:
         raise ValueError("sp=True needs tp > 1: sequence parallelism splits along the tensor-parallel group")
@@ -649,7 +649,7 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
       are the fullest (the most micro-batches in flight; the logits), which a planner needs."""
     spec = _specs.resolve(model)
     _check_layout_model(spec, layout)
-    b, s = _count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
+    b, s = check_count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), check_count("seq_len", seq_len, hi=_checks.MAX_COUNT)
     _checks.positions(spec, s)
     for name, value, choices in (("precision", precision, _prec.PRECISIONS), ("optimizer", optimizer, _mem.OPTIMIZERS),
                                  ("optimizer_impl", optimizer_impl, _mem.OPTIMIZER_IMPLS),
@@ -659,7 +659,7 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
     gradient_as_bucket_view = _checks.flag("gradient_as_bucket_view", gradient_as_bucket_view)
     keep_stage_output = _checks.flag("keep_stage_output", keep_stage_output)
     keep_gradients = _checks.flag("keep_gradients", keep_gradients)
-    gpu = _mem._gpu_or_none(gpu)
+    gpu = _mem.gpu_or_none(gpu)
     p, v, t = layout.pp, layout.chunks, layout.tp
     if stages is not None:
         stages = _checks.wholes("stages", stages, lo=0, hi=p - 1)
@@ -668,7 +668,7 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
     held = in_flight(layout)
     # torch.distributed.pipelining's receive buffers, allocated for every micro-batch and kept: the
     # activations a stage receives and the gradients sent back to it, b x s x h each
-    x = _prec._dtype_bytes(precision, device)["x"]
+    x = _prec.dtype_sizes(precision, device)["x"]
     recv = layout.micro_batches * -(-b * s * spec.hidden_size * x // (t if layout.sp else 1))
     out = []
     torch_pp = keep_stage_output and p > 1  # torch.distributed.pipelining's buffers and sends
@@ -713,13 +713,13 @@ def communication(model: ModelSpec | str, layout: Layout, *, micro_batch_size: i
       boundary (point to point)."""
     spec = _specs.resolve(model)
     _check_layout_model(spec, layout)
-    b, s = _count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
+    b, s = check_count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), check_count("seq_len", seq_len, hi=_checks.MAX_COUNT)
     _checks.positions(spec, s)
     _checks.one_of("precision", precision, _prec.PRECISIONS)
     links = {k: _coll.LINKS[_checks.one_of(f"{k}_link", v, _coll.LINKS)]
              for k, v in (("dp", dp_link), ("tp", tp_link), ("pp", pp_link))}
     grad = max(rank_params(spec, layout, k) for k in {0, layout.pp - 1}) * _mem.param_bytes(precision)  # the fullest stages
-    act = b * s * spec.hidden_size * _prec._dtype_bytes(precision, "cuda")["half"]
+    act = b * s * spec.hidden_size * _prec.dtype_sizes(precision, "cuda")["half"]
     m, L = layout.micro_batches, spec.num_layers
     per_stage_layers = -(-L // layout.pp)
     tp_calls = 4 * per_stage_layers * m
@@ -761,7 +761,7 @@ def ddp_overlap(buckets: list[int], *, n: int, backward_seconds: float, link: st
     rate), all-reduces run one at a time on the link. Returns the communication time, the time it
     exceeds the backward by (exposed), and the share hidden."""
     buckets = _byte_counts("buckets", buckets, hint=" (see ddp_buckets)")
-    n = _count("n", n, hi=_checks.MAX_COUNT)
+    n = check_count("n", n, hi=_checks.MAX_COUNT)
     backward_seconds = _checks.number("backward_seconds", backward_seconds, lo=0)
     if not isinstance(link, _coll.Link):
         link = _coll.LINKS[_checks.one_of("link", link, _coll.LINKS)]
@@ -806,8 +806,8 @@ def fits(model: ModelSpec | str, layout: Layout, gpu, *, micro_batch_size: int, 
     spec = _specs.resolve(model)
     _check_layout(layout)
     g = _gpu(gpu)
-    micro_batch_size = _count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT)
-    max_search = _count("max_search", max_search, hi=_checks.MAX_COUNT)
+    micro_batch_size = check_count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT)
+    max_search = check_count("max_search", max_search, hi=_checks.MAX_COUNT)
     expandable_segments = _checks.flag("expandable_segments", expandable_segments)
     _checks.no_unknown("fits", kw, _ESTIMATE_OPTIONS)
     if kw.get("device", "cuda") != "cuda":
@@ -874,11 +874,11 @@ def plan_layouts(model: ModelSpec | str, gpus: int, gpu, *, seq_len: int, global
 
     spec = _specs.resolve(model)
     g = _gpu(gpu)
-    n = _count("gpus", gpus)
-    node = _count("gpus_per_node", gpus_per_node, hi=1024)
-    b, s = _count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
+    n = check_count("gpus", gpus)
+    node = check_count("gpus_per_node", gpus_per_node, hi=1024)
+    b, s = check_count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), check_count("seq_len", seq_len, hi=_checks.MAX_COUNT)
     _checks.positions(spec, s)
-    gb = _count("global_batch", global_batch, hi=_checks.MAX_COUNT)
+    gb = check_count("global_batch", global_batch, hi=_checks.MAX_COUNT)
     if gb > MAX_MICRO_BATCHES * b:  # a layout with one replica would run gb / b micro-batches
         raise ValueError(f"global_batch must be at most {MAX_MICRO_BATCHES:,} micro-batches of micro_batch_size={b} "
                          f"({MAX_MICRO_BATCHES * b:,} sequences), got {gb:,}")
@@ -954,8 +954,8 @@ MAX_CP = 1 << 12
 def cp_positions(seq_len: int, cp: int, rank: int, *, zigzag: bool = True) -> list[int]:
     """The global token positions rank `rank` of `cp` holds, in its order: zig-zag, chunks r and
     2cp-1-r of 2cp (seq_len a multiple of 2cp); otherwise the r-th contiguous s/cp tokens."""
-    cp = _count("cp", cp, hi=MAX_CP)
-    s = _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
+    cp = check_count("cp", cp, hi=MAX_CP)
+    s = check_count("seq_len", seq_len, hi=_checks.MAX_COUNT)
     rank = _checks.whole("rank", rank, lo=0, hi=cp - 1)
     zigzag = _checks.flag("zigzag", zigzag)
     parts = 2 * cp if zigzag else cp
@@ -1007,11 +1007,11 @@ def _cp_fsdp_moments(spec: ModelSpec, cp: int, totals: list, ddp_states: int, re
                             recompute=recompute, loss=loss, loss_chunk_tokens=loss_chunk_tokens)
     between = _zero.model_states(spec, cp, 3, recipe=recipe, implementation="fsdp2")
     pb = _zero.RECIPES[recipe][0]  # the gathered copies' and unsharded gradients' bytes
-    block, root = _zero._units(spec)
+    block, root = _zero.zero_units(spec)
     R, unit = root * pb, block * pb
     prefetch = unit if L >= 2 else 0
     # the last block's gradients made before its attention's backward: o_proj, the MLP, the second norm
-    last = [(name, x) for name, x in spec.param_tensors() if _zero._block_index(name) == L - 1]
+    last = [(name, x) for name, x in spec.param_tensors() if _zero.block_index(name) == L - 1]
     before_attention = sum(x for name, x in last if not any(k in name for k in ("q_proj", "k_proj", "v_proj",
                                                                                   "input_layernorm", "qkv")))
     own = min(made * pb, block * pb) if made is not None else 0  # the last block's own, in `zero`'s phase
@@ -1139,10 +1139,10 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     `zero` with CP's activations, not modelled here; FSDP2 measured in fp32 on gloo ranks only (its bf16
     policy is `zero`'s, validated there without CP); no reshard_after_forward=False (ZeRO-2-like) option."""
     spec = _specs.resolve(model)
-    cp = _count("cp", cp, hi=MAX_CP)
+    cp = check_count("cp", cp, hi=MAX_CP)
     shard_states = _checks.flag("shard_states", shard_states)
     method = str(_checks.one_of("method", method, CP_METHODS))
-    b, s = _count("batch_size", batch_size, hi=_checks.MAX_COUNT), _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
+    b, s = check_count("batch_size", batch_size, hi=_checks.MAX_COUNT), check_count("seq_len", seq_len, hi=_checks.MAX_COUNT)
     _checks.positions(spec, s)
     _checks.one_of("precision", precision, _prec.PRECISIONS)
     _checks.one_of("device", device, ("cuda", "cpu"))
@@ -1155,7 +1155,7 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     _checks.one_of("loss", loss, _mem.LOSSES)
     mfu = _checks.number("mfu", mfu, lo=0, lo_open=True, hi=1, what="a fraction of the peak FLOP/s in (0, 1]")
     lk = _coll.LINKS[_checks.one_of("link", link, _coll.LINKS)] if not isinstance(link, _coll.Link) else link
-    g = _mem._gpu(gpu)
+    g = _specs.gpu(gpu)
     if shard_states:
         if precision not in _CP_FSDP_RECIPES:
             raise ValueError(f"precision must be {' or '.join(_CP_FSDP_RECIPES)} with shard_states=True (FSDP2 in fp32, "
@@ -1167,7 +1167,7 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     if spec.family not in DECODER_FAMILIES or not spec.is_causal_lm:
         raise ValueError(f"context parallelism is modelled for causal decoders ({', '.join(DECODER_FAMILIES)}), "
                          f"not {spec.name} ({spec.family})")
-    if _act._math_path(spec, "sdpa", device, precision):
+    if _act.uses_math_attention(spec, "sdpa", device, precision):
         raise ValueError(f"{spec.name} in {precision} on {device} runs SDPA's math path (it materialises the "
                          "s x s scores); CP here assumes a flash kernel (log-sum-exp merge)")
     a, kv = spec.num_heads, spec.num_kv_heads
@@ -1181,7 +1181,7 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
         raise ValueError(f"seq_len {s:,} must be a multiple of {parts} to cut it into "
                          + (f"2 x cp = {parts} zig-zag chunks" if zigzag else f"cp = {cp} equal shards"))
     n = s // cp
-    nb = _prec._dtype_bytes(precision, device)
+    nb = _prec.dtype_sizes(precision, device)
     xh, qd = nb["half"], spec.q_dim
     kvd = spec.kv_dim if device == "cpu" or precision != "fp32" or kv == 1 else qd  # as `layer_saved` keeps k, v
     L = spec.num_layers
@@ -1245,8 +1245,8 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
                                   loss_chunk_tokens=loss_chunk_tokens, share=_act.DeviceShare(keep_gradients=True))
     block = _act.layer_saved(spec, attention="sdpa", device=device, precision=precision, batch_size=b)
     core = max(i for i, z in enumerate(block) if z.name == "logsumexp")  # a flash kernel's last saved tensor
-    after_core = _act._ledger_bytes(block[core + 1:], tokens=b * n, scores=b * a * n * n,
-                                    nbytes=dict(nb, loss=_prec._loss_bytes(spec, precision)), batch=b)
+    after_core = _act.ledger_bytes(block[core + 1:], tokens=b * n, scores=b * a * n * n,
+                                    nbytes=dict(nb, loss=_prec.loss_bytes(spec, precision)), batch=b)
     # inside the last block's attention backward: the gradient entering the block (`block_grad_in`: one b x s x h
     # in a sequential pre-norm block, it also flows on down the residual) and the attention output's gradient
     # (o_proj's input gradient, b x n x q_dim: the attention kernel's `grad_out`, alive through every ring step).
@@ -1302,7 +1302,7 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
                                           extra_saved=extra_saved, kept=max(act["kept"], default=0),
                                           alive=dict(act["backward"]), made=act["block_grads_made"])
         sync = _zero.communication(spec.params, cp, 3, bytes_per_value=pb_sync, link=lk, implementation="fsdp2",
-                                   root_params=_zero._units(spec)[1]) if cp > 1 else None
+                                   root_params=_zero.zero_units(spec)[1]) if cp > 1 else None
     else:
         G = states["gradients"]  # every gradient, all-reduced over the CP group
         sync = {"bytes_sent_per_rank": _coll.bytes_sent_per_rank("all_reduce", cp, G),
@@ -1440,13 +1440,13 @@ def expert_parallel(model: "ModelSpec | str", *, ep: int, dp: int, batch_size: i
     overlap with compute, no hierarchical intra/inter-node dispatch); the counts exchanged before a dropless
     dispatch (E/ep integers per peer) are not counted; ZeRO-2's gradient shards are the even split."""
     spec = _moe_spec(model)
-    ep, dp = _count("ep", ep, hi=MAX_EP), _count("dp", dp)
+    ep, dp = check_count("ep", ep, hi=MAX_EP), check_count("dp", dp)
     E = spec.num_experts
     if dp % ep:
         raise ValueError(f"ep must divide dp (the experts are split over ep of the dp ranks), got ep={ep}, dp={dp}")
     if E % ep:
         raise ValueError(f"ep must divide {spec.name}'s {E} routed experts, got ep={ep}")
-    b, s = _count("batch_size", batch_size, hi=_checks.MAX_COUNT), _count("seq_len", seq_len, hi=_checks.MAX_COUNT)
+    b, s = check_count("batch_size", batch_size, hi=_checks.MAX_COUNT), check_count("seq_len", seq_len, hi=_checks.MAX_COUNT)
     k = spec.num_experts_per_tok if top_k is None else _checks.whole("top_k", top_k, hi=E)
     if capacity_factor is not None:
         capacity_factor = _checks.number("capacity_factor", capacity_factor, lo=0, lo_open=True,
@@ -1484,7 +1484,7 @@ def expert_parallel(model: "ModelSpec | str", *, ep: int, dp: int, batch_size: i
     grads = {"dense": -(-n_dense // g_d) * pb, "experts": -(-n_exp // g_e) * pb}
     states = sum(params.values()) + sum(grads.values()) + sum(opt_states.values())
     # -- dispatch buffers, one MoE layer
-    nb = _prec._dtype_bytes(precision, device)
+    nb = _prec.dtype_sizes(precision, device)
     e, h, i = nb["half"], spec.hidden_size, spec.moe_intermediate_size
     row = h * e
     if capacity_factor is None:
@@ -1601,7 +1601,7 @@ def context_fit(model: ModelSpec | str, gpu, *, cp: int, batch_size: int, seq_le
     largest = _fitting.fragmentation_bytes(model, batch_size=batch_size, seq_len=r["tokens_per_rank"],
                                            **{"precision": "bf16-mixed", **frag_kw})
     if r["shard_states"]:
-        flat = _zero._units(_specs.resolve(model))[0] * (4 if kw.get("precision", "bf16-mixed") == "fp32" else 2)
+        flat = _zero.zero_units(_specs.resolve(model))[0] * (4 if kw.get("precision", "bf16-mixed") == "fp32" else 2)
         largest = max(largest, flat)
     return r, _fitting.device_fit(r["peak"], gpu, largest_tensor=largest, expandable_segments=expandable_segments)
 
@@ -1653,7 +1653,7 @@ def moe_layout_states(model: "ModelSpec | str", *, tp: int = 1, pp: int = 1, ep:
     (`num_layers_in_first_pipeline_stage`), no context parallelism in the folding; fp32 gradient buffers
     (Megatron's `main_grad` under bf16 parameters) as `memory`'s precision says; MTP modules are not counted."""
     spec = _moe_spec(model)
-    tp, pp, ep, dp, etp = (_count(n, v, hi=MAX_EP if n in ("ep", "etp") else MAX_DEVICES)
+    tp, pp, ep, dp, etp = (check_count(n, v, hi=MAX_EP if n in ("ep", "etp") else MAX_DEVICES)
                            for n, v in (("tp", tp), ("pp", pp), ("ep", ep), ("dp", dp), ("etp", etp)))
     if tp * pp * dp > MAX_DEVICES:
         raise ValueError(f"tp x pp x dp must be at most {MAX_DEVICES:,} devices, got {tp * pp * dp:,}")

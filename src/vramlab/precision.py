@@ -268,14 +268,14 @@ FP32_STATES: tuple[str, ...] = ("bf16-fp32-states", "fp16-fp32-master")  # 16-bi
 #          (BERT, T5) hands them to CrossEntropyLoss itself
 #   "mask" a dropout mask: 1 byte (bool) from CUDA's fused dropout; CPU dropout multiplies by a
 #          mask of the input's dtype
-def _dtype_bytes(precision: Precision, device: str) -> dict[str, int]:
+def dtype_sizes(precision: Precision, device: str) -> dict[str, int]:
     half = 4 if precision == "fp32" else 2
     x = 2 if precision in PURE_16BIT else 4
     return {"x": x, "half": half, "f32": 4, "loss": 4, "mask": 1 if device == "cuda" else half, "i64": 8,
             "up32": 4 if precision in PURE_16BIT else 0}  # an fp32 copy that exists only under pure 16 bits
 
 
-def _loss_bytes(spec: "ModelSpec", precision: Precision) -> int:
+def loss_bytes(spec: "ModelSpec", precision: Precision) -> int:
     """Bytes per element of the loss's log-softmax (kind "loss")."""
     return 2 if precision in PURE_16BIT and not spec.is_causal_lm else 4
 

@@ -995,7 +995,7 @@ def from_config(config: Any, *, name: str | None = None) -> ModelSpec:
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         where = path
-        cfg = _read_json(path)
+        cfg = read_json(path)
         name = name or os.path.basename(os.path.dirname(os.path.abspath(path))) or "model"
     elif isinstance(config, Mapping):
         cfg = dict(config)
@@ -1022,7 +1022,7 @@ def from_config(config: Any, *, name: str | None = None) -> ModelSpec:
 MAX_CONFIG_BYTES = 1 << 20  # a transformers config.json is a few KB
 
 
-def _read_json(path: str) -> Any:
+def read_json(path: str) -> Any:
     """A config file: regular files only (a FIFO or a device would hang or never end), at most
     MAX_CONFIG_BYTES, valid JSON of sane depth; every failure is one SpecError naming the file."""
     try:

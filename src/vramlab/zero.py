@@ -243,19 +243,19 @@ def model_states(model: ModelSpec | str, n_ranks: int, stage: Stage, *, recipe: 
 
 
 # ----------------------------------------------------------------------------- one rank's step
-_ACT_PRECISION = {"mixed-adam": "bf16-fp32-states", "fp32-adam": "fp32", "bf16-fp32-grads": "bf16-fp32-states"}
+ACT_PRECISION = {"mixed-adam": "bf16-fp32-states", "fp32-adam": "fp32", "bf16-fp32-grads": "bf16-fp32-states"}
 ALLREDUCE_BUCKET = 500_000_000  # DeepSpeed's engine all-reduces ZeRO-0's gradients in flat buffers of this many elements
 MAX_LIVE = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters default, in elements
 
 
-def _units(spec: ModelSpec) -> tuple[int, int]:
+def zero_units(spec: ModelSpec) -> tuple[int, int]:
     """(the largest block's parameters, the rest's): the FSDP2 units of lab 4's wrapping, each block
     its own unit and the rest (embeddings, final norm, head) the root."""
     blocks = _block_params(spec)
     return max(blocks, default=0), spec.params - sum(blocks)
 
 
-def _block_index(name: str) -> int | None:
+def block_index(name: str) -> int | None:
     """The block a parameter belongs to (GPT-2's `h.i`, Llama/OPT/NeoX's `layers.i`, T5's `block.i`)."""
     parts = name.split(".")
     for k, part in enumerate(parts[:-1]):
@@ -264,16 +264,16 @@ def _block_index(name: str) -> int | None:
     return None
 
 
-def _block_tensor_sizes(spec: ModelSpec) -> list[int]:
+def block_tensor_sizes(spec: ModelSpec) -> list[int]:
     """Elements of each parameter tensor inside a block."""
-    return [n for name, n in spec.param_tensors() if _block_index(name) is not None]
+    return [n for name, n in spec.param_tensors() if block_index(name) is not None]
 
 
 def _block_params(spec: ModelSpec) -> list[int]:
     """Parameters per block (encoder blocks, then decoder blocks)."""
     per: dict[tuple[str, int], int] = {}
     for name, n in spec.param_tensors():
-        i = _block_index(name)
+        i = block_index(name)
         if i is not None:
             key = ("decoder" if "decoder." in name and spec.family == "t5" else "", i)
             per[key] = per.get(key, 0) + n
@@ -477,7 +477,7 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
                            persistence_threshold=persistence_threshold)
     psi = spec.params
     part = -(-psi // n)
-    engine = _mem.training_phases(spec, batch_size=micro_batch_size, seq_len=seq_len, precision=_ACT_PRECISION[recipe],
+    engine = _mem.training_phases(spec, batch_size=micro_batch_size, seq_len=seq_len, precision=ACT_PRECISION[recipe],
                                   attention=attention, device=device, optimizer_impl="fused", gpu=gpu,
                                   use_cache=use_cache, recompute=recompute, loss=loss,
                                   loss_chunk_tokens=loss_chunk_tokens)
@@ -500,20 +500,20 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
     workspaces = steps[0].other
     def one_block() -> int:  # one block's saved activations: freed by the time an earlier block's backward runs
         r = _act.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len,
-                                  precision=_ACT_PRECISION[recipe], attention=attention, device=device,
+                                  precision=ACT_PRECISION[recipe], attention=attention, device=device,
                                   share=_act.DeviceShare(blocks=(0, 1), first=False, last=False),
                                   use_cache=use_cache, recompute=recompute)
         return r["one_layer"] if recompute == "none" else max(r["kept"])  # recomputed: its checkpointed input
     inputs = steps[0].inputs
     if implementation == "fsdp2":
-        block, root = _units(spec)
+        block, root = zero_units(spec)
         two = n > 1  # on one rank the all-gathers still copy (measured), but nothing is reduce-scattered
         R = root * pb  # the root unit, gathered from the forward to the end of the backward
         unit = block * pb  # one block's all-gather output (its unsharded parameters)
         flat_grads = block * 4 if two else 0  # a block's unsharded gradients, flat, in the reduce dtype (fp32)
         block_shards = -(-(psi - root) // n) * 4  # every block's reduce-scattered gradient shard, fp32, kept
         untied_head = 0 if spec.tie_word_embeddings else head_grad  # waits for the root's reduce-scatter
-        made = _act.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len, precision=_ACT_PRECISION[recipe],
+        made = _act.activation_bytes(spec, batch_size=micro_batch_size, seq_len=seq_len, precision=ACT_PRECISION[recipe],
                                      attention=attention, device=device, use_cache=use_cache,
                                      recompute=recompute)["block_grads_made"]
         own_made = min(made * pb, unit) if made is not None else 0
@@ -545,7 +545,7 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
             phases.append((ph.phase, grads, ph.activations, ph.temporaries + extra))
         if two:  # the root's reduce-scatter: its gradients flat in fp32 and their shard, beside the blocks'
             # shards; under a 16-bit policy one of its 16-bit gradients (the largest) is still referenced
-            largest_root = max((x for name, x in spec.param_tensors() if _block_index(name) is None), default=0)
+            largest_root = max((x for name, x in spec.param_tensors() if block_index(name) is None), default=0)
             phases.append(("root's gradients reduce-scattered", block_shards + -(-root // n) * 4, 0,
                            root * 4 + (largest_root * pb if pb == 2 else 0)))
         shard_sizes = [-(-x // n) for _, x in spec.param_tensors()]
@@ -576,7 +576,7 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
             # slice is not copied) while the arriving gradient exists too: counted as a whole copy beside
             # the next tensor larger than the bucket where a block has two (measured: lab 4's 1 x 16 run,
             # a Llama-like model with 4 MB tensors and 2 MB buckets)
-            bigs = sorted((x for x in _block_tensor_sizes(spec) if x > bucket), reverse=True)
+            bigs = sorted((x for x in block_tensor_sizes(spec) if x > bucket), reverse=True)
             two_big = len(bigs) >= 2 * (spec.num_layers + spec.num_decoder_layers)
             big = bigs[0] * pb if bigs else 0
             flushing = (2 * bigs[0] + bigs[1]) * pb if two_big else big
@@ -630,7 +630,7 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
     return [_mem.MemoryBreakdown(parameters=between.parameters, gradients=between.gradients + g,
                                  optimizer_states=between.optimizer_states, activations=a, temporaries=t,
                                  inputs=inputs if a else 0, other=between.other + workspaces, phase=name,
-                                 precision=_ACT_PRECISION[recipe], device=device,
+                                 precision=ACT_PRECISION[recipe], device=device,
                                  label=f"{spec.name}: {label}, {n} ranks, {recipe}, micro-batch "
                                        f"{micro_batch_size} x {seq_len}")
             for name, g, a, t in phases]
@@ -694,7 +694,7 @@ def communication(n_params: int, n_ranks: int, stage: Stage, *, bytes_per_value:
     acc = _accumulation(accumulation_steps)
     no_sync = _no_sync(no_sync, implementation)
     root = _elements("root_params", root_params, hi=psi)
-    link = _coll._link(link, "link")
+    link = _coll.as_link(link, "link")
     size = psi * bytes_per_value
     ds = implementation == "deepspeed"
     if implementation == "fsdp2":
@@ -750,7 +750,7 @@ def fits(model: ModelSpec | str, n_ranks: int, stage: Stage, gpu, *, micro_batch
     def verdict(b: int, **found) -> _fitting.Fit:
         est = estimate_rank(spec, n_ranks, stage, micro_batch_size=b, seq_len=seq_len, gpu=g, **kw)  # checks kw
         largest = _fitting.fragmentation_bytes(spec, batch_size=b, seq_len=seq_len,
-                                            precision=_ACT_PRECISION[kw.get("recipe", "mixed-adam")],
+                                            precision=ACT_PRECISION[kw.get("recipe", "mixed-adam")],
                                             attention=kw.get("attention", "sdpa"))
         return _fitting.device_fit(est, g, largest_tensor=largest, expandable_segments=expandable_segments, **found)
 

@@ -259,7 +259,7 @@ def test_every_chart_comes_wide_and_for_a_phone(name):
     assert sizes and min(sizes) >= svg.MIN_FONT
     page = C.page_html(name)
     assert '<div class="vl-wide"><svg' in page and '<div class="vl-narrow"><svg' in page
-    assert "vl-narrow" not in C._result_html(C.get(name), r, narrow=False)
+    assert "vl-narrow" not in C.result_html(C.get(name), r, narrow=False)
 
 
 def test_offload_nvme_tier_and_host_memory_are_the_librarys():

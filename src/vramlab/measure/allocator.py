@@ -41,10 +41,10 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..activations import Recompute
-from ..memory import Optimizer, OptimizerImpl, _check_positive
+from ..memory import Optimizer, OptimizerImpl, check_positive
 from ..precision import Precision
 from ..specs import ModelSpec
-from .memory import _AUTOCAST, _fake_mode, make_optimizer, training_model
+from .memory import AUTOCAST, fake_mode, make_optimizer, training_model
 from .models import Attention, make_batch
 
 CUBLAS_WORKSPACE = 33554432  # bytes at the first matmul (H100, gpu-truth/overheads_h100.jsonl)
@@ -169,14 +169,14 @@ def record_training_events(spec: ModelSpec, *, batch_size: int, seq_len: int, pr
     zero_grad(set_to_none=True)). ("mark", phase) events separate the phases. `extra_phase(model=,
     recorder=, step=, spec=)` runs after the measured step (e.g. an evaluation at another batch size,
     then `step("label")` for one more training step)."""
-    _check_positive(batch_size=batch_size, seq_len=seq_len)
+    check_positive(batch_size=batch_size, seq_len=seq_len)
     if mode not in ("trace", "cpu"):
         raise ValueError(f"mode must be 'trace' or 'cpu', got {mode!r}")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    amp = _AUTOCAST.get(precision)
+    amp = AUTOCAST.get(precision)
     rec = EventRecorder(cublas_workspaces=cublas_workspaces)
     kernels = cuda_like_kernels() if cuda_like else contextlib.nullcontext()
-    with _fake_mode(mode == "trace"), kernels, rec:
+    with fake_mode(mode == "trace"), kernels, rec:
         rec.mark("build")
         model = training_model(spec, attention=attention, dtype=dtype, device="cpu", recompute=recompute)
         params = [p for p in model.parameters() if p.requires_grad]

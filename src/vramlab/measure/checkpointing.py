@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import activations
 from .. import checkpointing as ck
 from .. import checks
 from ..specs import ModelSpec, SpecError, from_config, preset
@@ -249,7 +250,7 @@ def block_saved_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, compile
     import torch
     import torch._functorch.config as fconfig
 
-    from .memory import _block_list
+    from .memory import block_list
     from .models import build_model, make_batch
 
     if precision not in ("fp32", "bf16", "bf16-mixed"):
@@ -258,7 +259,7 @@ def block_saved_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, compile
     torch.manual_seed(0)
     model = build_model(one, attention=attention, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
     model.to(device)
-    block = _block_list(model, one)[0]
+    block = block_list(model, one)[0]
 
     def amp():
         return torch.autocast(device, dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
@@ -412,7 +413,7 @@ def run_compile(*, models=COMPILE_MODELS, budgets=BUDGETS, batch_size: int = 2, 
         for attention in ("sdpa", "eager"):
             m = block_saved_bytes(spec, batch_size=batch_size, seq_len=seq_len, attention=attention, device=device,
                                   precision=precision)
-            pred = ck._act.activation_bytes(spec, batch_size=batch_size, seq_len=seq_len, attention=attention,
+            pred = activations.activation_bytes(spec, batch_size=batch_size, seq_len=seq_len, attention=attention,
                                             device=device, precision=precision)["full"][0]
             row[f"eager_{attention}"] = {"measured": m["bytes"], "estimated": pred, "tensors": m["tensors"]}
             progress(f"{name} eager ({attention} attention): measured {m['bytes']:,} B, ledger {pred:,} B")

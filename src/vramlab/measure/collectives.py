@@ -168,7 +168,7 @@ def _worker(rank: int, world: int, args, port: int) -> None:
     except Exception as e:  # noqa: BLE001 - the rendezvous never completed
         raise CommbenchError(f"rank {rank} of {world}: the process group did not form within {args.timeout:g} s "
                              f"(a rank never started or cannot reach {os.environ['MASTER_ADDR']}:"
-                             f"{os.environ['MASTER_PORT']}): {_first_line(e)}") from None
+                             f"{os.environ['MASTER_PORT']}): {first_line(e)}") from None
     try:
         rows = _bench(rank, world, args)
         if rows is not None:
@@ -177,13 +177,13 @@ def _worker(rank: int, world: int, args, port: int) -> None:
         raise
     except Exception as e:  # noqa: BLE001 - a collective timed out or a peer died
         raise CommbenchError(f"rank {rank} of {world}: a collective did not complete within {args.timeout:g} s or a "
-                             f"peer failed (a rank stopped or is stuck): {_first_line(e)}") from None
+                             f"peer failed (a rank stopped or is stuck): {first_line(e)}") from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..activations import MLPBlock, _inplace_set
+from ..activations import MLPBlock, inplace_set
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -92,7 +92,7 @@ class MLPBlockModule(torch.nn.Module):
 
     def __init__(self, block: MLPBlock, inplace: Iterable[str] = (), dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.block, self.ops = block, _inplace_set(inplace)
+        self.block, self.ops = block, inplace_set(inplace)
         h, i = block.hidden_size, block.intermediate_size
         if "activation" in self.ops and block.activation == "gelu":
             raise ValueError("torch has no in-place GELU (nn.GELU and F.gelu take no inplace argument)")

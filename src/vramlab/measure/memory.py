@@ -34,7 +34,7 @@ from typing import Any, Callable, Literal
 import torch
 
 from ..activations import Recompute
-from ..memory import Loss, MemoryBreakdown, Optimizer, OptimizerImpl, _check_positive, loss_chunk_size
+from ..memory import Loss, MemoryBreakdown, Optimizer, OptimizerImpl, check_positive, loss_chunk_size
 from ..precision import FP32_STATES, Precision
 from .models import Attention, build_model, make_batch
 from .record import Mode, provenance, resolve_mode
@@ -85,13 +85,13 @@ class _NoHook:
         pass
 
 
-def _tracker():
+def storage_tracker():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     return MemTracker()
 
 
-def _ignore_frozen(tracker, model: torch.nn.Module) -> None:
+def ignore_frozen(tracker, model: torch.nn.Module) -> None:
     """MemTracker (torch 2.13) registers a gradient hook on every parameter and crashes on frozen
     ones ("cannot register a hook on a tensor that doesn't require gradient"), i.e. on every PEFT
     model. Frozen parameters never get a gradient: give them hook handles that do nothing."""
@@ -113,13 +113,13 @@ def storage_bytes(tensors) -> int:
     return total
 
 
-def _state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+def state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     if optimizer is None:
         return 0
     return storage_bytes(v for state in optimizer.state.values() for v in state.values())
 
 
-def _to_breakdown(snap: dict[str, int], *, opt_state_bytes: int, label: str, precision: str = "",
+def to_breakdown(snap: dict[str, int], *, opt_state_bytes: int, label: str, precision: str = "",
                   device: str = "") -> MemoryBreakdown:
     """MemTracker's categories -> vramlab's. Everything allocated inside optimizer.step() is tagged
     'Optstate' by MemTracker: the part beyond the persistent states is the step's temporaries."""
@@ -156,21 +156,21 @@ def measure(step: Callable[[], Any], *, model: torch.nn.Module, optimizer: torch
     for _ in range(warmup_steps):
         step()
     dev = str(next(model.parameters()).device) if cuda else "cpu"
-    tracker = _tracker()
-    tracker.track_external(model, *([optimizer] if optimizer is not None else []), *_tensors(inputs))
-    _ignore_frozen(tracker, model)
+    tracker = storage_tracker()
+    tracker.track_external(model, *([optimizer] if optimizer is not None else []), *tensors_in(inputs))
+    ignore_frozen(tracker, model)
     if cuda:
         gc.collect()  # garbage from the warm-up (reference cycles) must not count in this step's peak
         sync()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    global _ACTIVE
+    global ACTIVE
     with tracker:
-        _ACTIVE = tracker
+        ACTIVE = tracker
         try:
             step()
         finally:
-            _ACTIVE = None
+            ACTIVE = None
     sync()
     seconds = time.perf_counter() - t0
     extra: dict[str, Any] = {}
@@ -182,7 +182,7 @@ def measure(step: Callable[[], Any], *, model: torch.nn.Module, optimizer: torch
     snap = next(iter(snaps.values())) if snaps else {}
     snap = {str(k.value if hasattr(k, "value") else k): v for k, v in snap.items()}
     # the kernels that ran: CUDA's, or the CPU's (a trace runs CPU kernels too)
-    bd = _to_breakdown(snap, opt_state_bytes=_state_bytes(optimizer), label=label, precision=precision,
+    bd = to_breakdown(snap, opt_state_bytes=state_bytes(optimizer), label=label, precision=precision,
                        device="cuda" if cuda else "cpu")
     del tracker
     times = []
@@ -198,18 +198,18 @@ def measure(step: Callable[[], Any], *, model: torch.nn.Module, optimizer: torch
                        provenance=provenance(dev), **extra)
 
 
-_ACTIVE = None  # the tracker of the step `measure` is running
+ACTIVE = None  # the tracker of the step `measure` is running
 
 
 def next_micro_batch() -> None:
     """Inside a measured step, before the model's next forward (gradient accumulation's next
     micro-batch): MemTracker refuses a second call of the root module in one step unless its
     per-module statistics are cleared; the step's peak and categories are kept."""
-    if _ACTIVE is not None:
-        _ACTIVE.reset_mod_stats()
+    if ACTIVE is not None:
+        ACTIVE.reset_mod_stats()
 
 
-def _tensors(inputs: Any) -> list[torch.Tensor]:
+def tensors_in(inputs: Any) -> list[torch.Tensor]:
     if isinstance(inputs, torch.Tensor):
         return [inputs]
     if isinstance(inputs, dict):
@@ -219,7 +219,7 @@ def _tensors(inputs: Any) -> list[torch.Tensor]:
 
 # ----------------------------------------------------------------------------- training step
 
-_AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 
 
 def make_optimizer(params, *, optimizer: Optimizer, optimizer_impl: OptimizerImpl, lr: float = 1e-4):
@@ -241,7 +241,7 @@ def make_optimizer(params, *, optimizer: Optimizer, optimizer_impl: OptimizerImp
 
 
 @contextlib.contextmanager
-def _fake_mode(enabled: bool):
+def fake_mode(enabled: bool):
     if not enabled:
         yield
         return
@@ -353,7 +353,7 @@ def check_measurable(spec: ModelSpec, recompute: Recompute):
     return plan
 
 
-def _block_list(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.ModuleList:
+def block_list(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.ModuleList:
     lists = [m for _, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == spec.num_layers
              and len({type(b) for b in m}) == 1]
     if len(lists) != 1:
@@ -371,7 +371,7 @@ def apply_plan(model: torch.nn.Module, spec: ModelSpec, recompute: Recompute) ->
     plan = check_measurable(spec, recompute)
     if not plan.segments:
         return model
-    blocks = _block_list(model, spec)
+    blocks = block_list(model, spec)
     model.config.use_cache = False  # a training step keeps no KV cache
     context = save_matmuls_context if plan.keep == "matmuls" else None
     for a, e in plan.segments:
@@ -528,8 +528,8 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     from .moe import grouped_mm_fallback_unless_bf16, use_capacity
 
     capacity_factor = check_trainable(spec, capacity_factor)
-    _check_positive(batch_size=batch_size, seq_len=seq_len)
-    k = _check_positive(accumulation_steps=accumulation_steps)[0]
+    check_positive(batch_size=batch_size, seq_len=seq_len)
+    k = check_positive(accumulation_steps=accumulation_steps)[0]
     chunk = loss_chunk_size(spec, tokens=batch_size * seq_len, loss=loss, loss_chunk_tokens=loss_chunk_tokens)
     if loss != "whole" and not spec.is_causal_lm:
         raise NotImplementedError(f"the {loss} loss is measured on causal LMs, not {spec.family}")
@@ -546,7 +546,7 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     if capacity_factor is not None:
         hook = model_hook
         model_hook = lambda m: use_capacity(hook(m) if hook else m, capacity_factor)  # noqa: E731
-    with _fake_mode(mode_ == "trace"), fallback:
+    with fake_mode(mode_ == "trace"), fallback:
         model = training_model(spec, attention=attention, dtype=dtype, device=dev, recompute=recompute,
                                model_hook=model_hook)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -559,7 +559,7 @@ def measure_training(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
         batch = make_batch(spec, batch_size=batch_size, seq_len=seq_len, device=dev)
         # the other micro-batches of an accumulation step: other tokens, the same shapes
         micro = [batch] + [{n: (t + i) % spec.vocab_size for n, t in batch.items()} for i in range(1, k)]
-        amp = _AUTOCAST.get(precision)
+        amp = AUTOCAST.get(precision)
         dev_type = torch.device(dev).type
 
         def step() -> None:
@@ -591,11 +591,11 @@ def measure_inference(spec: ModelSpec, *, batch_size: int, seq_len: int, precisi
     tokens with the KV cache on (transformers' DynamicCache), all logits kept; or, with
     `new_tokens`, `model.generate(max_new_tokens=new_tokens)` (greedy; no early stop at EOS, so the
     cache really grows to seq_len + new_tokens). Same questions as `vramlab.estimate_inference`."""
-    _check_positive(batch_size=batch_size, seq_len=seq_len)
+    check_positive(batch_size=batch_size, seq_len=seq_len)
     mode_ = resolve_mode(mode)
     dev = device or ("cuda" if mode_ == "cuda" else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    with _fake_mode(mode_ == "trace"):
+    with fake_mode(mode_ == "trace"):
         model = build_model(spec, attention=attention, dtype=dtype, device=dev, train=False)
         batch = make_batch(spec, batch_size=batch_size, seq_len=seq_len, device=dev, with_labels=False)
         if spec.family == "t5":

@@ -39,7 +39,7 @@ import torch
 
 from .. import checks
 from .. import offload as off
-from ..parallel import _count
+from ..parallel import check_count
 
 CPU_LINK_GBps = 2.0  # the CPU mode's stand-in for PCIe: slower than the layers' compute, as in BMInf
 # the stack: layer i is an MLP x + relu(x W_up^T) W_down^T of width WIDTHS[i] (uneven on purpose)
@@ -253,7 +253,7 @@ def measure_streaming(fn: Callable, *, mode: str = "auto", widths=WIDTHS, buffer
     the smallest resident set `offload.smallest_resident` finds from the measured times)."""
     if mode not in ("auto", "cpu", "cuda"):
         raise ValueError(f"mode must be auto, cpu or cuda, got {mode!r}")
-    _count("buffers", buffers), _count("passes", passes, lo=2, hi=1000)
+    check_count("buffers", buffers), check_count("passes", passes, lo=2, hi=1000)
     if isinstance(cpu_link_GBps, bool) or not isinstance(cpu_link_GBps, (int, float)) or not cpu_link_GBps > 0:
         raise ValueError(f"cpu_link_GBps must be a positive number, got {cpu_link_GBps!r}")
     mode = ("cuda" if torch.cuda.is_available() else "cpu") if mode == "auto" else mode

@@ -405,7 +405,7 @@ def _watch_peak(phase: list[str], at_peak: dict[str, Any]) -> None:
     parameters are one phase, "in-backward step", with the parameter whose step was highest)."""
     from . import memory as harness
 
-    tracker = harness._ACTIVE
+    tracker = harness.ACTIVE
     if tracker is None or getattr(tracker, "_vramlab_watched", False):
         return
     original = tracker._update_peak_stats
@@ -446,7 +446,7 @@ def measure_step_peak(spec: ModelSpec, *, batch_size: int, seq_len: int, precisi
     `measure_training` does), measured by the step harness: the normal loop, or the optimizer fused
     into the backward pass (`fuse_into_backward`). precision "fp32" or "bf16" (a pure bf16 model).
     Returns the peak, the harness's categories, MemTracker's own and the phase of the peak."""
-    from .memory import _fake_mode, measure, training_model
+    from .memory import fake_mode, measure, training_model
     from .models import make_batch
     from .record import resolve_mode
 
@@ -462,7 +462,7 @@ def measure_step_peak(spec: ModelSpec, *, batch_size: int, seq_len: int, precisi
     def on_step(name: str, before: bool) -> None:
         phase[0] = f"in-backward step of {name}" if before else "backward"
 
-    with _fake_mode(mode_ == "trace"), _quiet():
+    with fake_mode(mode_ == "trace"), _quiet():
         model = training_model(spec, attention="sdpa", dtype=dtype, device="cpu")
         params = [p for p in model.parameters() if p.requires_grad]
         if loop == "normal":
@@ -496,7 +496,7 @@ def measure_step_peak(spec: ModelSpec, *, batch_size: int, seq_len: int, precisi
                 phase[0] = "zero_grad"
                 opt.zero_grad(set_to_none=True)
             phase[0] = "end"
-            tracker = harness._ACTIVE
+            tracker = harness.ACTIVE
             snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
             raw.update({str(getattr(k, "value", k)): v for k, v in snap.items()})
             leftover = [n for n, p in model.named_parameters() if p.grad is not None]

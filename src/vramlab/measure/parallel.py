@@ -149,7 +149,7 @@ class ParlabError(RuntimeError):
 
 # ----------------------------------------------------------------------------- helpers (torch)
 
-def _device(backend: str, rank: int):
+def rank_device(backend: str, rank: int):
     import torch
 
     if backend == "nccl":
@@ -241,11 +241,11 @@ class _Tracked:
     """MemTracker around a step, with the current bytes by category readable at chosen points."""
 
     def __init__(self, model, optimizer, inputs):
-        from .memory import _ignore_frozen, _tracker, _tensors
+        from .memory import ignore_frozen, storage_tracker, tensors_in
 
-        self.tracker = _tracker()
-        self.tracker.track_external(model, optimizer, *_tensors(inputs))
-        _ignore_frozen(self.tracker, model)
+        self.tracker = storage_tracker()
+        self.tracker.track_external(model, optimizer, *tensors_in(inputs))
+        ignore_frozen(self.tracker, model)
         self.points: dict[str, dict[str, int]] = {}
 
     def mark(self, name: str) -> None:
@@ -264,11 +264,11 @@ class _Tracked:
 
 
 def _categories(snap: dict[str, int], *, opt, extra_grad: int = 0) -> dict[str, int]:
-    """MemTracker's categories -> the estimate's (`measure._to_breakdown`), as a dict with the total;
+    """MemTracker's categories -> the estimate's (`measure.to_breakdown`), as a dict with the total;
     `extra_grad`: gradient bytes the tracker cannot see."""
-    from .memory import _state_bytes, _to_breakdown
+    from .memory import state_bytes, to_breakdown
 
-    bd = _to_breakdown(snap, opt_state_bytes=_state_bytes(opt), label="measured")
+    bd = to_breakdown(snap, opt_state_bytes=state_bytes(opt), label="measured")
     return _with_total({"parameters": bd.parameters, "gradients": bd.gradients + extra_grad,
                         "optimizer_states": bd.optimizer_states, "activations": bd.activations,
                         "temporaries": bd.temporaries, "inputs": bd.inputs, "other": bd.other})
@@ -470,7 +470,7 @@ class _Ledger(_ModeContext):
             if n == 0:
                 continue
             if self.recording and key not in self.lab_counted and key not in self.lab_excluded:
-                # lab 3's pipeline accounting (`_LiveBytes`): a storage counts from the first operation that
+                # lab 3's pipeline accounting (`LiveBytes`): a storage counts from the first operation that
                 # returns it during the step (created then, or existing but not a resident state) until freed
                 self.lab_counted[key] = n
                 self.lab_now += n
@@ -1048,7 +1048,7 @@ def _run_pp(rank: int, world: int, args, dev) -> dict[str, Any]:
             memory["in_flight"] = {"max": state.max_in_flight, "max_per_virtual_stage": state.max_per_stage,
                                    "at_peak": memory.pop("peak_context")}
             p2p = state.p2p_counts()
-            # lab 3's accounting (as `_LiveBytes` counted it): the resident states plus the most bytes of storages
+            # lab 3's accounting (as `LiveBytes` counted it): the resident states plus the most bytes of storages
             # returned by operations during the step that are not resident states (the ledger's `peak` also holds
             # what exists before the step untouched: the stage's receive buffers, leftovers)
             measured = {**{k: v for k, v in resident.items() if k != "storages"},
@@ -1171,7 +1171,7 @@ def _resident(mod, opt, batch) -> dict:
     return {**out, "storages": seen}
 
 
-class _LiveBytes(_ModeContext):
+class LiveBytes(_ModeContext):
     """Live-tensor tracking without module hooks (MemTracker's refuse a pipeline's interleaved forward
     and backward passes): every storage an operation creates is counted from its creation until it
     is freed; `peak` is the most alive at once. Storages that existed before (`resident`) are not."""
@@ -1331,7 +1331,7 @@ RANK_IMPORTS = ("transformers", "transformers.modeling_utils", "transformers.mas
 def _worker(rank: int, world: int, args, port: int) -> None:
     import torch.distributed as dist
 
-    from .collectives import _first_line
+    from .collectives import first_line
 
     global _LEDGER
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -1342,9 +1342,9 @@ def _worker(rank: int, world: int, args, port: int) -> None:
                                 timeout=datetime.timedelta(seconds=args.timeout))
     except Exception as e:  # noqa: BLE001
         raise ParlabError(f"rank {rank} of {world}: the process group did not form within {args.timeout:g} s: "
-                          f"{_first_line(e)}") from None
+                          f"{first_line(e)}") from None
     try:
-        dev = _device(args.backend, rank)
+        dev = rank_device(args.backend, rank)
         _LEDGER = _Ledger()
         run, report = {"ddp": (_run_ddp, _report), "tp": (_run_tp, _report), "pp": (_run_pp, _report),
                        "cp": (_run_cp, _cp_report), "ep": (_run_ep, _ep_report)}[args.experiment]
@@ -1358,7 +1358,7 @@ def _worker(rank: int, world: int, args, port: int) -> None:
     except ParlabError as e:
         raise ParlabError(f"rank {rank} of {world}: {e}") from None
     except Exception as e:  # noqa: BLE001
-        raise ParlabError(f"rank {rank} of {world}: {type(e).__name__}: {_first_line(e)}") from None
+        raise ParlabError(f"rank {rank} of {world}: {type(e).__name__}: {first_line(e)}") from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -19,7 +19,7 @@ process group per setup, and reports per rank:
   optimizer states (the inner optimizer's states and DeepSpeed's fp32 master partitions) and other
   (communication buckets and the like, largest first with their shapes);
 - the step's peak: resident plus the most that a step's own storages held at once
-  (`measure.parallel._LiveBytes`), the largest over the measured steps (all but the first two);
+  (`measure.parallel.LiveBytes`), the largest over the measured steps (all but the first two);
 - bytes communicated in the step, counted at the `torch.distributed` calls (payload per collective
   and what each rank sends on a ring, `collectives.bytes_sent_per_rank`);
 - the trained parameters against one process training the same model on all ranks' data (with
@@ -31,7 +31,7 @@ process group per setup, and reports per rank:
   that moment (bytes by owner category and the largest transient storages: bytes, dtype, shape, the
   operation that made them, their role: a module's gathered parameter, a gradient, other), each phase's
   own peak, and a cross-check against PyTorch's CPU allocator (the profiler's memory events).
-  `step_peak` and `step_transient_peaks` keep lab 4's accounting (`measure.parallel._LiveBytes`: the resident
+  `step_peak` and `step_transient_peaks` keep lab 4's accounting (`measure.parallel.LiveBytes`: the resident
   total plus the most that operation outputs held at once), which cannot see storages FSDP2 reallocates
   with `resize_` (its gathered parameters after the first step) nor resident storages freed in a step.
 Imports torch and DeepSpeed (FSDP2 needs only torch).
@@ -971,7 +971,7 @@ def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, 
     rank's report. The step's peak is the largest over the measured steps, as the allocator's peak
     over a run is: which buffers of the last collective are still alive at a step's worst moment
     depends on when Python frees them, and one step can miss a buffer that the next one holds."""
-    from .parallel import _LiveBytes
+    from .parallel import LiveBytes
 
     import torch
 
@@ -998,7 +998,7 @@ def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, 
             storages = _resident(module, opt)["storages"] if peaks else before.pop("storages")
             tracker = _PeakTracker(module, opt, _known(module, opt))
             marks.step, marks.tracker = k, tracker
-            with _CommCounter(world) as counter, _LiveBytes({"storages": storages}) as live, _TrackMode(tracker):
+            with _CommCounter(world) as counter, LiveBytes({"storages": storages}) as live, _TrackMode(tracker):
                 step(ids)
             marks.tracker = None
             tracked.append(tracker.close())
@@ -1100,13 +1100,13 @@ def _worker(rank: int, world: int, args, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from .collectives import _first_line
-    from .parallel import _device
+    from .collectives import first_line
+    from .parallel import rank_device
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    _device(args.backend, rank)
+    rank_device(args.backend, rank)
     model = getattr(args, "model", DEFAULT_MODEL)
     knobs = {k: getattr(args, k, None) for k in DS_KNOBS}
     try:
@@ -1163,7 +1163,7 @@ def _worker(rank: int, world: int, args, port: int) -> None:
         if os.environ.get("ZEROLAB_DEBUG"):  # the whole traceback, for whoever debugs a rank
             import traceback
             traceback.print_exc()
-        raise ZerolabError(f"rank {rank}: {type(e).__name__}: {_first_line(e)}") from None
+        raise ZerolabError(f"rank {rank}: {type(e).__name__}: {first_line(e)}") from None
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -1179,7 +1179,7 @@ def _fake_rank(args) -> int:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .collectives import _first_line
+    from .collectives import first_line
 
     rank, world = args.rank, args.nproc
     on_gpu = torch.cuda.is_available()
@@ -1194,7 +1194,7 @@ def _fake_rank(args) -> int:
         if os.environ.get("ZEROLAB_DEBUG"):
             import traceback
             traceback.print_exc()
-        print(f"zerolab: rank {rank} of {world} (fake process group): {type(e).__name__}: {_first_line(e)}",
+        print(f"zerolab: rank {rank} of {world} (fake process group): {type(e).__name__}: {first_line(e)}",
               file=sys.stderr)
         return 1
     finally:

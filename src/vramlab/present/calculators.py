@@ -278,7 +278,7 @@ def _moe(*, model: str, batch_size: int, seq_len: int, dtype: str, gpu: str, ste
     from .. import moe as MOE
 
     spec, g = specs.preset(model), specs.gpu(gpu)
-    e = memory._INFER_BYTES[dtype]
+    e = memory.INFER_BYTES[dtype]
     if step == "training":
         precision = "fp32" if dtype == "fp32" else "bf16-mixed"
         if dtype == "int8":
@@ -318,7 +318,7 @@ MOE = Calculator(
     inputs=(Input(name="model", label="model", kind="choice", default="mixtral-8x7b", choices=specs.moe_preset_names()),
             Input(name="batch_size", label="batch size", kind="int", default=1, min=1, max=256),
             Input(name="seq_len", label="sequence length", kind="choice", default=4096, choices=MOE_SEQ_CHOICES),
-            Input(name="dtype", label="weights", kind="choice", default="bf16", choices=tuple(memory._INFER_BYTES)),
+            Input(name="dtype", label="weights", kind="choice", default="bf16", choices=tuple(memory.INFER_BYTES)),
             Input(name="gpu", label="GPU", kind="choice", default="h200", choices=GPU_CHOICES),
             Input(name="step", label="step", kind="choice", default="inference", choices=("inference", "training")),
             Input(name="capacity", label="capacity factor (training)", kind="choice", default="dropless",
@@ -507,7 +507,7 @@ def _precision(*, value: float, model: str, batch_size: int, fp8_recipe: str = "
     lines += ["", f"{'recipe':20s}{'training peak':>14}"] + [f"{p:20s}{fmt_bytes(e.total):>14}"
                                                              for p, e in zip(P.PRECISIONS, ests)]
     spec = specs.preset(model)
-    gemms = [sh for n, sh in spec.param_shapes() if len(sh) == 2 and memory._in_block(n)]
+    gemms = [sh for n, sh in spec.param_shapes() if len(sh) == 2 and memory.in_block(n)]
     lines += ["", f"FP8 training recipes, {model}'s model states (the Ultra-Scale Playbook's bytes a parameter; "
                   "scales of its matmul weights)", f"{'recipe':34s}{'B/param':>8}{'states':>12}{'scales':>12}"]
     kept = {}  # each recipe's model states and its scales
@@ -804,7 +804,7 @@ def _compiled_line(spec, *, batch_size: int, seq_len: int, precision: str) -> st
                 f"not {spec.name}")
     c = CK.compiled_activations(spec, batch_size=batch_size, seq_len=seq_len, precision=precision, device="cuda")
     checked = "" if precision == "fp32" else " (checked in fp32 on CPU inductor only)"
-    if activations._math_path(spec, "sdpa", "cuda", precision):  # eager keeps the scores here; the compiled ledger does not
+    if activations.uses_math_attention(spec, "sdpa", "cuda", precision):  # eager keeps the scores here; the compiled ledger does not
         checked += " (with a fused attention kernel; here eager SDPA falls back to the math path)"
     return (f"torch.compile, no plan: each block keeps {fmt_bytes(c['compiled'])} for backward instead of "
             f"{fmt_bytes(c['eager'])} eager{checked}; activation_memory_budget=0 keeps only its input, "
@@ -1399,7 +1399,7 @@ def run_html(name: str, values_json: str) -> str:
         r = calc.run(**json.loads(values_json))
     except (ValueError, TypeError) as e:
         calc, r = None, Result(text="", error=str(e))
-    html = _result_html(calc, r) if calc else f'<p class="vl-error">{escape(r.error)}</p>'
+    html = result_html(calc, r) if calc else f'<p class="vl-error">{escape(r.error)}</p>'
     return json.dumps({"html": html, "error": r.error, "invalid": list(r.invalid),
                        "numbers": {k: v for k, (v, _) in r.numbers.items()}})
 
@@ -1427,7 +1427,7 @@ def _control(i: Input, value: Any, cid: str) -> str:
             f'value="{value}"></div>')
 
 
-def _result_html(calc: Calculator, r: Result, *, narrow: bool = True) -> str:
+def result_html(calc: Calculator, r: Result, *, narrow: bool = True) -> str:
     """The result area: the numbers, the chart and the text; an error is one line in the error's
     style (role="alert"). With `narrow`, the chart comes twice (wide, and laid out for a phone) and
     the book's CSS shows the one that fits the column (book.css: .vl-chart's container query)."""
@@ -1456,4 +1456,4 @@ def page_html(name: str, **values: Any) -> str:
             f'<div class="vl-head"><strong>{escape(calc.title)}</strong> '
             f'<span class="vl-status" role="status">snapshot: computed when this page was built</span></div>'
             f'<div class="vl-controls">{controls}</div>'
-            f'<div class="vl-result" aria-live="polite">{_result_html(calc, r)}</div></div>')
+            f'<div class="vl-result" aria-live="polite">{result_html(calc, r)}</div></div>')

@@ -42,7 +42,7 @@ from . import explain as _explain
 from . import from_config
 from .tables import Cell, Table
 
-INFER_DTYPES: tuple[str, ...] = tuple(memory._INFER_BYTES)
+INFER_DTYPES: tuple[str, ...] = tuple(memory.INFER_BYTES)
 OFFLOAD_SCHEMES: tuple[str, ...] = ("save-on-cpu", "zero-offload", "fsdp2-cpu")
 LORA_METHODS: tuple[str, ...] = ("lora", "qlora", "lora-int8", "full", "prompt", "prefix", "p-tuning")
 PROMPT_METHODS: tuple[str, ...] = ("prompt", "prefix", "p-tuning")
@@ -710,7 +710,7 @@ def _levers(ns, here: Answer) -> list[Lever]:
             b //= 2
         L.append(Lever(tuple(halves), monotone=True))
     if ns.command == "estimate" and ns.mode == "infer":
-        smaller = [d for d in ("bf16", "int8") if memory._INFER_BYTES[d] < memory._INFER_BYTES[ns.precision or "bf16"]]
+        smaller = [d for d in ("bf16", "int8") if memory.INFER_BYTES[d] < memory.INFER_BYTES[ns.precision or "bf16"]]
         L += [Lever(({"attention": "sdpa"},))] if ns.attention == "eager" else []
         L += [Lever(({"expandable_segments": True},))] if not ns.expandable_segments else []
         L += [Lever(tuple({"precision": d} for d in smaller))] if smaller else []

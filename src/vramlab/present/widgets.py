@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .calculators import Input, _result_html, get, page_html
+from .calculators import Input, result_html, get, page_html
 
 
 def _control(i: Input, value: Any):
@@ -56,7 +56,7 @@ def calculator_widget(name: str, **values: Any):
 
     def update(*_):
         # one chart, at its full width: Jupyter's and Colab's output area is not a phone's column
-        out.value = _result_html(calc, calc.run(**{k: value(k, w) for k, w in controls.items()}), narrow=False)
+        out.value = result_html(calc, calc.run(**{k: value(k, w) for k, w in controls.items()}), narrow=False)
 
     for w in controls.values():
         w.observe(update, names="value")
