@@ -1,4 +1,4 @@
-"""Gradient accumulation (issue 32): the peak of one optimizer step against the micro-batch, at a
+"""Gradient accumulation: the peak of one optimizer step against the micro-batch, at a
 fixed global batch, on three decoder models that are not lab 1's (built from configs, random
 weights): one whose activations dominate (GPT-NeoX-like, eager attention, 256 tokens), one whose
 model states dominate (OPT-like, 8k vocabulary, 16 tokens: the embedding's gradient decides the

@@ -1,4 +1,4 @@
-"""Activation checkpointing beyond lab 7's models (issue #27): every measurable plan on two decoder
+"""Activation checkpointing beyond lab 7's models: every measurable plan on two decoder
 families that are not the lab's (OPT and GPT-NeoX, built from configs with a small vocabulary so that
 the blocks, not the logits, decide the peak), at a size where the peak of most plans falls inside a
 recomputed block's backward. Memory by trace mode (every tensor the CPU kernels make, tracked with

@@ -15,7 +15,7 @@ case can count in the next.
 Trace and CPU runs execute CPU kernels, so the estimate is asked for device="cpu" (full-width
 dropout masks, math-path SDPA under dropout, CPU autocast); on CUDA it is asked for device="cuda".
 CPU autocast's op lists differ from CUDA's: mixed-precision cases are reported separately.
-Target (issue #2): every fp32 case within 5 %, median within 2 %.
+Target: every fp32 case within 5 %, median within 2 %.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""FP8 training on a GPU (issue 36, item 3): one training step of a model built from its config (no hub), bf16 against
+"""FP8 training on a GPU: one training step of a model built from its config (no hub), bf16 against
 torchao's float8 training (`torchao.float8.convert_to_float8_training`, tensorwise dynamic scaling), each in its own
 process; the allocator's peak, reserved bytes and the device's use beside vramlab's bf16 estimate, and the step time.
 Chapter 5's FP8 table is the published recipes' arithmetic; this is what one real recipe does on one GPU.

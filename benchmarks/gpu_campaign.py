@@ -327,7 +327,7 @@ def serving_vllm(dry: bool, tag: str) -> None:
 
 
 def snapshots(dry: bool) -> None:
-    """Issue 35's real snapshots: benchmarks/snapshot_probe.py, each case in its own process."""
+    """The real snapshots: benchmarks/snapshot_probe.py, each case in its own process."""
     dest = RESULTS / "snapshots"
     say(f"snapshots: GPT-2 b8 s1024 fp32 after forward and backward, and at a real OOM -> {dest.relative_to(ROOT)}/")
     if not dry:

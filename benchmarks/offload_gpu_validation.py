@@ -1,4 +1,4 @@
-"""ZeRO-Offload on a real GPU, for chapter 6's numbers (issue #27): DeepSpeed stage 2 with
+"""ZeRO-Offload on a real GPU, for chapter 6's numbers: DeepSpeed stage 2 with
 `offload_optimizer: cpu` (DeepSpeedCPUAdam, DeepSpeed's own choice when it offloads), one rank, bf16;
 and the host rates the chapter's time model rests on. Each configuration in its own process.
 

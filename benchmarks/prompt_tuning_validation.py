@@ -1,5 +1,5 @@
-"""Prompt tuning, prefix tuning and P-tuning (peft 0.21) measured against `compression.peft_training`
-(issue 32): one training step of small models built from configs (an mT5, a GPT-2 and a Llama, none
+"""Prompt tuning, prefix tuning and P-tuning (peft 0.21) measured against `compression.peft_training`:
+one training step of small models built from configs (an mT5, a GPT-2 and a Llama, none
 the lab's), wrapped by peft's own PromptTuningConfig / PrefixTuningConfig / PromptEncoderConfig,
 on real CPU tensors (the CPU kernels' tensors, tracked: not a GPU measurement), one process each.
 

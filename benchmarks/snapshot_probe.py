@@ -1,4 +1,4 @@
-"""Real memory snapshots for `vramlab explain` (issue 35, item 2): a small model trained from its config (no hub)
+"""Real memory snapshots for `vramlab explain`: a small model trained from its config (no hub)
 with allocation history recorded, `torch.cuda.memory._snapshot()` dumped at known points and at a real
 out-of-memory error, each pickle beside a JSON of provenance and of what torch reported at that moment.
 

@@ -1,4 +1,4 @@
-"""vLLM's own accounting of a paged KV cache on this GPU, beside vramlab.serving (chapter 1, issue 34).
+"""vLLM's own accounting of a paged KV cache on this GPU, beside vramlab.serving (chapter 1).
 
 One model per process (vLLM takes the GPU's memory for itself): the preset's config.json written to a
 temporary folder, vLLM started on it with random weights (`load_format="dummy"`, no tokenizer: nothing comes

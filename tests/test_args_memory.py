@@ -1,4 +1,4 @@
-"""Issue 29: every public function of memory, checkpointing, precision, specs and the `vramlab`
+"""Every public function of memory, checkpointing, precision, specs and the `vramlab`
 command line answers bad input with one ValueError naming the argument (never a TypeError or an
 OverflowError, never a silently wrong number), accepts numpy's scalars where a number is meant,
 and refuses bools, strings, NaN and infinities there."""

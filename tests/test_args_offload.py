@@ -1,4 +1,4 @@
-"""Issue 29: offload and compression check their arguments with `vramlab.checks` (numpy scalars
+"""Offload and compression check their arguments with `vramlab.checks` (numpy scalars
 accepted where a number is meant; bools, strings, NaN and infinities refused; one ValueError that
 names the argument), and offload's resident-layer search answers thousands of layers at once while
 choosing exactly what the exhaustive search of before chose (kept below as the reference)."""
@@ -244,7 +244,7 @@ def test_numpy_scalars_everywhere_give_the_same_answers():
 
 
 # ----------------------------------------------------------------------------- the search, against the old one
-# offload.py's streaming before issue 29, verbatim but for its argument checks: the exhaustive search
+# offload.py's streaming before its argument checks, verbatim but for its argument checks: the exhaustive search
 # (every set up to EXHAUSTIVE_UP_TO layers, the spaced one for each count above, simulated from the
 # most streamed down) that the fast search must agree with exactly.
 
@@ -375,7 +375,7 @@ def test_search_edge_cases_match_the_old_search():
         ([1e9] * 5, [0.0] * 5, 50, 2),  # no compute to hide behind
         ([1e9] * 20, [0.0] * 19 + [1.0], 50, 2),
         ([1e9], [0.01], 100, 1), ([1e9], [0.01], 100, 5), ([1e9], [0.01], 1, 1),
-        ([10e9, 1e9, 1e9, 1e9], [1.0] * 4, 10, 2),  # issue 27's uneven stack
+        ([10e9, 1e9, 1e9, 1e9], [1.0] * 4, 10, 2),  # an uneven stack
         ([1e9] * 10, [0.01] * 10, 50, 2), ([1e9] * 10, [0.01] * 10, 50, 1),  # copies exactly twice the compute
         ([1e9] * 30, [0.01] * 30, 100, 1), ([1e9] * 30, [0.01] * 30, 100, 2),  # exactly as long
         ([1e9] * 13, [0.01] * 13, 100, 10**6),  # more buffers than layers
@@ -394,7 +394,7 @@ def test_search_edge_cases_match_the_old_search():
                                                (250, 1.52, 2), (120, 0.99, 3)])
 def test_many_equal_layers_match_the_old_search(n, ratio, buffers):
     """Sizes the old search could still finish here (the slow ones, like 2,000 layers through one
-    buffer, took it seconds to tens of seconds; the new one milliseconds: see the report of issue 29)."""
+    buffer, took it seconds to tens of seconds; the new one milliseconds: see the closing note of that change)."""
     sizes, secs = [1e9] * n, [0.01] * n
     kw = dict(link_GBps=1e9 / (ratio * 0.01) / 1e9, buffers=buffers)
     got = O.smallest_resident(sizes, secs, **kw)

@@ -1,4 +1,4 @@
-"""vramlab.parallel's arguments (issue 29: one ValueError naming the argument; numpy scalars accepted;
+"""vramlab.parallel's arguments (one ValueError naming the argument; numpy scalars accepted;
 bools, strings, NaN and infinities refused) and its fast paths: the closed forms of `simulate` and
 the pipeline points of `estimate_layout`, checked against the event simulation they replace."""
 

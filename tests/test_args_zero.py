@@ -1,4 +1,4 @@
-"""Issue 29: zero, collectives and units check their arguments with `vramlab.checks`: numpy scalars
+"""vramlab.zero, collectives and units check their arguments with `vramlab.checks`: numpy scalars
 accepted where a number is meant, bools/strings/NaN/inf refused, one ValueError naming the argument."""
 
 from __future__ import annotations

@@ -175,8 +175,8 @@ def test_chapter8_compression(built):
     assert "Traceback" not in page and "Warning" not in page
 
 
-def test_issue32_sections_are_built_with_their_numbers(built):
-    """The techniques added for issue 32 are on their pages, computed at build and labelled: gradient
+def test_sections_are_built_with_their_numbers(built):
+    """The added techniques are on their pages, computed at build and labelled: gradient
     accumulation, in-place operations and the caching allocator (ch 1), accumulation under ZeRO and
     FSDP2 (ch 4), pinned loaders and ZeRO-Infinity's NVMe tier (ch 6), what the compiler recomputes
     (ch 7), prompt/prefix/P-tuning and MoEfication (ch 8); and the calculators' new controls."""
@@ -222,7 +222,7 @@ def test_chapter3_context_parallelism(built):
     assert "Traceback" not in page
 
 
-def test_issue33_mixture_of_experts_and_long_context(built):
+def test_mixture_of_experts_and_long_context(built):
     """Chapter 1's mixture-of-experts presets and calculator; chapter 3's expert parallelism (computed states
     and traffic, the gloo runs labelled as CPU measurements, its calculator) and what 32k-128k tokens take."""
     html, _ = built
@@ -243,7 +243,7 @@ def test_issue33_mixture_of_experts_and_long_context(built):
     assert "Traceback" not in ch1 and "Traceback" not in ch3
 
 
-def test_issue34_serving(built):
+def test_serving(built):
     """Chapter 1's serving section: vLLM's start-up line computed, the KV dtypes side by side, transformers'
     paged cache measured on the CPU (labelled so) against the calculator, and the live calculator; chapter 8's
     quantized KV cache, byte for byte."""
@@ -259,7 +259,7 @@ def test_issue34_serving(built):
     assert "Traceback" not in ch1 and "Traceback" not in ch8
 
 
-def test_issue35_tool_comparison(built):
+def test_tool_comparison(built):
     """Chapter 1's comparison: accelerate, DeepSpeed's estimators, the Playbook's widget and the rule of thumb beside
     vramlab on the stored H100 runs, computed at build from the stored file, with what each leaves out."""
     html, _ = built
@@ -272,7 +272,7 @@ def test_issue35_tool_comparison(built):
 
 
 
-def test_issue35_snapshot_calculator_section(built):
+def test_snapshot_calculator_section(built):
     """Chapter 1's snapshot subsection: how to record one, and the explain calculator pre-rendered on the built-in
     example (labelled as built to PyTorch's format), with a file input the page reads (no upload)."""
     from vramlab.present import calculators as C
@@ -287,7 +287,7 @@ def test_issue35_snapshot_calculator_section(built):
     assert f'data-key="allocated" data-value="{allocated[0]!r}"' in sec and allocated[1] in sec
 
 
-def test_issue36_optimizer_section(built):
+def test_optimizer_section(built):
     """Chapter 8's optimizer section: every optimizer's bytes for one model computed at build (where they live,
     the peak with the step after and inside the backward), the live calculator pre-rendered, the stored CPU
     measurements of the real libraries' storage beside the estimate."""
@@ -304,7 +304,7 @@ def test_issue36_optimizer_section(built):
     assert f'data-key="peak" data-value="{peak[0]!r}"' in sec
 
 
-def test_issue36_fp8_section(built):
+def test_fp8_section(built):
     """Chapter 5's FP8 section: the recipes' bytes per parameter computed from `FP8_RECIPES` beside the Playbook's
     totals (which they reproduce), Llama 3.1 8B's model states and scales, the delayed-against-current scaling
     figure, the tile-scaling and format tables, and the statement that nothing ran on a GPU."""

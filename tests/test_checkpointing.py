@@ -67,7 +67,7 @@ def test_recompute_fractions():
 
 def test_h100_reference_full_recompute():
     """../shared/gpu-truth: llama-3.2-1b b=4 s=2048 bf16-mixed on an H100: 47,074,650,624 B peak
-    allocated without recompute and 29,272,975,872 B with full recompute (issue 14's 43.8 and 27.3
+    allocated without recompute and 29,272,975,872 B with full recompute (the first run's 43.8 and 27.3
     GiB). The plan's peak within 3 % of both."""
     kw = dict(batch_size=4, seq_len=2048, precision="bf16-mixed", gpu="h100-80gb")
     none = C.evaluate("llama-3.2-1b", "none", **kw).peak.total
@@ -148,7 +148,7 @@ def _stored():
 
 
 def test_stored_memory_of_every_plan_within_5_percent():
-    """Issue 14: every plan's traced peak within 5 % of the prediction, recomputed here from the
+    """Every plan's traced peak within 5 % of the prediction, recomputed here from the
     case's settings (not read from the file)."""
     run = _stored()
     assert run["mode"] == "trace" and "gpu" not in run["provenance"]
@@ -165,7 +165,7 @@ def test_stored_memory_of_every_plan_within_5_percent():
 
 
 def test_stored_step_time_overhead_against_the_recompute_fraction():
-    """Issue 14: the measured overhead t_plan / t_none - 1 within 20 % of the predicted recompute
+    """The measured overhead t_plan / t_none - 1 within 20 % of the predicted recompute
     fraction (FLOPs), for the plans that recompute blocks; sac-matmuls recomputes no matmul (its FLOP
     prediction is 0), so its measured cost is only required to be below full recompute's."""
     rows = _stored()["timing"]
@@ -184,7 +184,7 @@ def test_stored_step_time_overhead_against_the_recompute_fraction():
 
 
 def test_h100_lab_run_memory_of_every_plan_within_4_percent():
-    """Issue 27: lab 7's instructor version on an H100 (CUDA allocator peaks, one process per plan,
+    """Lab 7's instructor version on an H100 (CUDA allocator peaks, one process per plan,
     labs/results/h100/): every plan's peak within 4 % of the prediction for a CUDA device, recomputed
     here from the case's settings. On the GPU the time overheads are not FLOP-bound at the lab's sizes
     (chapter 7 says so); only their order is asserted: full recompute costs more than none."""
@@ -202,11 +202,11 @@ def test_h100_lab_run_memory_of_every_plan_within_4_percent():
 
 
 def test_plans_beyond_the_labs_models_where_a_recomputed_block_decides_the_peak():
-    """Issue 27: every measurable plan on OPT and GPT-NeoX models built from configs (not the lab's
+    """Every measurable plan on OPT and GPT-NeoX models built from configs (not the lab's
     families; a small vocabulary so that the blocks decide the peak), 8 x 1024 tokens, traced on the
     CPU one process per configuration (benchmarks/checkpointing_validation.py). The prediction is
     recomputed here. In this regime the peak of full, sqrt and segments-4 (and NeoX's sac-matmuls) is
-    a recomputed block's backward. There the model erred high by 0 to 4 % until issue 33 (item 6) traced the
+    a recomputed block's backward. There the model erred high by 0 to 4 % until a later change traced the
     over-count apart: that phase added the final norm's saved tensors (freed before any block's backward), a
     second incoming b x s x h gradient and weight gradients not made yet; it is now within 1 % either side
     (OPT 0.0 %, NeoX +0.8 to +1.3 %: its parallel residual). This run found the model holding one (b, s, intermediate) tensor too many
@@ -259,7 +259,7 @@ def test_t5_checkpoints_keep_one_shared_bias_of_all_heads(plan):
                                         (dict(keep="everything"), "keep must be"),
                                         (dict(offload="yes"), "offload must be True or False")])
 def test_hand_built_plans_are_checked(kw, needle):
-    """Issue 27: a reversed or empty segment was accepted and answered a smaller peak with no recompute
+    """A reversed or empty segment was accepted and answered a smaller peak with no recompute
     FLOPs; a bogus `keep` was accepted. Now one line says what is wrong."""
     from vramlab.activations import Plan
 
@@ -277,7 +277,7 @@ def test_a_plan_cannot_cross_from_encoder_to_decoder():
 
 
 def test_offload_plan_pays_its_copies_as_chapter_6_measured_them():
-    """Issue 27: the offload plan assumed its copies hide behind compute at the link's nominal rate;
+    """The offload plan assumed its copies hide behind compute at the link's nominal rate;
     chapter 6 measured save_on_cpu's on the compute stream at 0.62 of nominal. The step is the full
     plan's compute plus both copies of every checkpoint (b x s x h, fp32 under autocast) at that rate."""
     from vramlab import offload as OFF

@@ -171,7 +171,7 @@ def test_gloo_alpha_beta_fits_a_live_benchmark(tmp_path):
     """A live 4 KiB .. 256 KiB x 4^k gloo all-reduce benchmark on this machine fits: alpha >= 0, a finite positive
     bandwidth, predictions that grow with the size, a finite error for every held-out size (printed). How close the
     held-out predictions come is the machine's quietness, not the model's behaviour (a busy 2-core machine put
-    them -57 %/+34 % off where a quiet one is within 25 %): issue 4's 25 % criterion is checked on the stored
+    them -57 %/+34 % off where a quiet one is within 25 %): the lab's 25 % criterion is checked on the stored
     measurement, refitted independently (tests/test_labs.py::test_lab2_stored_gloo_run_meets_the_25_percent_criterion)."""
     pytest.importorskip("torch")
     sizes = ",".join(str(4 << 10 << 2 * k) for k in range(8))
@@ -220,4 +220,4 @@ def test_sharded_parameter_server_moves_what_the_ring_moves():
     assert shard["seconds"] < single["seconds"] / 4
 
 
-# ----------------------------------------------------------------------------- commbench that ends (issue 11)
+# ----------------------------------------------------------------------------- commbench that ends

@@ -345,7 +345,7 @@ def test_qlora_step_within_5_percent_of_bitsandbytes_on_cpu(autocast, recompute)
     """A real QLoRA step (bitsandbytes' NF4 Linear4bit base, CPU backend; fp32 peft adapters on every
     linear layer) against peft_training: under autocast, and in pure bf16 without it, where peft
     casts each adapter's input to fp32 (measured: about 50 % more activations); and with every block
-    checkpointed, as QLoRA trained (issue 27)."""
+    checkpointed, as QLoRA trained."""
     pytest.importorskip("bitsandbytes")
     from vramlab.measure import compression as complab
 
@@ -365,7 +365,7 @@ def test_autocast_must_be_a_bool():
 
 
 def test_int4_g128_is_gptq_and_awq_storage():
-    """Issue 27: GPTQ/AWQ keep an fp16 scale and a 4-bit zero point per group of 128 (4.16 bits a
+    """GPTQ/AWQ keep an fp16 scale and a 4-bit zero point per group of 128 (4.16 bits a
     weight), not an fp32 scale alone. The expected bytes are AutoAWQ's packed tensors, built here on
     torch's meta device: qweight (in, out / 8) int32, qzeros (in / 128, out / 8) int32, scales
     (in / 128, out) fp16."""
@@ -381,7 +381,7 @@ def test_int4_g128_is_gptq_and_awq_storage():
 
 
 def test_compression_numbers_stay_finite_and_refuse_bad_blocks():
-    """Issue 27: huge weights gave inf/nan errors (their squares overflow); a block of 0 divided by
+    """Huge weights gave inf/nan errors (their squares overflow); a block of 0 divided by
     zero and a negative one answered 3.87 bits."""
     e = C.quant_error([[1e300, 3e299]], bits=2)  # scale 1e300: codes 1 and 0
     assert e.max_abs == pytest.approx(3e299) and e.rms == pytest.approx(3e299 / math.sqrt(2))
@@ -414,7 +414,7 @@ def _peft_measured(spec, targets, rank, **kw):
 @pytest.mark.parametrize("which, targets, rank", [("gpt2", "all-linear", 64), ("llama", "all-linear", 64),
                                                   ("llama", "default", 16), ("opt", "all-linear", 32)])
 def test_lora_on_a_bf16_base_keeps_fp32_adapters_as_peft_does(which, targets, rank):
-    """Issue 27: a LoRA base loaded in bf16 with peft's default fp32 adapters (autocast_adapter_dtype),
+    """A LoRA base loaded in bf16 with peft's default fp32 adapters (autocast_adapter_dtype),
     no autocast: each adapter casts its input to fp32 and keeps that copy. Measured: a real peft step
     on the CPU (tensor tracking), families and ranks the lab does not use; adapters and their Adam
     states in fp32, exactly."""
@@ -429,7 +429,7 @@ def test_lora_on_a_bf16_base_keeps_fp32_adapters_as_peft_does(which, targets, ra
 
 
 def test_lora_under_bf16_mixed_says_its_base_is_fp32():
-    """Issue 27: bf16-mixed LoRA holds the frozen base in fp32 (GPT-3-size: 650 GiB of parameters);
+    """Bf16-mixed LoRA holds the frozen base in fp32 (GPT-3-size: 650 GiB of parameters);
     the estimate says so and what to do."""
     m = C.peft_training("llama-3.1-8b", method="lora", precision="bf16-mixed", batch_size=1, seq_len=512)
     assert m.parameters >= 4 * preset("llama-3.1-8b").params and "precision='bf16'" in m.warning
@@ -454,7 +454,7 @@ def test_sparse24_keeps_half_and_a_nibble_per_four():
                                                   ("llama", "default", 16), ("llama", "all-linear", 64),
                                                   ("opt", "default", 16), ("opt", "all-linear", 64)])
 def test_lora_with_gradient_checkpointing_against_a_cpu_measurement(which, targets, rank):
-    """Issue 27: LoRA with every block checkpointed (recompute="full", as QLoRA trained its 65 B
+    """LoRA with every block checkpointed (recompute="full", as QLoRA trained its 65 B
     model) against a real peft step on the CPU (tensor tracking, not a GPU), on three families the
     lab does not use, ranks up to 64. A checkpointed block keeps its input; its adapters' tensors
     exist while it is recomputed; the recomputed block's backward holds the block's backward

@@ -1,4 +1,4 @@
-"""vramlab.configs: the estimate of a training configuration the user already has (issue 35, item 1).
+"""vramlab.configs: the estimate of a training configuration the user already has.
 
 Every format is read from a real, documented example typed in by hand (its source beside it); each
 estimate is checked against the equivalent call of the library written out here by hand (same bytes,

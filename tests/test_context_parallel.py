@@ -1,4 +1,4 @@
-"""Context parallelism (issue 33): `parallel.context_parallel`'s calculator, and ring attention and Ulysses
+"""Context parallelism: `parallel.context_parallel`'s calculator, and ring attention and Ulysses
 run on gloo ranks (`python -m vramlab.measure.parallel cp`) against it."""
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def test_encoders_are_refused():
 
 def _check_row(row, recompute="none"):
     # every rank's peak and CP's attention moments within 5 % either side, with and without full recompute.
-    # (Until issue 33's item 6 the one-device ledger over-counted a re-run block's backward -- cp-val +14 % in
+    # (Before the ledger's fix the one-device ledger over-counted a re-run block's backward -- cp-val +14 % in
     # one process -- and this bound was -5/+12 % under recompute, +6 % for FSDP2 on cp-val; the runs now sit
     # within -4 ... +1 %: the recomputed moments were traced tensor by tensor on the gloo ranks)
     lo, hi = -0.05, 0.05

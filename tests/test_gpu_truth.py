@@ -16,7 +16,7 @@ from vramlab.fitting import largest_tensor_bytes
 from vramlab.measure.tool_comparison import parse_case  # the stored cases' names, read as the comparison reads them
 
 H100 = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "h100"
-TOLERANCE = 0.03  # issue #9: every stored case within 3 % of max_memory_allocated
+TOLERANCE = 0.03  # every stored case within 3 % of max_memory_allocated
 
 
 def rows(name: str) -> list[dict]:

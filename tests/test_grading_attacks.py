@@ -1,4 +1,4 @@
-"""The grader against a hostile student and a careless instructor (issue #11): each attack scores
+"""The grader against a hostile student and a careless instructor: each attack scores
 the honest score or fails cleanly with a reason — never a traceback, a hang, or points for nothing.
 Threat model: labs/README.md."""
 
@@ -200,7 +200,7 @@ def test_assemble_takes_only_solution_cells():
     assert copy.deepcopy(graded).cells[0].source == instructor.cells[0].source
 
 
-# --- the answers run in a process of their own: they cannot reach the checks or the package (issue #11) ---
+# --- the answers run in a process of their own: they cannot reach the checks or the package ---
 
 def _sandbox_works() -> bool:
     import sandbox
@@ -409,7 +409,7 @@ def _graded(lab: str, nb, answers: dict[str, str], only=None) -> dict:
 
 
 def test_correct_answers_in_plain_containers_score_full_marks():
-    """Issue 28: a correct answer is a correct answer whatever plain value carries it: lab 7's
+    """A correct answer is a correct answer whatever plain value carries it: lab 7's
     checkpoint choice as a set, lab 6's rates and times as numpy floats (and float subclasses), a
     tuple of numpy integers. They come back to the grader as the built-in values they stand for."""
     nb7, s7 = _source_solutions("lab07_checkpointing")
@@ -446,7 +446,7 @@ def test_a_float_subclass_that_equals_everything_is_read_as_its_value():
 
 
 def test_int8_check_computes_its_own_scales():
-    """Issue 28: lab 8's per-row INT8 check measured the error against the answer's own scales, so
+    """Lab 8's per-row INT8 check measured the error against the answer's own scales, so
     scales of 1e300 with every weight dequantized to 0 passed. The reference scale is now the row's
     absmax / 127, from the weights; the answer's scales, codes and dequantized values are checked
     against it (and must be finite numbers)."""
@@ -470,7 +470,7 @@ ZERO1_FULL_STATES = {
 
 
 def test_zero1_counts_state_however_it_is_kept():
-    """Issue 28: lab 4's ZeRO-1 check counted optimizer state only as tensors inside the state dict's
+    """Lab 4's ZeRO-1 check counted optimizer state only as tensors inside the state dict's
     dicts, lists and tuples: a torch.optim.AdamW kept in `state`, or full moments as Python lists (in
     a default argument) or array.arrays, passed as sharded. The rank now counts every number it holds
     after its steps (live tensors' storages, lists of floats, arrays, wherever kept) beyond what it
@@ -510,7 +510,7 @@ RING_WITHOUT_TRAFFIC = {
 
 
 def test_ranks_hold_data_no_other_rank_can_know():
-    """Issue 28: lab 2's harness gave every rank data any rank could compute (x_r[i] = i(r+1) + r) and
+    """Lab 2's harness gave every rank data any rank could compute (x_r[i] = i(r+1) + r) and
     kept its traffic log where the answer's code runs, so an answer that forged the log and returned
     the formula's sum scored full marks without communicating. Each rank is now dealt random numbers
     by the grader, read and deleted before any of the answer's code runs (which runs only in the
@@ -562,7 +562,7 @@ def tp_mlp(x, w1_shard, w2_shard):
 
 
 def test_tensor_parallel_ranks_cannot_compute_the_whole_mlp_alone():
-    """Issue 28: lab 3's ranks could rebuild the whole MLP from the harness's fixed seed and forge
+    """Lab 3's ranks could rebuild the whole MLP from the harness's fixed seed and forge
     the traffic log: 9/9 with no communication. Each rank now holds only its own shards, drawn afresh
     by the grader for every grading."""
     nb3, _ = _source_solutions("lab03_parallelism")
@@ -596,7 +596,7 @@ ZERO1_WITHOUT_REDUCTION = '''def zero1_adamw_step(params, grads, state, rank, wo
 
 
 def test_zero1_ranks_cannot_average_gradients_they_were_not_given():
-    """Issue 28: lab 4's gradients came from seeds any rank could reproduce (1000 rank + step), so an
+    """Lab 4's gradients came from seeds any rank could reproduce (1000 rank + step), so an
     answer could average every rank's gradients without a reduce-scatter. Each rank is now dealt
     only its own gradients, drawn afresh for every grading (so are the batches of lab 3's DDP and
     lab 4's ZeRO-2)."""
@@ -606,7 +606,7 @@ def test_zero1_ranks_cannot_average_gradients_they_were_not_given():
 
 
 def test_ranks_get_the_workers_limits_and_the_graders_timeout(monkeypatch):
-    """Issue 28: labs 2-4's ranks ran without the answer worker's limits, their output was read whole
+    """Labs 2-4's ranks ran without the answer worker's limits, their output was read whole
     into the grader's memory, and their 60 s ignored --timeout. A ring that prints without end now
     fills at most a 64 MiB file of which the grader reads the tail (the exercise scores 0 with a
     reason, the grader lives; no wall-clock bound is asserted), and a correct ring slower than the check's own
@@ -638,7 +638,7 @@ def test_ranks_get_the_workers_limits_and_the_graders_timeout(monkeypatch):
 
 @pytest.mark.writes_checkout  # a probe file in labs/ and in the packages
 def test_without_a_sandbox_same_size_writes_with_the_mtime_restored_are_seen():
-    """Issue 28: the (size, mtime) fingerprint was dodged by writing as many bytes and restoring the
+    """The (size, mtime) fingerprint was dodged by writing as many bytes and restoring the
     mtime. The course's files are now compared by content, the packages' by inode and change time
     (which a process cannot set back)."""
     import sysconfig
@@ -665,7 +665,7 @@ KILL_PARENT = "\nimport os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"
 
 @pytest.mark.parametrize("sandbox", [None, False])
 def test_an_answer_that_kills_its_parent_does_not_kill_the_grader(tmp_path, sandbox):
-    """Issue 28: without a sandbox, `os.kill(os.getppid(), SIGKILL)` in an answer killed the grader
+    """Without a sandbox, `os.kill(os.getppid(), SIGKILL)` in an answer killed the grader
     (no score, a batch lost): the answer's process and the ranks' harness were the grader's children.
     A go-between process is now their parent. Lab 6's last answer (its streaming loop, run by the
     check in a process of its own) kills its parent: the grader lives and the earlier exercises keep
@@ -689,7 +689,7 @@ def test_an_answer_that_kills_its_parent_does_not_kill_the_grader(tmp_path, sand
     assert all(v[0] == v[1] > 0 for k, v in scores.items() if k != "stream-test"), scores
 
 
-# --- issue 28: the sandbox holds nothing but what grading needs ---
+# --- the sandbox holds nothing but what grading needs ---
 
 SANDBOX_PROBE = '''
 import ctypes, glob, json, os, socket, subprocess, sys
@@ -753,7 +753,7 @@ if _found:
 
 @pytest.mark.skipif(not _sandbox_works(), reason="no user namespaces on this machine")
 def test_the_sandbox_holds_nothing_but_what_grading_needs(tmp_path):
-    """Issue 28: the answer's process sees a filesystem of its own: the checkout's .git (git show
+    """The answer's process sees a filesystem of its own: the checkout's .git (git show
     HEAD:labs/source/...), its labs/ and src/, the editable install's source path, another checkout on
     the machine, the grader's home: none exists there. It runs as uid 65534 without capabilities
     (it cannot undo the sandbox's mounts), with its own /proc (not the grader's command line) and no
@@ -789,7 +789,7 @@ def test_the_sandbox_holds_nothing_but_what_grading_needs(tmp_path):
 
 
 def test_the_grader_does_not_follow_links_an_answer_leaves(tmp_path):
-    """Issue 28: an answer that replaces its output file with a link to a file only the grader can
+    """An answer that replaces its output file with a link to a file only the grader can
     read, then ends its process: the grader reads its own descriptor, and the reason it reports
     holds the answer's last output, never the linked file."""
     secret = tmp_path / "grader-only.txt"
@@ -804,7 +804,7 @@ def test_the_grader_does_not_follow_links_an_answer_leaves(tmp_path):
 
 
 def test_the_grader_reads_rank_reports_only_as_regular_files(tmp_path):
-    """Issue 28: a report a rank could have replaced is read without following a link (to a file only
+    """A report a rank could have replaced is read without following a link (to a file only
     the grader may read), without blocking on a FIFO and without reading more than its bound."""
     from vramlab.grading.run import read_regular
 
@@ -891,7 +891,7 @@ def ring_all_reduce(tensor, rank, world_size):
 
 @pytest.mark.skipif(not _sandbox_works(), reason="no user namespaces on this machine")
 def test_in_the_sandbox_ranks_have_no_channel_but_the_check():
-    """Issue 28: the ranks' traffic is what crossed the check's own socket; in the sandbox each rank
+    """The ranks' traffic is what crossed the check's own socket; in the sandbox each rank
     has its own folder, /tmp, /dev/shm and network, so a ring that first swaps every rank's numbers
     through shared files or the loopback network (then sends the messages a ring would) learns
     nothing: it scores 0, saying so."""
@@ -901,7 +901,7 @@ def test_in_the_sandbox_ranks_have_no_channel_but_the_check():
 
 
 def test_the_command_grades_without_a_sandbox_only_when_told(tmp_path):
-    """Issue 28: without a sandbox an answer can read the instructor sources from disk, which no check
+    """Without a sandbox an answer can read the instructor sources from disk, which no check
     can undo. The command then refuses, in one line that says why and what to do; with --no-sandbox
     it grades and marks the scores provisional (printed and in --json)."""
     path = tmp_path / f"{LAB}.ipynb"
@@ -949,7 +949,7 @@ exec(_instructor_cell({lab!r}, {gid!r}), globals())
                                             ("lab06_offload", "stream-solution", "stream-test"),
                                             ("lab07_checkpointing", "ex3-solution", "ex3-test")])
 def test_in_the_sandbox_no_answer_comes_from_the_instructor_source(lab, gid, test):
-    """Issue 28: `git show HEAD:labs/source/...` (or the file itself) and exec of the solution cell
+    """`git show HEAD:labs/source/...` (or the file itself) and exec of the solution cell
     scored full marks on labs 4 and 7. In the sandbox neither the checkout's .git nor labs/ exists
     for the answer's process (nor for the ranks and harnesses that run its code): the exercise
     scores 0, saying the source is out of reach; the others keep their points."""

@@ -1,4 +1,4 @@
-"""Inputs that can never produce a wrong number or a hang (issue #11): every config field is
+"""Inputs that can never produce a wrong number or a hang: every config field is
 type- and range-checked where it is parsed; the public calculators reject what they cannot answer
 with one ValueError naming the argument, and accept what is valid (numpy integers); property tests
 (hypothesis) over random valid and invalid inputs."""
@@ -165,7 +165,7 @@ def test_training_estimates_are_finite_non_negative_and_monotonic(model, b, s, p
        new=st.one_of(st.none(), st.integers(0, 200)))  # every preset reads at least 512 positions
 def test_inference_estimates_are_finite_non_negative_and_monotonic(model, b, s, dtype, new):
     if specs.preset(model).family == "bert":
-        new = None  # an encoder-only model has no generation to estimate (issue 29: refused)
+        new = None  # an encoder-only model has no generation to estimate (refused)
     base = vramlab.estimate_inference(model, batch_size=b, seq_len=s, dtype=dtype, new_tokens=new)
     assert _finite_breakdown(base)
     assert vramlab.estimate_inference(model, batch_size=b + 1, seq_len=s, dtype=dtype, new_tokens=new).total >= base.total

@@ -583,7 +583,7 @@ def test_lab4_stored_run():
     assert est["2"] < 0.9 * est["1"]
     # both within the gate: with 16 tokens the step's own gradient tensors weigh as much as the
     # activations, and ZeRO-2's peak is a flush of one larger than the bucket (it, the flat copy
-    # reduced, and the next one arriving: three at once; the estimate counted one until #26)
+    # reduced, and the next one arriving: three at once; the estimate once counted one)
     assert abs(est["1"] - got["1"]) <= 0.05 * got["1"] and abs(est["2"] - got["2"]) <= 0.05 * got["2"], (est, got)
 
 
@@ -953,7 +953,7 @@ def _activation_outliers_and_controls(run):
     assert 0 < out["llm.int8"]["fp_column_share"] < 0.25
     plain = {r["scheme"]: r for r in acts["as trained"]["rows"]}
     assert all(abs(r["delta"]) < 1e-3 for r in plain.values())
-    # issue 27: the controls need a teacher that has converged: within 0.06 nats of the chain's own
+    # the controls need a teacher that has converged: within 0.06 nats of the chain's own
     # loss on the same tokens, and the same extra steps move it by less than 0.01 (so a recovered
     # model cannot end below it by more training); recovery helps, and beats the pruned shape from scratch
     pr, t = run["pruning"], run["teacher"]
@@ -966,7 +966,7 @@ def _activation_outliers_and_controls(run):
     assert lo["lora"]["loss"] < lo["before"] - 0.5 and lo["lora"]["loss"] - lo["full"]["loss"] < 0.25
 
 
-# --- issue 31: which lab a renamed submission answers; kernels without the TCP warning -----------------
+# --- which lab a renamed submission answers; kernels without the TCP warning -----------------
 
 @pytest.mark.parametrize("lab", LABS)
 def test_a_renamed_notebook_of_any_lab_is_detected_from_its_cells(tmp_path, lab):

@@ -214,3 +214,15 @@ def test_no_module_uses_another_modules_private_name():
                     and aliases[node.value.id] != name and _private(node.attr)):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
     assert not bad, "\n".join(bad)
+
+
+def test_no_source_cites_this_projects_issue_numbers():
+    """The code says why, not which issue asked for it: no number of this project's issues (up to three digits,
+    after "issue" or "until #") in the package, the tests, the benchmarks or the labs; another project's (DeepSpeed's
+    four-digit ones) are citations and stay."""
+    pattern = re.compile(r"\b[Ii]ssues? #?\d{1,3}\b|until #\d{1,3}\b|\btest_issue\d")
+    files = [p for folder in ("src", "tests", "benchmarks", "labs") for p in sorted((ROOT / folder).rglob("*"))
+             if p.suffix in (".py", ".md", ".mjs") and not {"node_modules", "release", "__pycache__"} & set(p.parts)]
+    bad = [f"{p.relative_to(ROOT)}:{i}: {line.strip()[:100]}" for p in files
+           for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if pattern.search(line)]
+    assert not bad, "\n".join(bad)

@@ -48,7 +48,7 @@ def test_mixed_precision_adam_is_16_bytes_per_param():
 
 def test_8bit_adam_state():
     # Dettmers+21 used 2048-value blocks (~2.004 B/param); bitsandbytes 0.50 keeps an fp32 absmax per 256 values of
-    # m and of v, and two 256-entry fp32 maps for the optimizer: 2 + 8/256 B/param + 2 KiB (issue 36: the real storage)
+    # m and of v, and two 256-entry fp32 maps for the optimizer: 2 + 8/256 B/param + 2 KiB (the real storage)
     n = 2048 * 1000
     assert optimizer_state_bytes("adamw-8bit", n, "fp32") == 2 * n + 2 * 4 * n // 256 + 2 * 256 * 4
     assert optimizer_state_bytes("adamw-8bit", 4095, "fp32") == 8 * 4095  # under min_8bit_size: fp32 moments

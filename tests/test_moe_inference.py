@@ -1,4 +1,4 @@
-"""Mixture-of-experts inference memory (issue 33, part 2): `estimate_inference` for the MoE presets at
+"""Mixture-of-experts inference memory: `estimate_inference` for the MoE presets at
 their real published sizes against a trace-mode prefill of the transformers model (FakeTensorMode:
 shapes, no storage, so a 47B model is measured on a laptop), and the KV cache category against what
 the model's DynamicCache really holds. The long prefills are where the routed experts' token copies

@@ -1,4 +1,4 @@
-"""Issue 33: an MoE's model states per rank under tensor, pipeline and expert parallelism with ZeRO
+"""An MoE's model states per rank under tensor, pipeline and expert parallelism with ZeRO
 (`parallel.moe_layout_states`, Megatron-Core's parallel folding). Checked against the transformers models
 built on the meta device at their published shapes: each rank's tensors cut out of the real parameters with
 torch (`tensor_split` along the dimension Megatron-Core splits -- heads and MLP widths by columns or rows,

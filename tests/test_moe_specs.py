@@ -1,4 +1,4 @@
-"""Mixture-of-experts specs (issue 33, first step): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and DeepSeek-V2/V3
+"""Mixture-of-experts specs: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and DeepSeek-V2/V3
 read from their configs, with parameter counts equal to sum(p.numel()) of the transformers model built on
 the meta device, and active parameters equal to what one token's forward touches (the experts its router
 picks, read from the module tree during a real CPU forward). The KV cache: tests/test_moe.py."""

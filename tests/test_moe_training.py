@@ -1,4 +1,4 @@
-"""Mixture-of-experts TRAINING memory (issue 33, part 3): `estimate_training` for MoE models against
+"""Mixture-of-experts TRAINING memory: `estimate_training` for MoE models against
 an independent trace-mode measurement of the real transformers model (FakeTensorMode: every tensor's
 storage counted by the tracker), dropless as transformers runs its experts, and drop-and-pad with a
 capacity factor (`vramlab.measure.moe.DropAndPadExperts` swapped into the same model). The shapes are
@@ -83,7 +83,7 @@ CASES = [
 PEAK_TOLERANCE, ACT_TOLERANCE = 0.03, 0.05
 # Under full recompute the one-device walk (memory.training_phases, "backward of a recomputed block") over-counts,
 # on the safe side, the final norm's saved tensors (freed before any block's backward), a second incoming b x s x h
-# gradient and the block's weight gradients not made yet (diagnosed byte for byte on a Llama-like block: issue 33's
+# gradient and the block's weight gradients not made yet (diagnosed byte for byte on a Llama-like block: the chapter's
 # note). V2-Lite's top-6 shape in pure bf16, whose norms' fp32 copies are now counted, shows it: +3.3 %.
 RECOMPUTE_PEAK_TOLERANCE = 0.04
 

@@ -134,7 +134,7 @@ def test_zero_offload_keeps_the_16_bit_parameters_on_the_gpu():
 
 
 def test_zero_offload_hides_the_gradient_copies_behind_the_backward():
-    """Issue 27: the gradients go down while the backward runs (ZeRO-Offload's overlap), so a step
+    """The gradients go down while the backward runs (ZeRO-Offload's overlap), so a step
     whose backward outlasts them pays only the CPU step and the parameters' upload; the one-step
     delayed update overlaps those with the next step's GPU work. The times are the transfer model's
     (bytes over the link at the calibrated efficiency), composed as the schedule says."""
@@ -237,7 +237,7 @@ def test_bad_input_is_one_clear_error(call, match):
 
 
 def test_fewest_resident_is_not_least_memory():
-    """Issue 27: the buffers are as large as the largest streamed layer, so streaming more can need
+    """The buffers are as large as the largest streamed layer, so streaming more can need
     more GPU memory. Layers of 10, 1, 1, 1 GB, 1 s each, 10 GB/s: every copy hides, so the fewest
     resident is none, in two 10 GB buffers (20 GB, above the 13 GB of all resident); least_memory
     streams the three small ones (10 GB resident + two 1 GB buffers). Checked against this test's own
@@ -273,7 +273,7 @@ def test_thousands_of_equal_layers_are_arithmetic():
 
 
 def test_bminf_prefill_multiplies_in_int8():
-    """Issue 27: BMInf runs its INT8 weights through INT8 matmuls (DP4A on a GTX 1060: four int8
+    """BMInf runs its INT8 weights through INT8 matmuls (DP4A on a GTX 1060: four int8
     multiply-adds where fp32 does one); the prefill was timed at the fp32 peak, about 4x too slow.
     A compute-bound 512-token pass takes 2 x params x tokens at the INT8 rate; 16-bit weights keep
     the faster of the fp32 and 16-bit peaks."""
@@ -298,7 +298,7 @@ def test_stream_layers_times_only_the_buffers_it_makes():
 
 
 def test_zero_offload_gpu_peak_holds_the_gradient_in_flight_and_its_fp32_cast():
-    """Issue 27: DeepSpeed 0.19's ZeRO-Offload copies each gradient down as `.float()` on the GPU
+    """DeepSpeed 0.19's ZeRO-Offload copies each gradient down as `.float()` on the GPU
     (stage_1_and_2.py) and clears it (clear_grad_attribute), one parameter at a time: the GPU holds the
     gradient in flight and its fp32 cast beside the bucket, never the model's gradients. Where the
     logits' gradient decides the peak (the H100 runs: next test) the cast adds nothing; where the
@@ -321,7 +321,7 @@ ZO_RUNS = sorted((ROOT / "benchmarks" / "results" / "offload" / "gpu").glob("zo_
 
 
 def test_zero_offload_matches_deepspeed_on_an_h100():
-    """Issue 27: DeepSpeed 0.19 stage 2 with `offload_optimizer: cpu` (DeepSpeedCPUAdam) on an H100, one
+    """DeepSpeed 0.19 stage 2 with `offload_optimizer: cpu` (DeepSpeedCPUAdam) on an H100, one
     rank, bf16, three models that are not the lab's (benchmarks/offload_gpu_validation.py): a bucket
     smaller than the model and than its largest tensor (gpt2-medium), an untied head (pythia-1b),
     DeepSpeed's default bucket (llama-3.2-1b). The bytes each way are CUDA's memcpy records in
@@ -360,7 +360,7 @@ def test_deepspeed_cpu_adam_against_torch_on_the_h100_host():
 
 
 def test_h100_lab_run_streams_as_the_schedule_predicts():
-    """Issue 27: lab 6's instructor version on an H100 (labs/results/h100/): the students' loop streams
+    """Lab 6's instructor version on an H100 (labs/results/h100/): the students' loop streams
     over PCIe from pinned memory on a side CUDA stream; every configuration's pass within 5 % of
     `stream_layers`, recomputed here from the run's measured per-layer times and link rate, and its
     output equal to the all-resident run's. The fewest resident layers that hide the copies hold
@@ -380,7 +380,7 @@ def test_h100_lab_run_streams_as_the_schedule_predicts():
     assert rows[tuple(range(len(st["widths"])))]["measured_seconds"] > 1.3 * rows[()]["measured_seconds"]
 
 
-# ----------------------------------------------------------------------------- pinned DataLoader, ZeRO-Infinity (issue 32)
+# ----------------------------------------------------------------------------- pinned DataLoader, ZeRO-Infinity
 def test_loader_and_infinity_are_pure_python(assert_pure_python):
     assert_pure_python("import vramlab.offload as o; o.loader_memory([100], num_workers=2); "
                        "o.needed_placement('gpt2', host_ram_bytes=2**35, batch_size=1, seq_len=64); "

@@ -1,4 +1,4 @@
-"""vramlab.optimizers (issue 36): each optimizer's state bytes by tensor, where they live, and the training step
+"""vramlab.optimizers: each optimizer's state bytes by tensor, where they live, and the training step
 with the optimizer in the backward. The exact checks against the libraries' real storage are at the end: the
 stored CPU measurements (benchmarks/results/optimizers/cpu.json, written by vramlab.measure.optimizers, which
 never reads this module) and a few live steps."""

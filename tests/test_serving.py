@@ -1,4 +1,4 @@
-"""The serving model (issue 34, first part): `vramlab.serving`'s paged KV cache, pool and concurrency,
+"""The serving model: `vramlab.serving`'s paged KV cache, pool and concurrency,
 worked by hand; then against transformers' own continuous-batching cache (`PagedAttentionCache`) as
 measured on the CPU and stored in benchmarks/results/serving/cpu.json (`python -m
 vramlab.measure.serving`): its cache tensor's storage bytes, sectors, blocks, pages per request and

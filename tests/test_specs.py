@@ -185,7 +185,7 @@ def test_every_gpu_argument_takes_a_gpuspec_or_a_name():
     ("NVIDIA GeForce GTX 1060 6GB", None, "gtx-1060-6gb"), ("NVIDIA L4", None, None), ("NVIDIA A10G", None, None),
     ("NVIDIA RTX A6000", None, None), ("NVIDIA L40S", None, None)])
 def test_gpu_for_device_reads_torchs_device_names(device, memory, want):
-    """Issue 27: lab 6 predicted every GPU as an H100 (a Colab T4's PCIe 3.0 is a quarter of its link);
+    """Lab 6 predicted every GPU as an H100 (a Colab T4's PCIe 3.0 is a quarter of its link);
     the device torch reports is looked up, and one the catalogue lacks is None, not a guess."""
     from vramlab.specs import gpu_for_device
 

@@ -138,7 +138,7 @@ FAKE_CPU = ROOT / "benchmarks" / "results" / "zero" / "fake_cpu"
 # Known gaps on the H100 (strict), each with what the runs localise: benchmarks/results/h100/
 # single_gpu_probe_h100.jsonl measures the same models without FSDP2 on one GPU.
 # (mistralblock_fp32_8r_rank0 was -10 % until FSDP2's last-block phase counted the gradients the block has made
-# by its peak, issue 33 item 6: now -4.1 %, its math-path block backward's own workspace the rest)
+# by its peak; now -4.1 %, its math-path block backward's own workspace the rest)
 KNOWN_GPU: dict[str, str] = {}
 
 
@@ -352,7 +352,7 @@ def test_pipeline_receive_buffers_are_what_torch_allocates():
     for its output's gradient (all but the last): the estimate's framework bytes (`other`, no
     workspaces on a CPU) equal the ledger's persistent tensors at the peak on every stored pipeline
     rank (interleaved device 0 receives three ways, the last device three, the middle ones four; the
-    estimate counted four on every device until #26)."""
+    estimate counted four on every device until the bucket fix)."""
     rows = [c for c in layout_runs() if c[1]]
     assert len(rows) >= 48
     for name, schedule, m, rank in rows:

@@ -1,4 +1,4 @@
-"""Lab 1's exercise 7 (issue 34): a paged KV cache's admission. The check's reference (`paged_admission`)
+"""Lab 1's exercise 7: a paged KV cache's admission. The check's reference (`paged_admission`)
 against an independent model of the pool -- every block named by its contents, as vLLM's prefix cache hashes
 a full block with the blocks before it, a partly filled block each request's own -- on random queues; the
 lab's solution passes; each usual mistake fails with its own explanation."""

@@ -118,7 +118,7 @@ def test_tp_mlp_wrong_answers(source, message):
 
 @pytest.mark.slow
 def test_tp_mlp_through_distributed_c10d_is_the_same_traffic():
-    """Issue 28: distributed_c10d's all_reduce was a back door around the logged dist.all_reduce. The
+    """distributed_c10d's all_reduce was a back door around the logged dist.all_reduce. The
     ranks' collectives now all go through the check's switchboard, whichever module they are called
     from: the same answer through distributed_c10d communicates, is seen, and passes."""
     _tp(TP.replace("dist.all_reduce(", "torch.distributed.distributed_c10d.all_reduce("))
@@ -185,7 +185,7 @@ def test_answers_defined_in_a_kernelless_cell_reach_the_ranks():
     GP.check_tp_mlp(ns["tp_mlp"], ns["CopyToTP"], ns["ReduceFromTP"], cases=((2, 2, 3, 8, 16),))
 
 
-# ----------------------------------------------------------------------------- the ranks' switchboard (issue 28)
+# ----------------------------------------------------------------------------- the ranks' switchboard
 
 
 @pytest.mark.slow

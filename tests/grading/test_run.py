@@ -1,4 +1,4 @@
-"""vramlab.grading.run: the switchboard that links the ranks of a check (issue 28): collectives as gloo
+"""vramlab.grading.run: the switchboard that links the ranks of a check: collectives as gloo
 computes them, mismatches and deadlocks named (a log no rank can write into: tests/grading/test_parallel.py)."""
 
 from __future__ import annotations

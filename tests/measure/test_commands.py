@@ -1,4 +1,4 @@
-"""Issue 29, item 2: every lab command (parlab ddp|tp|pp, zerolab, ckptlab, complab, commbench,
+"""Every lab command (parlab ddp|tp|pp, zerolab, ckptlab, complab, commbench,
 offloadlab) checks all of its arguments and its output path before any process or measurement
 starts: one line on stderr, exit status 2.
 

@@ -1,4 +1,4 @@
-"""`vramlab.measure.serving` (issue 34): transformers' PagedAttentionCache measured on the CPU, one small
+"""`vramlab.measure.serving`: transformers' PagedAttentionCache measured on the CPU, one small
 configuration each way (a num_blocks budget, a memory budget, prefix sharing, quantized pages), against
 `vramlab.serving`; and the command refuses a bad --out in one line before any work."""
 

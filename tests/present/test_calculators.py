@@ -181,7 +181,7 @@ def test_compression_calculator_is_the_library():
     assert inf.numbers["peak"][0] == COMP.quantized_inference("llama-3.1-8b", fmt="int8", seq_len=512).total
 
 
-# issue 29: every calculator answers an infinite, huge or boolean input with one line naming it
+# every calculator answers an infinite, huge or boolean input with one line naming it
 _NUMBERS = [(c.name, i) for c in C.CALCULATORS.values() for i in c.inputs if i.kind in ("int", "float")]
 _CHOICES = [(c.name, i) for c in C.CALCULATORS.values() for i in c.inputs if i.kind == "choice"]
 
@@ -212,7 +212,7 @@ def test_number_inputs_take_numpy_scalars():
         assert not C.get(name).run(**{inp.name: value}).error, (name, inp.name)
 
 
-# issue 31: what a reader types and what a phone shows
+# what a reader types and what a phone shows
 @pytest.mark.parametrize("name, values, needle, invalid", [
     ("training", {"batch_size": "1e9"}, "batch size: 1e+09 is out of range: it must be between 1 and 128", "batch_size"),
     ("training", {"batch_size": 1e9}, "batch size: 1e+09 is out of range: it must be between 1 and 128", "batch_size"),
@@ -279,7 +279,7 @@ def test_offload_nvme_tier_and_host_memory_are_the_librarys():
     assert small.numbers["fits"][1] == "no" and "does NOT fit" in small.text
 
 
-# issue 32: chapter 8's calculator offers prompt, prefix and P-tuning, and MoEfication
+# chapter 8's calculator offers prompt, prefix and P-tuning, and MoEfication
 def _chart_words(svg: str) -> str:
     """The chart's text without spaces: its labels wrap (at spaces and hyphens) into several lines."""
     return "".join(re.sub(r"<[^>]+>", " ", svg).split())
@@ -557,7 +557,7 @@ def test_serving_calculator_is_the_serving_plan():
         assert bad.error and "\n" not in bad.error, kw
 
 
-# issue 35: chapter 1's snapshot calculator, a file input read in the page
+# chapter 1's snapshot calculator, a file input read in the page
 def _data_url(data: bytes, kind: str = "application/octet-stream") -> str:
     import base64
 

@@ -56,7 +56,7 @@ def test_loglog_lines_and_streams_and_tp_figure_are_well_formed():
 
 
 def test_interleaved_gantt_names_every_chunk_and_numbers_its_boxes():
-    """Issue 31: the second model chunk had no legend entry and the boxes no micro-batch numbers."""
+    """The second model chunk had no legend entry and the boxes no micro-batch numbers."""
     run = parallel.simulate(4, 8, "interleaved", chunks=2)
     for width in (680, svg.PHONE):
         root = _parse(svg.gantt(run.ops, devices=4, makespan=run.makespan, chunks=2, title="interleaved", width=width))

@@ -695,7 +695,7 @@ def run(*, sections: Iterable[str] = SECTIONS, models: Iterable[str] = tuple(MOD
 
     sections, models, optimizers = list(sections), list(models), list(optimizers)
     res: dict[str, Any] = {
-        "experiment": "optimizer memory, measured (issue 36 item 3)", "device": "cpu",
+        "experiment": "optimizer memory, measured", "device": "cpu",
         "provenance": {**provenance("cpu"), "versions": _versions()},
         "counting": "state bytes: every storage an optimizer holds after one real step, once each (views by their "
                     "whole storage, tensor subclasses by their __tensor_flatten__ inner tensors, shared storages once, "
