@@ -48,7 +48,10 @@ def test_streaming_from_disk_holds_what_disk_streaming_predicts(tmp_path, layers
     # the kernel's storage counters, not the code's own count: every layer read twice a step, each
     # gradient written once (O_DIRECT: nothing comes from the page cache)
     if r["o_direct"]:
-        assert r["kernel_read_bytes"] == pytest.approx(2 * est["read_bytes"], rel=0.01)
+        # (beyond them, only pages of the process's own libraries read back after the kernel dropped them under
+        # memory pressure, each major fault at most a 512 KiB readahead window; on a quiet machine none)
+        extra = r["kernel_read_bytes"] - 2 * est["read_bytes"]
+        assert -0.01 * 2 * est["read_bytes"] <= extra <= 0.01 * 2 * est["read_bytes"] + r["major_faults"] * 512 * 1024, r
         assert r["kernel_written_bytes"] == pytest.approx(2 * est["write_bytes"], rel=0.01)
     # peak resident memory above the start: the buffers, the saved outputs, one gradient; on top, a
     # few MiB that the estimate leaves out (the backward's rows x d temporaries, the math library's

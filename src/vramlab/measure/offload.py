@@ -457,7 +457,10 @@ def _io_counters() -> dict[str, int]:
     for line in Path("/proc/self/io").read_text().splitlines():
         k, v = line.split(":")
         out[k] = int(v)
-    return {"read": out["read_bytes"], "write": out["write_bytes"]}
+    # major page faults: pages of this process's mapped files (its libraries' code and data) read back from storage,
+    # which read_bytes counts too when memory is short and the kernel had dropped them
+    majflt = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[9])
+    return {"read": out["read_bytes"], "write": out["write_bytes"], "major_faults": majflt}
 
 
 def _status_bytes(key: str) -> int:
@@ -644,6 +647,7 @@ def stream_from_disk(folder, *, layers: int = 8, d: int = 1024, rows: int = 64, 
             "model_bytes": layers * nbytes, "estimate": dataclasses.asdict(est),
             "peak_rss_above_start_bytes": peak - base,
             "kernel_read_bytes": io1["read"] - io0["read"], "kernel_written_bytes": io1["write"] - io0["write"],
+            "major_faults": io1["major_faults"] - io0["major_faults"],
             "counted_read_bytes": counts["read"], "counted_written_bytes": counts["written"],
             "most_layers_resident": counts["live_max"], "seconds": took, "gradient_matches_autograd": matches}
 
