@@ -39,6 +39,14 @@ def _is_package(name: str) -> bool:
     return MODULES[name].name == "__init__.py"
 
 
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The module a `from ... import` statement in `package` names, its relative dots resolved."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(name: str) -> list[tuple[str, int]]:
     """(imported module, line) for every import in module `name`: a vramlab module where it is one
     (`from . import x` names module x when x is a module), else the top-level package."""
@@ -49,11 +57,7 @@ def _imports(name: str) -> list[tuple[str, int]]:
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
+            mod = _from_module(node, package)
             subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in MODULES]
             out += [(s, node.lineno) for s in subs] or [(mod, node.lineno)]
     return out
@@ -195,11 +199,7 @@ def test_no_module_uses_another_modules_private_name():
         aliases: dict[str, str] = {}  # a local name bound to a vramlab module
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
+                mod = _from_module(node, package)
                 for a in node.names:
                     if f"{mod}.{a.name}" in MODULES:
                         aliases[a.asname or a.name] = f"{mod}.{a.name}"

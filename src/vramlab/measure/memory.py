@@ -647,13 +647,20 @@ def measure_isolated(kind: Literal["training", "inference"], spec: ModelSpec, *,
     (e.g. "expandable_segments:True"). Errors other than OOM are raised with the child's message."""
     if kind not in _KINDS:
         raise ValueError(f"kind must be one of {', '.join(_KINDS)}, got {kind!r}")
+    request = {"kind": kind, "spec": dataclasses.asdict(spec), "options": options}
     mode = options.get("mode", "auto")
     if FORK_ON_CPU and (mode in ("cpu", "trace") or (mode == "auto" and not torch.cuda.is_available())):
-        answer, err = _forked({"kind": kind, "spec": dataclasses.asdict(spec), "options": options}, timeout)
-        if "error" in answer or not answer:
-            why = answer.get("error") or (err.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"isolated {kind} measurement of {spec.name} failed: {why}")
-        return None if answer.get("oom") else Measurement.from_dict(answer)
+        answer, err = _forked(request, timeout)
+    else:
+        answer, err = _in_new_interpreter(request, timeout, alloc_conf)
+    if "error" in answer or not answer:
+        why = answer.get("error") or (err.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"isolated {kind} measurement of {spec.name} failed: {why}")
+    return None if answer.get("oom") else Measurement.from_dict(answer)
+
+
+def _in_new_interpreter(request: dict, timeout: float | None, alloc_conf: str | None) -> tuple[dict, str]:
+    """`request` measured by `python -m vramlab.measure.memory`: (its answer or {}, its stderr)."""
     env = dict(os.environ)
     # the child imports this very vramlab, wherever the parent found it (a checkout on PYTHONPATH too,
     # even after the parent changed directory)
@@ -661,15 +668,13 @@ def measure_isolated(kind: Literal["training", "inference"], spec: ModelSpec, *,
     env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
     if alloc_conf is not None:
         env["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
-    request = json.dumps({"kind": kind, "spec": dataclasses.asdict(spec), "options": options})
-    r = subprocess.run([sys.executable, "-m", "vramlab.measure.memory"], input=request, capture_output=True, text=True,
-                       env=env, timeout=timeout)
+    r = subprocess.run([sys.executable, "-m", "vramlab.measure.memory"], input=json.dumps(request), capture_output=True,
+                       text=True, env=env, timeout=timeout)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     answer = json.loads(lines[-1]) if lines else {}
-    if r.returncode != 0 or not lines or "error" in answer:
-        why = answer.get("error") or (r.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"isolated {kind} measurement of {spec.name} failed: {why}")
-    return None if answer.get("oom") else Measurement.from_dict(answer)
+    if r.returncode != 0 and "error" not in answer:  # it ended without its answer line: the reason is on stderr
+        answer = {}
+    return answer, r.stderr
 
 
 def largest_batch(spec: ModelSpec, *, start: int = 1, alloc_conf: str | None = None, limit: int = 4096,
