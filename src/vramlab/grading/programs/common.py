@@ -72,10 +72,15 @@ def held(skip=(), *, values: bool = False) -> int:
     storages = {t.untyped_storage().data_ptr() for t in skip if isinstance(t, torch.Tensor)}
     seen, n = set(), 0
     objs = gc.get_objects()
+    is_tensor: dict[type, bool] = {}  # by real type: `isinstance` would ask each object's __class__ (slow, and forgeable)
     for o in objs:
         if id(o) in skip_ids:
             continue
-        if isinstance(o, torch.Tensor):
+        tp = type(o)
+        hit = is_tensor.get(tp)
+        if hit is None:
+            hit = is_tensor[tp] = issubclass(tp, torch.Tensor)
+        if hit:
             if o.is_meta:
                 continue
             try:
