@@ -122,13 +122,32 @@ def test_measure_isolated_runs_in_a_fresh_process_and_round_trips(fork, monkeypa
     spec = tiny()
     here = measure_training(spec, batch_size=2, seq_len=32, mode="cpu")
     pids = []
-    real = M._answer
-    monkeypatch.setattr(M, "_answer", lambda request: pids.append(os.getpid()) or real(request))
+    real = M.measure_training
+    monkeypatch.setattr(M, "measure_training", lambda *a, **k: pids.append(os.getpid()) or real(*a, **k))
     there = measure_isolated("training", spec, batch_size=2, seq_len=32, mode="cpu")
     assert there is not None and there.total == here.total
     assert there.breakdown == here.breakdown  # categories, label, precision and device survive the trip
     assert there.provenance["torch"] == torch.__version__
-    assert not pids  # (not measured in this process: the patched function here was never called)
+    assert not pids  # (not measured in this process: the function patched here was never called)
+
+
+@pytest.mark.slow
+def test_in_fork_answers_reports_a_death_and_stops_at_its_timeout():
+    """What a forked process returns comes back; one that dies without an answer leaves {} and its exit code;
+    one past the timeout is killed and raised as a timeout (several processes: slow tier)."""
+    import os
+    import subprocess
+    import time
+
+    import vramlab.measure.memory as M
+
+    assert M.in_fork(dict, {"a": 1}) == ({"a": 1}, "")
+    answer, log = M.in_fork(os._exit, 3, what="probe x")
+    assert answer == {} and log.strip().endswith("the probe x's process ended with exit code 3")
+    t0 = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired, match="probe y"):
+        M.in_fork(time.sleep, 60, timeout=1, what="probe y")
+    assert time.monotonic() - t0 < 30
 
 
 @pytest.mark.slow

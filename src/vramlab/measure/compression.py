@@ -448,6 +448,20 @@ def _probe(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"measured_bytes": m.peak_allocated if cfg["mode"] == "cuda" else bd.total, "measured": bd.to_dict()}
 
 
+PROBE_PRELOAD = ("vramlab.measure.compression", "peft")
+
+
+def _probe_answer(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`_probe` for a forked process: its answer, or {"error": one line}."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    try:
+        return _probe(cfg)
+    except Exception as e:  # noqa: BLE001 - reported to the parent in one line
+        return {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
+
+
 PROBES: tuple[dict[str, str], ...] = (
     {"method": "full", "targets": "-", "optimizer": "adamw"},
     {"method": "lora", "targets": "default", "optimizer": "adamw"},
@@ -473,11 +487,18 @@ def memory_probes(mode: str, progress=None) -> list[dict[str, Any]]:
     def one(cfg: dict[str, Any]) -> dict[str, Any]:
         if not have_bnb and (cfg["method"] == "qlora" or cfg["optimizer"] == "adamw-8bit"):
             return {**cfg, "skipped": "bitsandbytes is not installed (pip install bitsandbytes)"}
-        r = subprocess.run([sys.executable, "-m", "vramlab.measure.compression", "--probe", json.dumps(cfg)], capture_output=True,
-                           text=True, timeout=900, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        if r.returncode != 0:
-            raise RuntimeError(f"probe {probe_label(cfg)}: {(r.stderr.strip().splitlines() or ['no output'])[-1]}")
-        got = json.loads(r.stdout.strip().splitlines()[-1])
+        if mode == "cuda":  # a new interpreter: nothing of CUDA may be inherited
+            r = subprocess.run([sys.executable, "-m", "vramlab.measure.compression", "--probe", json.dumps(cfg)],
+                               capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            lines = r.stdout.strip().splitlines()
+            got = json.loads(lines[-1]) if r.returncode == 0 and lines else {"error": (r.stderr.strip().splitlines() or ["no output"])[-1]}
+        else:  # forked from a server that imported torch, transformers and peft once (a new process all the same)
+            from .memory import in_fork
+
+            got, log = in_fork(_probe_answer, cfg, timeout=900, preload=PROBE_PRELOAD, what=f"probe {probe_label(cfg)}")
+            got = got or {"error": (log.strip().splitlines() or ["no output"])[-1]}
+        if "error" in got:
+            raise RuntimeError(f"probe {probe_label(cfg)}: {got['error']}")
         est = C.peft_training(teacher_spec(), method=cfg["method"], optimizer=cfg["optimizer"],
                               targets=cfg["targets"] if cfg["method"] not in ("full", *C.PROMPT_METHODS) else "default",
                               num_virtual_tokens=PROMPT_TOKENS,

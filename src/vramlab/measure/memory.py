@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 
@@ -650,7 +650,7 @@ def measure_isolated(kind: Literal["training", "inference"], spec: ModelSpec, *,
     request = {"kind": kind, "spec": dataclasses.asdict(spec), "options": options}
     mode = options.get("mode", "auto")
     if FORK_ON_CPU and (mode in ("cpu", "trace") or (mode == "auto" and not torch.cuda.is_available())):
-        answer, err = _forked(request, timeout)
+        answer, err = in_fork(_answer, request, timeout=timeout, what=f"isolated {kind} measurement")
     else:
         answer, err = _in_new_interpreter(request, timeout, alloc_conf)
     if "error" in answer or not answer:
@@ -729,33 +729,37 @@ _PRELOAD = ["vramlab.measure.memory", "transformers", "transformers.modeling_uti
 FORK_ON_CPU = True  # False: a new interpreter on the CPU too, as on a GPU
 
 
-def _in_fork(request: dict, out: str) -> None:
+def _in_fork(fn: Callable[[Any], dict], arg: Any, out: str) -> None:
     fd = os.open(out + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # its prints, as a child's stderr
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    Path(out).write_text(json.dumps(_answer(request)))
+    Path(out).write_text(json.dumps(fn(arg)))
 
 
-def _forked(request: dict, timeout: float | None) -> tuple[dict, str]:
-    """`request` measured in a process forked from the fork server: (its answer or {}, what it printed)."""
+def in_fork(fn: Callable[[Any], dict], arg: Any, *, timeout: float | None = None, preload: Sequence[str] = (),
+            what: str = "measurement") -> tuple[dict, str]:
+    """`fn(arg)` (a module-level function that returns a JSON-able dict) in a new process forked from
+    this process's fork server: (its answer or {}, what it printed). The server imports `_PRELOAD` and
+    `preload` once, when this process first uses it (a later `preload` is not imported there: the
+    forked process imports what it lacks itself). Raises subprocess.TimeoutExpired after `timeout` s."""
     import multiprocessing
     import tempfile
 
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(list(dict.fromkeys([*_PRELOAD, *preload])))
     with tempfile.TemporaryDirectory(prefix="vramlab-measure-") as tmp:
         out = os.path.join(tmp, "answer.json")
-        p = ctx.Process(target=_in_fork, args=(request, out), daemon=True)
+        p = ctx.Process(target=_in_fork, args=(fn, arg, out), daemon=True)
         p.start()
         p.join(timeout)
         if p.is_alive():
             p.kill()
             p.join()
-            raise subprocess.TimeoutExpired(f"isolated {request['kind']} measurement", timeout or 0)
+            raise subprocess.TimeoutExpired(what, timeout or 0)
         answer = json.loads(Path(out).read_text()) if os.path.exists(out) else {}
         log = Path(out + ".log").read_text(errors="replace") if os.path.exists(out + ".log") else ""
         if not answer and p.exitcode:
-            log += f"\nthe measuring process ended with exit code {p.exitcode}"
+            log += f"\nthe {what}'s process ended with exit code {p.exitcode}"
     return answer, log
 
 
