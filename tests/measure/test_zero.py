@@ -67,6 +67,37 @@ def test_deepspeed_config_carries_the_knobs():
     assert cfg["bf16"] == {"enabled": True} and cfg["gradient_clipping"] == 0.0
 
 
+def test_the_heap_walk_after_freezing_the_imports_finds_every_storage(monkeypatch):
+    """After `settle_imports` froze the heap, `_storages` still finds every storage that a plain walk of the
+    heap with isinstance found before the freeze (frozen tensors through their weak references), and new
+    ones made after it; a frozen tensor that dies is not reported."""
+    import gc
+    import weakref
+
+    torch = pytest.importorskip("torch")
+    from vramlab.measure import zero as Z
+
+    monkeypatch.setattr(Z, "_FROZEN", [])
+    old = torch.zeros(1000)
+    gc.collect()
+    expected = set()
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and o.device.type != "meta" and o.untyped_storage().nbytes():
+            expected.add(o.untyped_storage().data_ptr())
+    try:
+        Z.settle_imports()
+        assert Z._storages().keys() == expected and old.untyped_storage().data_ptr() in expected
+        new = torch.ones(2000)
+        assert Z._storages().keys() == expected | {new.untyped_storage().data_ptr()}
+        gone = weakref.ref(old)
+        del old
+        assert gone() is None and not any(t is None for t in Z.live_tensors())
+        assert sum(1 for _ in Z.live_tensors()) == sum(1 for r in Z._FROZEN if r() is not None) + sum(
+            1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    finally:
+        gc.unfreeze()
+
+
 def test_tracker_follows_frees_resizes_and_phases():
     """The tracker counts what a step starts with, every new storage until it dies, a storage resized to
     0 (FSDP2's way of freeing a gathered parameter) as freed and resized back as allocated, and keeps
