@@ -68,16 +68,17 @@ def test_deepspeed_config_carries_the_knobs():
 
 
 def test_the_heap_walk_after_freezing_the_imports_finds_every_storage(monkeypatch):
-    """After `settle_imports` froze the heap, `_storages` still finds every storage that a plain walk of the
+    """After `memory.settle_imports` froze the heap, zero's `_storages` still finds every storage that a plain walk of the
     heap with isinstance found before the freeze (frozen tensors through their weak references), and new
     ones made after it; a frozen tensor that dies is not reported."""
     import gc
     import weakref
 
     torch = pytest.importorskip("torch")
+    from vramlab.measure import memory as M
     from vramlab.measure import zero as Z
 
-    monkeypatch.setattr(Z, "_FROZEN", [])
+    monkeypatch.setattr(M, "_FROZEN", [])
     old = torch.zeros(1000)
     gc.collect()
     expected = set()
@@ -85,14 +86,14 @@ def test_the_heap_walk_after_freezing_the_imports_finds_every_storage(monkeypatc
         if isinstance(o, torch.Tensor) and o.device.type != "meta" and o.untyped_storage().nbytes():
             expected.add(o.untyped_storage().data_ptr())
     try:
-        Z.settle_imports()
+        M.settle_imports()
         assert Z._storages().keys() == expected and old.untyped_storage().data_ptr() in expected
         new = torch.ones(2000)
         assert Z._storages().keys() == expected | {new.untyped_storage().data_ptr()}
         gone = weakref.ref(old)
         del old
-        assert gone() is None and not any(t is None for t in Z.live_tensors())
-        assert sum(1 for _ in Z.live_tensors()) == sum(1 for r in Z._FROZEN if r() is not None) + sum(
+        assert gone() is None and not any(t is None for t in M.live_tensors())
+        assert sum(1 for _ in M.live_tensors()) == sum(1 for r in M._FROZEN if r() is not None) + sum(
             1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
     finally:
         gc.unfreeze()

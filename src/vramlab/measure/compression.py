@@ -455,11 +455,13 @@ def _probe_answer(cfg: dict[str, Any]) -> dict[str, Any]:
     """`_probe` for a forked process: its answer, or {"error": one line}."""
     import warnings
 
+    from .memory import error_line
+
     warnings.simplefilter("ignore")
     try:
         return _probe(cfg)
     except Exception as e:  # noqa: BLE001 - reported to the parent in one line
-        return {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
+        return {"error": error_line(e)}
 
 
 PROBES: tuple[dict[str, str], ...] = (

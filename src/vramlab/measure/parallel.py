@@ -61,7 +61,6 @@ import contextlib
 import copy
 import datetime
 import gc
-import importlib
 import json
 import os
 import statistics
@@ -1333,6 +1332,7 @@ def _worker(rank: int, world: int, args, port: int) -> None:
     import torch.distributed as dist
 
     from .collectives import first_line
+    from .memory import settle_imports
 
     global _LEDGER
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -1346,12 +1346,7 @@ def _worker(rank: int, world: int, args, port: int) -> None:
                           f"{first_line(e)}") from None
     try:
         dev = rank_device(args.backend, rank)
-        for name in RANK_IMPORTS:  # already imported where the ranks fork from a preloaded server
-            importlib.import_module(name)
-        # the libraries' objects (some 400,000) to gc's permanent generation: each gc.collect of a step
-        # walks only what was made since (nothing here walks the heap for tensors: the ledger sees operations)
-        gc.collect()
-        gc.freeze()
+        settle_imports(RANK_IMPORTS)  # each gc.collect of a step walks only what was made since
         _LEDGER = _Ledger()
         run, report = {"ddp": (_run_ddp, _report), "tp": (_run_tp, _report), "pp": (_run_pp, _report),
                        "cp": (_run_cp, _cp_report), "ep": (_run_ep, _ep_report)}[args.experiment]

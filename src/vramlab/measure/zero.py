@@ -44,7 +44,6 @@ import collections
 import contextlib
 import datetime
 import gc
-import importlib
 import json
 import os
 import sys
@@ -258,48 +257,10 @@ def structure(model, persistence_threshold: int = 100_000) -> dict[str, Any]:
             "head_tied_to_embedding": model.get_output_embeddings().weight is model.get_input_embeddings().weight}
 
 
-_FROZEN: list = []  # weak references to the tensors alive when `settle_imports` froze the heap
-
-
-def settle_imports() -> None:
-    """Move every object alive now (the imported libraries: some 400,000) to the collector's permanent
-    generation, once per rank, before any model is built: each later `gc.collect` and `live_tensors`
-    walks only what was made since (a measured step scans the heap twice; a full walk took a rank
-    ~1 s a scan, half of lab 4's CPU time). The tensors among the frozen objects stay in view:
-    `live_tensors` yields those still alive too."""
-    import weakref
-
-    gc.collect()
-    _FROZEN[:] = [weakref.ref(t) for t in _tensors(gc.get_objects())]
-    gc.freeze()
-
-
-def _tensors(objects):
-    """The tensors among `objects`, by their real type (`isinstance` asks each object's `__class__`,
-    which some objects compute, and costs ten times more over a whole heap)."""
-    import torch
-
-    is_tensor: dict[type, bool] = {}
-    for o in objects:
-        tp = type(o)
-        hit = is_tensor.get(tp)
-        if hit is None:
-            hit = is_tensor[tp] = issubclass(tp, torch.Tensor)
-        if hit:
-            yield o
-
-
-def live_tensors():
-    """Every tensor Python can reach: the collector's objects, and those `settle_imports` froze."""
-    yield from _tensors(gc.get_objects())
-    for ref in _FROZEN:
-        t = ref()
-        if t is not None:
-            yield t
-
-
 def _storages() -> dict[int, tuple[int, str, tuple]]:
     """Every live CPU/GPU storage Python can reach: data_ptr -> (bytes, dtype, a shape that views it)."""
+    from .memory import live_tensors
+
     out: dict[int, tuple[int, str, tuple]] = {}
     for o in live_tensors():
         try:
@@ -409,6 +370,8 @@ class _PeakTracker:
 
     def __init__(self, model, optimizer, known: dict[str, set[int]]):
         import itertools
+
+        from .memory import live_tensors
 
         self.model, self.entries, self.by_ptr = model, {}, {}
         self.serial = itertools.count()
@@ -1134,6 +1097,7 @@ def _worker(rank: int, world: int, args, port: int) -> None:
     import torch.distributed as dist
 
     from .collectives import first_line
+    from .memory import settle_imports
     from .parallel import rank_device
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -1145,9 +1109,7 @@ def _worker(rank: int, world: int, args, port: int) -> None:
     try:
         dist.init_process_group(args.backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=args.timeout))
-        for name in RANK_IMPORTS:  # already imported where the ranks fork from a preloaded server
-            importlib.import_module(name)
-        settle_imports()
+        settle_imports(RANK_IMPORTS)
         reports = []
         for setup in args.setups:
             r = run_setup(setup, rank, world, micro_batch=args.micro_batch, seq=args.seq, steps=args.steps,
