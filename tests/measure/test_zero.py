@@ -80,7 +80,8 @@ def test_the_heap_walk_after_freezing_the_imports_finds_every_storage(monkeypatc
 
     monkeypatch.setattr(M, "_FROZEN", [])
     old = torch.zeros(1000)
-    gc.collect()
+    while gc.collect():  # one pass can leave garbage its finalizers freed (seen after a few hundred tests)
+        pass
     expected = set()
     for o in gc.get_objects():
         if isinstance(o, torch.Tensor) and o.device.type != "meta" and o.untyped_storage().nbytes():

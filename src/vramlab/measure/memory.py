@@ -234,7 +234,8 @@ def settle_imports(modules: Sequence[str] = ()) -> None:
 
     for name in modules:
         importlib.import_module(name)
-    gc.collect()
+    while gc.collect():  # a pass's finalizers can free more; garbage frozen would stay "live" for good
+        pass
     _FROZEN[:] = [weakref.ref(t) for t in _tensors(gc.get_objects())]
     gc.freeze()
 
