@@ -6,7 +6,6 @@ allocates. Pure Python: no torch import.
 
 from __future__ import annotations
 
-import inspect
 import operator
 from dataclasses import dataclass, replace
 from typing import Callable, Literal
@@ -14,8 +13,9 @@ from typing import Callable, Literal
 from . import checks as _checks
 from .activations import ATTENTIONS, WHOLE_MODEL, AttentionImpl, DeviceShare
 from .checks import MAX_BYTES
-from .memory import (MemoryBreakdown, INFER_BYTES, estimate_options, inference_spec, estimate_inference,
-                     estimate_training, param_bytes)
+from .memory import (INFERENCE_OPTIONS, MemoryBreakdown, INFER_BYTES, estimate_options, inference_spec,
+                     estimate_inference, estimate_training, param_bytes)
+from .step import OPTIONS as STEP_OPTIONS
 from .precision import PRECISIONS
 from .specs import GPUSpec, ModelSpec, gpu as _gpu
 from .units import fmt_bytes
@@ -186,7 +186,8 @@ def _gpu_step_options(est: Callable, options: dict, who: str, who_mode: str, cho
     if options.get("device", "cuda") != "cuda":
         raise ValueError(f"{who} answers for a GPU: leave device at 'cuda'")
     options = {k: v for k, v in options.items() if k != "device"}
-    allowed = set(inspect.signature(est).parameters) - {"model", "batch_size", "gpu", "device", *chosen}
+    allowed = set(STEP_OPTIONS if est is estimate_training else INFERENCE_OPTIONS) - {"batch_size", "gpu", "device",
+                                                                                      *chosen}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ValueError(f"{who_mode} does not take {', '.join(unknown)}; it takes {', '.join(sorted(allowed))}")

@@ -8,7 +8,6 @@ the step's phases, with the breakdown at that peak. `estimate_inference` returns
 
 from __future__ import annotations
 
-import inspect
 import operator
 import dataclasses
 from dataclasses import dataclass
@@ -21,22 +20,17 @@ from .activations import (ATTENTIONS, WHOLE_MODEL, AttentionImpl, DeviceShare, R
                           activation_bytes, recompute_plan)
 from .checks import MAX_BYTES, MAX_PARAMS
 from .precision import FP32_STATES, PRECISIONS, PURE_16BIT, Precision, dtype_sizes, loss_bytes
-from .specs import GPUSpec, ModelSpec, gpu as _gpu, moe_preset_names as _moe_preset_names, preset as _preset
+from .specs import GPUSpec, ModelSpec, gpu as _gpu
+from .step import (LOSSES, MAX_ACCUMULATION, OPTIMIZER_IMPLS, OPTIONS as STEP_OPTIONS, Loss, Optimizer,
+                   OptimizerImpl, Step, as_step, gpu_or_none, inference_spec)
 from .specs import resolve as _resolve
 from .units import fmt_bytes
-
-Optimizer = Literal["adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit"]
-OptimizerImpl = Literal["for-loop", "foreach", "fused"]
-
-Loss = Literal["whole", "chunked", "fused"]
 
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit")
 # every optimizer one device models (`vramlab.optimizers`): OPTIMIZERS, which also shard (ZeRO, FSDP, pipelines),
 # and the ones whose states depend on each tensor's shape or live off the allocator
 ALL_OPTIMIZERS: tuple[str, ...] = _optim.NAMES
-LOSSES: tuple[str, ...] = ("whole", "chunked", "fused")
 TORCHTUNE_CHUNKS = 8  # torchtune's default num_output_chunks (CEWithChunkedOutputLoss)
-OPTIMIZER_IMPLS: tuple[str, ...] = ("for-loop", "foreach", "fused")
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_states", "activations", "temporaries",
                                "kv_cache", "inputs", "other")
 
@@ -267,20 +261,15 @@ def _string(name: str, value) -> str:
     return value
 
 
-def gpu_or_none(gpu) -> "GPUSpec | None":
-    return None if gpu is None else _gpu(gpu)
-
-
-_OPTIONS: frozenset[str] = frozenset()
+# estimate_inference's keywords but the model (tests/test_memory.py holds them equal to its signature)
+INFERENCE_OPTIONS: tuple[str, ...] = ("batch_size", "seq_len", "dtype", "kv_dtype", "attention", "all_logits",
+                                      "new_tokens", "device", "gpu")
 
 
 def estimate_options() -> frozenset[str]:
-    """The keywords of estimate_training and estimate_inference (but the model): what `fit` passes on."""
-    global _OPTIONS
-    if not _OPTIONS:
-        _OPTIONS = frozenset(set(inspect.signature(estimate_training).parameters)
-                             | set(inspect.signature(estimate_inference).parameters)) - {"model"}
-    return _OPTIONS
+    """The keywords of estimate_training (a Step's options) and estimate_inference (but the model): what
+    `fit` passes on."""
+    return frozenset(STEP_OPTIONS) | frozenset(INFERENCE_OPTIONS)
 
 
 def check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
@@ -288,7 +277,6 @@ def check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
 
 
 MAX_BATCH = _checks.MAX_COUNT  # sequences in one step; far beyond any GPU, small enough to stay exact and fast
-MAX_ACCUMULATION = 1 << 16  # micro-batches per optimizer step
 
 
 def check_positive(**sizes: int) -> list[int]:
@@ -323,33 +311,14 @@ def loss_chunk_size(model: ModelSpec | str, *, tokens: int, loss: Loss = "whole"
     return min(1 << (-(-tokens // grow) - 1).bit_length(), tokens)
 
 
-def estimate_training(model: ModelSpec | str, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
-                      optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
-                      attention: AttentionImpl = "sdpa", recompute: Recompute = "none",
-                      device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None,
-                      gpu: GPUSpec | str | None = None, use_cache: bool = False,
-                      accumulation_steps: int = 1, loss: Loss = "whole",
-                      loss_chunk_tokens: int | None = None, capacity_factor: float | None = None,
-                      optimizer_in_backward: bool = False, galore_rank: int = _optim.GALORE_RANK) -> MemoryBreakdown:
+def estimate_training(model: "Step | ModelSpec | str", **options) -> MemoryBreakdown:
     """Peak memory of one steady-state training step: the largest of `training_phases(...)`, whose
-    docstring describes the arguments."""
-    phases = training_phases(model, batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer,
-                             optimizer_impl=optimizer_impl, attention=attention, recompute=recompute, device=device,
-                             trainable_params=trainable_params, gpu=gpu, use_cache=use_cache,
-                             accumulation_steps=accumulation_steps, loss=loss, loss_chunk_tokens=loss_chunk_tokens,
-                             optimizer_in_backward=optimizer_in_backward, galore_rank=galore_rank,
-                             capacity_factor=capacity_factor)
-    return max(phases, key=lambda m: m.total)
+    docstring describes the options (a `Step`'s fields; `model` may be a Step)."""
+    return max(training_phases(as_step(model, options, "estimate_training")), key=lambda m: m.total)
 
 
-def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, precision: Precision = "fp32",
-                    optimizer: Optimizer = "adamw", optimizer_impl: OptimizerImpl = "foreach",
-                    attention: AttentionImpl = "sdpa", recompute: Recompute = "none",
-                    device: Literal["cuda", "cpu"] = "cuda", trainable_params: int | None = None,
-                    gpu: GPUSpec | str | None = None, share: DeviceShare = WHOLE_MODEL,
-                    use_cache: bool = False, accumulation_steps: int = 1, loss: Loss = "whole",
-                    loss_chunk_tokens: int | None = None, capacity_factor: float | None = None,
-                    optimizer_in_backward: bool = False, galore_rank: int = _optim.GALORE_RANK) -> list[MemoryBreakdown]:
+def training_phases(step: "Step | ModelSpec | str", *, share: DeviceShare = WHOLE_MODEL,
+                    **options) -> list[MemoryBreakdown]:
     """Memory, in bytes, at each candidate peak of one steady-state training step, in step order
     (`.phase` names each); `estimate_training` returns the largest.
 
@@ -419,51 +388,32 @@ def training_phases(model: ModelSpec | str, *, batch_size: int, seq_len: int, pr
     against one GPU (an H100); other GPUs pick other kernels in places. PEFT (`trainable_params`)
     assumes adapters on the attention projections and leaves the adapters' own bytes out.
     """
-    spec = inference_spec(model)  # a mixture of experts passes (its MLPs: `moe.training_layer_saved`)
-    capacity_factor = _moe.check_trainable(spec, capacity_factor)
-    batch_size, seq_len = check_positive(batch_size=batch_size, seq_len=seq_len)
-    _check_positions(spec, seq_len)
-    check_choice(precision, PRECISIONS, "precision")
-    check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
-    check_choice(optimizer_impl, OPTIMIZER_IMPLS, "optimizer implementation")
-    check_choice(attention, ATTENTIONS, "attention implementation")
-    check_choice(device, ("cuda", "cpu"), "device")
-    use_cache = _checks.flag("use_cache", use_cache)
-    k_acc = _checks.whole("accumulation_steps", accumulation_steps, hi=MAX_ACCUMULATION)
-    in_bwd = _checks.flag("optimizer_in_backward", optimizer_in_backward)
+    step = as_step(step, options)  # every option checked once, there
+    spec, batch_size, seq_len, precision = step.model, step.batch_size, step.seq_len, step.precision
+    optimizer, optimizer_impl, attention, device = step.optimizer, step.optimizer_impl, step.attention, step.device
+    trainable_params, gpu, use_cache, plan = step.trainable_params, step.gpu, step.use_cache, step.plan
+    k_acc, in_bwd, loss, capacity_factor = step.accumulation_steps, step.optimizer_in_backward, step.loss, step.capacity_factor
+    if not isinstance(share, DeviceShare):
+        raise ValueError(f"share must be a vramlab.memory.DeviceShare, got {_checks.show(share)}")
     if optimizer not in OPTIMIZERS and not share.whole:
         raise ValueError(f"optimizer {optimizer!r} is modelled on one device; a parallel layout takes one of "
                          f"{', '.join(OPTIMIZERS)}")
     if in_bwd and not share.whole:
         raise ValueError("optimizer_in_backward is modelled on one device, not a parallel layout's share")
-    if in_bwd and k_acc > 1:
-        raise ValueError("optimizer_in_backward steps each parameter as its gradient is made, so gradients cannot "
-                         f"accumulate over micro-batches: pass accumulation_steps=1 (got {k_acc})")
-    chunk = loss_chunk_size(spec, tokens=batch_size * seq_len, loss=loss, loss_chunk_tokens=loss_chunk_tokens)
-    if loss != "whole" and not spec.is_causal_lm:
-        raise ValueError(f"loss={loss!r} is modelled for causal LMs (decoder-only), not {spec.family}; use loss='whole'")
+    chunk = loss_chunk_size(spec, tokens=batch_size * seq_len, loss=loss, loss_chunk_tokens=step.loss_chunk_tokens)
     if loss != "whole" and not (share.blocks is None and share.first and share.last and share.tp == 1
                                 and share.in_flight == 1 and not share.loss_parallel):
         raise ValueError(f"loss={loss!r} is modelled with the whole model on one device (one GPU, or a context-"
                          "parallel rank), not a pipeline stage or a tensor-parallel shard; use loss='whole'")
-    gpu = gpu_or_none(gpu)
-    if not isinstance(share, DeviceShare):
-        raise ValueError(f"share must be a vramlab.memory.DeviceShare, got {_checks.show(share)}")
-    if trainable_params is not None:
-        trainable_params = _checks.whole("trainable_params", trainable_params, lo=0, hi=spec.params)
     if not share.whole and trainable_params is not None:
         raise ValueError("trainable_params (frozen-base fine-tuning) is modelled on one device only")
-    plan = recompute_plan(recompute, spec)
-    if use_cache and plan.segments:
-        raise ValueError("use_cache=True with recompute: transformers turns the KV cache off under gradient "
-                         "checkpointing; pass use_cache=False")
     # cuBLAS workspaces, held by the caching allocator for the process's life: one per handle, and
     # the forward (Python thread) and backward (autograd's device thread) use different handles
     workspaces = 2 * cublas_workspace_bytes(gpu) if device == "cuda" else 0
     pb = param_bytes(precision)
     if share.whole:
         states = model_states(spec, precision=precision, optimizer=optimizer, trainable_params=trainable_params,
-                              galore_rank=galore_rank)
+                              galore_rank=step.rank)
         P, G, O = states.parameters, states.gradients, states.optimizer_states
         n_all = spec.params
         n_train = n_all if trainable_params is None else operator.index(trainable_params)  # checked by model_states
@@ -738,15 +688,6 @@ def _block_transient(spec: ModelSpec, *, tokens: int, batch_size: int, seq_len: 
     if attention == "eager":
         attn += 2 * batch_size * spec.num_heads * seq_len * seq_len * e
     return stream + max(attn, 2 * tokens * i * e)
-
-
-def inference_spec(model: ModelSpec | str) -> ModelSpec:
-    """`resolve`, except that a mixture of experts passes (inference and one-device training are modelled)."""
-    if isinstance(model, str) and model in _moe_preset_names():
-        return _preset(model)
-    if isinstance(model, ModelSpec) and model.is_moe:
-        return model
-    return _resolve(model)
 
 
 def estimate_inference(model: ModelSpec | str, *, batch_size: int, seq_len: int, dtype: str = "bf16",

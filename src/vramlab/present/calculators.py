@@ -1338,7 +1338,8 @@ def _optimizers(*, model: str, precision: str, optimizer: str, in_backward: str,
     for name in memory.ALL_OPTIMIZERS:
         lg = memory.optimizer_ledger(spec, name, precision, galore_rank=galore_rank)
         peak = memory.estimate_training(spec, batch_size=batch_size, seq_len=seq_len, precision=precision,
-                                        optimizer=name, galore_rank=galore_rank, optimizer_in_backward=in_bwd)
+                                        optimizer=name, optimizer_in_backward=in_bwd,
+                                        galore_rank=galore_rank if name == "galore-adamw" else None)
         rows.append((name, lg, peak))
         segs = [(c.replace("_", " "), getattr(peak, c) / GiB, COLORS[c]) for c in memory.CATEGORIES]
         bars.append((OPT_LABELS[name] + (" <" if name == optimizer else ""), segs))
