@@ -271,7 +271,7 @@ def test_fits_passes_on_its_keyword_arguments():
     """Every keyword `fits` accepts is one that estimate_rank takes (and the reverse)."""
     import inspect
 
-    taken = set(inspect.signature(Z.estimate_rank).parameters) - {"model", "n_ranks", "stage", "micro_batch_size",
+    taken = set(Z.RANK_OPTIONS + Z.STEP_OPTIONS) - {"model", "n_ranks", "stage", "micro_batch_size",
                                                                   "seq_len", "gpu"}
     assert taken == set(Z._ESTIMATE_OPTIONS)
     a = Z.fits("gpt2", 2, 3, "h100", micro_batch_size=2, seq_len=64, max_search=64, implementation="fsdp2",

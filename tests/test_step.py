@@ -94,3 +94,40 @@ def test_a_galore_rank_reaches_galore_or_is_refused(optimizer, rank):
     est = memory.estimate_training("gpt2", **kw)
     if optimizer == "galore-adamw" and rank is not None and rank < 128:
         assert est.optimizer_states < memory.estimate_training("gpt2", **{**kw, "galore_rank": 128}).optimizer_states
+
+
+@pytest.mark.parametrize("n,stage,kw", [
+    (4, 2, dict(micro_batch_size=2, seq_len=128, recipe="fp32-adam", reduce_bucket=1_000_000)),
+    (2, 3, dict(micro_batch_size=1, seq_len=64, implementation="fsdp2", recompute="full", loss="chunked")),
+    (8, 3, dict(micro_batch_size=1, seq_len=256, accumulation_steps=4, persistence_threshold=10)),
+])
+def test_a_sharded_step_is_a_step_and_its_ranks(n, stage, kw):
+    """zero.rank_phases(model, n, stage, **options) is the phases of its (Step, Ranks): the step's precision is
+    the recipe's and its optimizer_impl DeepSpeed's and FSDP2's fused one unless given."""
+    from vramlab import zero as Z
+
+    step, ranks = Z.sharded_step("gpt2", n, stage, micro_batch_size=kw.pop("micro_batch_size"),
+                                 seq_len=kw.pop("seq_len"), options=dict(kw))
+    assert step.precision == Z.ACT_PRECISION[ranks.recipe] and step.optimizer_impl == "fused"
+    assert (ranks.n_ranks, ranks.stage) == (n, stage)
+    phases = Z.rank_phases(step, ranks)
+    assert phases == Z.rank_phases("gpt2", n, stage, micro_batch_size=step.batch_size, seq_len=step.seq_len, **kw)
+    assert Z.estimate_rank(step, ranks) == max(phases, key=lambda b: b.total)
+
+
+def test_a_sharded_step_refuses_a_mix_and_what_it_does_not_model():
+    from vramlab import zero as Z
+
+    ranks = Z.Ranks(2, 2)
+    with pytest.raises(ValueError, match="takes a Step and a Ranks, or a model"):
+        Z.rank_phases(Step("gpt2", batch_size=1, seq_len=32), 2, 2)
+    with pytest.raises(ValueError, match="not a mix"):
+        Z.estimate_rank(Step("gpt2", batch_size=1, seq_len=32, precision="bf16-fp32-states"), ranks, seq_len=32)
+    with pytest.raises(ValueError, match="has precision 'bf16-fp32-states', got 'fp32'"):
+        Z.rank_phases(Step("gpt2", batch_size=1, seq_len=32), ranks)
+    with pytest.raises(ValueError, match="models Adam on every parameter"):
+        Z.rank_phases(Step("gpt2", batch_size=1, seq_len=32, precision="bf16-fp32-states", optimizer="sgd"), ranks)
+    with pytest.raises(ValueError, match="rank_phases: unknown argument precision"):
+        Z.rank_phases("gpt2", 2, 2, micro_batch_size=1, seq_len=32, precision="bf16")
+    with pytest.raises(ValueError, match="stage must be 3 with implementation='fsdp2'"):
+        Z.Ranks(2, 2, implementation="fsdp2")

@@ -84,7 +84,7 @@ class Step:
         _checks.positions(spec, self.seq_len)
         _checks.one_of("precision", self.precision, PRECISIONS)
         _checks.one_of("optimizer", self.optimizer, _optim.NAMES)
-        _checks.one_of("optimizer implementation", self.optimizer_impl, OPTIMIZER_IMPLS)
+        _checks.one_of("optimizer_impl", self.optimizer_impl, OPTIMIZER_IMPLS)
         _checks.one_of("attention implementation", self.attention, ATTENTIONS)
         _checks.one_of("device", self.device, DEVICES)
         put(self, "use_cache", _checks.flag("use_cache", self.use_cache))

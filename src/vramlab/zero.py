@@ -29,6 +29,7 @@ What is here:
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Literal
 
 from . import checks as _checks
@@ -38,6 +39,7 @@ from . import specs as _specs
 from . import fitting as _fitting
 from . import activations as _act
 from .specs import ModelSpec
+from .step import Step
 
 Stage = Literal[0, 1, 2, 3]
 STAGES: tuple[int, ...] = (0, 1, 2, 3)
@@ -246,6 +248,7 @@ def model_states(model: ModelSpec | str, n_ranks: int, stage: Stage, *, recipe: 
 ACT_PRECISION = {"mixed-adam": "bf16-fp32-states", "fp32-adam": "fp32", "bf16-fp32-grads": "bf16-fp32-states"}
 ALLREDUCE_BUCKET = 500_000_000  # DeepSpeed's engine all-reduces ZeRO-0's gradients in flat buffers of this many elements
 MAX_LIVE = 1_000_000_000  # DeepSpeed's stage3_max_live_parameters default, in elements
+REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default, in elements
 
 
 def zero_units(spec: ModelSpec) -> tuple[int, int]:
@@ -320,6 +323,93 @@ def _no_sync(no_sync, implementation: str) -> bool:
                          f"{_checks.show(implementation)}: DeepSpeed decides by stage (ZeRO-0/1 reduce once per step, "
                          "ZeRO-2/3 every micro-batch)")
     return no_sync
+
+
+# ----------------------------------------------------------------------------- a sharded step's settings
+# a rank's options besides the model, ranks and stage: the library's (a `Ranks`) and the step's (a `Step`: the
+# micro-batch and sequence, given by name, the precision and optimizer, which follow the recipe)
+RANK_OPTIONS: tuple[str, ...] = ("recipe", "implementation", "reduce_bucket", "max_live_parameters",
+                                 "persistence_threshold", "prefetch_bucket", "max_reuse_distance", "no_sync")
+STEP_OPTIONS: tuple[str, ...] = ("attention", "optimizer_impl", "device", "gpu", "use_cache", "accumulation_steps",
+                                 "recompute", "loss", "loss_chunk_tokens")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """How a training step is sharded over data-parallel ranks, checked once: `n_ranks` ranks at ZeRO `stage`
+    (DeepSpeed's, or FSDP2's fully_shard: stage 3), the bytes-per-parameter `recipe` (`RECIPES`), and the
+    library's buffers in elements (DeepSpeed's defaults: `reduce_bucket_size`, `stage3_max_live_parameters`,
+    `stage3_param_persistence_threshold`, `stage3_prefetch_bucket_size`, `stage3_max_reuse_distance`);
+    `no_sync`: FSDP2's `set_requires_gradient_sync(False)` on every micro-batch but the last."""
+
+    n_ranks: int
+    stage: int
+    recipe: str = "mixed-adam"
+    implementation: str = "deepspeed"
+    reduce_bucket: int = REDUCE_BUCKET
+    max_live_parameters: int = MAX_LIVE
+    persistence_threshold: int = PERSISTENCE
+    prefetch_bucket: int = PREFETCH
+    max_reuse_distance: int = REUSE_DISTANCE
+    no_sync: bool = False
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        put(self, "n_ranks", _ranks(self.n_ranks))
+        put(self, "stage", _stage(self.stage))
+        _recipe(self.recipe)
+        _checks.one_of("implementation", self.implementation, ("deepspeed", "fsdp2"))
+        put(self, "no_sync", _no_sync(self.no_sync, self.implementation))
+        if self.implementation == "fsdp2" and self.stage != 3:
+            raise ValueError(f"stage must be 3 with implementation='fsdp2', got {self.stage}: FSDP2's fully_shard is "
+                             "ZeRO-3")
+        put(self, "reduce_bucket", _elements("reduce_bucket", self.reduce_bucket, lo=1, hi=10**12))
+        put(self, "max_live_parameters", _elements("max_live_parameters", self.max_live_parameters, lo=1))
+        put(self, "prefetch_bucket", _elements("prefetch_bucket", self.prefetch_bucket))
+        put(self, "max_reuse_distance", _elements("max_reuse_distance", self.max_reuse_distance))
+        put(self, "persistence_threshold", _elements("persistence_threshold", self.persistence_threshold))
+
+
+def _check_pair(step: Step, ranks: Ranks) -> None:
+    """What a sharded step models: Adam's recipes at their precision, recompute none or full and the loss
+    variants under FSDP2 only, no frozen base or per-parameter stepping."""
+    _specs.resolve(step.model)  # a mixture of experts is refused here (one-device training only)
+    if step.precision != ACT_PRECISION[ranks.recipe]:
+        raise ValueError(f"a Step for recipe {ranks.recipe!r} has precision {ACT_PRECISION[ranks.recipe]!r}, got "
+                         f"{step.precision!r}")
+    if step.optimizer not in ("adamw", "adam") or step.trainable_params is not None or step.optimizer_in_backward:
+        raise ValueError("a sharded step models Adam on every parameter, stepped after the backward: leave "
+                         "optimizer, trainable_params and optimizer_in_backward at their defaults")
+    _checks.one_of("recompute", step.recompute, ("none", "full"))
+    if (step.recompute != "none" or step.loss != "whole") and ranks.implementation != "fsdp2":
+        raise ValueError(f"recompute and loss are modelled with implementation='fsdp2' only (the DeepSpeed phases were "
+                         f"measured without them), got recompute={_checks.show(step.recompute)}, "
+                         f"loss={_checks.show(step.loss)}")
+
+
+def sharded_step(model: "ModelSpec | str | Step", n_ranks: "int | Ranks", stage: "Stage | None" = None, *,
+                 micro_batch_size: int | None = None, seq_len: int | None = None,
+                 options: dict | None = None, where: str = "rank_phases") -> tuple[Step, Ranks]:
+    """The checked (Step, Ranks) of a rank's arguments: a Step and a Ranks as they are, or a model with
+    `n_ranks`, `stage`, the micro-batch and sequence and `options` (RANK_OPTIONS and STEP_OPTIONS; the
+    Step's precision is the recipe's, its optimizer_impl by default "fused", DeepSpeed's and FSDP2's)."""
+    options = dict(options or {})
+    if isinstance(model, Step) or isinstance(n_ranks, Ranks):
+        if not (isinstance(model, Step) and isinstance(n_ranks, Ranks)) or options or \
+                (stage, micro_batch_size, seq_len) != (None, None, None):
+            raise ValueError(f"{where} takes a Step and a Ranks, or a model, n_ranks, stage, micro_batch_size, "
+                             "seq_len and options, not a mix")
+        _check_pair(model, n_ranks)
+        return model, n_ranks
+    _checks.no_unknown(where, options, RANK_OPTIONS + STEP_OPTIONS)
+    spec = _specs.resolve(model)
+    ranks = Ranks(n_ranks, stage, **{k: options.pop(k) for k in RANK_OPTIONS if k in options})
+    micro_batch_size = _checks.whole("micro_batch_size", micro_batch_size)
+    _checks.one_of("recompute", options.get("recompute", "none"), ("none", "full"))
+    step = Step(spec, batch_size=micro_batch_size, seq_len=seq_len, precision=ACT_PRECISION[ranks.recipe],
+                **{"optimizer_impl": "fused", **options})
+    _check_pair(step, ranks)
+    return step, ranks
 
 
 def accumulation_held(model: ModelSpec | str, n_ranks: int, stage: Stage, *, recipe: str = "mixed-adam",
@@ -398,14 +488,8 @@ def _accumulated(phases: list, steps: list, spec: ModelSpec, s: int, pb: int, ac
     return phases[:at] + later + phases[at:]
 
 
-def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_batch_size: int, seq_len: int,
-                recipe: str = "mixed-adam", implementation: str = "deepspeed", attention: str = "sdpa",
-                reduce_bucket: int = REDUCE_BUCKET, max_live_parameters: int = MAX_LIVE,
-                persistence_threshold: int = PERSISTENCE, prefetch_bucket: int = PREFETCH,
-                max_reuse_distance: int = 1_000_000_000, optimizer_impl: str = "fused",
-                device: Literal["cuda", "cpu"] = "cuda", gpu=None, use_cache: bool = False,
-                accumulation_steps: int = 1, no_sync: bool = False, recompute: str = "none", loss: str = "whole",
-                loss_chunk_tokens: int | None = None) -> list[_mem.MemoryBreakdown]:
+def rank_phases(model: "ModelSpec | str | Step", n_ranks: "int | Ranks", stage: "Stage | None" = None, *,
+                micro_batch_size: int | None = None, seq_len: int | None = None, **options) -> list[_mem.MemoryBreakdown]:
     """One rank's memory at each moment of a training step that may peak, in step order (`.phase`
     names each); `estimate_rank` returns the largest. The forward and backward come from
     `memory.training_phases` (activations, the logits and their gradient, the temporaries of each
@@ -448,31 +532,24 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
     `recompute` and `loss` / `loss_chunk_tokens` (`memory.training_phases`' plans; defaults: none, the whole
     loss, as every stored ZeRO measurement ran): FSDP2 only, as `parallel.context_parallel(shard_states=True)`
     composes it (its measured runs: full recompute, chunked and fused losses); under recompute an earlier
-    block's backward frees the later block's checkpointed input, not its saved tensors."""
-    spec = _specs.resolve(model)
-    n, s = _ranks(n_ranks), _stage(stage)
+    block's backward frees the later block's checkpointed input, not its saved tensors.
+
+    Called as `rank_phases(step, ranks)` with a `step.Step` and a `Ranks`, or with a model, `n_ranks`,
+    `stage`, `micro_batch_size`, `seq_len` and options (RANK_OPTIONS, STEP_OPTIONS): `sharded_step`."""
+    return _sharded_phases(*sharded_step(model, n_ranks, stage, micro_batch_size=micro_batch_size,
+                                         seq_len=seq_len, options=options))
+
+
+def _sharded_phases(step: Step, ranks: Ranks) -> list[_mem.MemoryBreakdown]:
+    """`rank_phases` of a checked (Step, Ranks) pair."""
+    spec, micro_batch_size, seq_len = step.model, step.batch_size, step.seq_len
+    attention, device, gpu, use_cache = step.attention, step.device, step.gpu, step.use_cache
+    optimizer_impl, acc, recompute, loss = step.optimizer_impl, step.accumulation_steps, step.recompute, step.loss
+    loss_chunk_tokens = step.loss_chunk_tokens
+    n, s, recipe, implementation, no_sync = ranks.n_ranks, ranks.stage, ranks.recipe, ranks.implementation, ranks.no_sync
+    bucket, live, prefetch_bucket = ranks.reduce_bucket, ranks.max_live_parameters, ranks.prefetch_bucket
+    reuse_distance, persistence_threshold = ranks.max_reuse_distance, ranks.persistence_threshold
     pb, gb, k = _recipe(recipe)
-    _checks.one_of("implementation", implementation, ("deepspeed", "fsdp2"))
-    acc = _accumulation(accumulation_steps)
-    no_sync = _no_sync(no_sync, implementation)
-    if implementation == "fsdp2" and s != 3:
-        raise ValueError(f"stage must be 3 with implementation='fsdp2', got {s}: FSDP2's fully_shard is ZeRO-3")
-    _checks.one_of("optimizer_impl", optimizer_impl, _mem.OPTIMIZER_IMPLS)
-    _checks.one_of("device", device, ("cuda", "cpu"))
-    _checks.one_of("attention", attention, _act.ATTENTIONS)
-    micro_batch_size = _checks.whole("micro_batch_size", micro_batch_size)
-    seq_len = _checks.positions(spec, _checks.whole("seq_len", seq_len))
-    use_cache = _checks.flag("use_cache", use_cache)
-    bucket = _elements("reduce_bucket", reduce_bucket, lo=1, hi=10**12)
-    live = _elements("max_live_parameters", max_live_parameters, lo=1)
-    prefetch_bucket = _elements("prefetch_bucket", prefetch_bucket)
-    reuse_distance = _elements("max_reuse_distance", max_reuse_distance)
-    persistence_threshold = _elements("persistence_threshold", persistence_threshold)
-    _checks.one_of("loss", loss, _mem.LOSSES)
-    _checks.one_of("recompute", recompute, ("none", "full"))
-    if (recompute != "none" or loss != "whole") and implementation != "fsdp2":
-        raise ValueError(f"recompute and loss are modelled with implementation='fsdp2' only (the DeepSpeed phases were "
-                         f"measured without them), got recompute={_checks.show(recompute)}, loss={_checks.show(loss)}")
     between = model_states(spec, n, s, recipe=recipe, implementation=implementation, reduce_bucket=bucket,
                            persistence_threshold=persistence_threshold)
     psi = spec.params
@@ -636,29 +713,18 @@ def rank_phases(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_bat
             for name, g, a, t in phases]
 
 
-def estimate_rank(model: ModelSpec | str, n_ranks: int, stage: Stage, *, micro_batch_size: int, seq_len: int,
-                  recipe: str = "mixed-adam", implementation: str = "deepspeed", attention: str = "sdpa",
-                  reduce_bucket: int = REDUCE_BUCKET, max_live_parameters: int = MAX_LIVE,
-                  persistence_threshold: int = PERSISTENCE, prefetch_bucket: int = PREFETCH,
-                  max_reuse_distance: int = 1_000_000_000, optimizer_impl: str = "fused",
-                  device: Literal["cuda", "cpu"] = "cuda", gpu=None, use_cache: bool = False,
-                  accumulation_steps: int = 1, no_sync: bool = False) -> _mem.MemoryBreakdown:
+def estimate_rank(model: "ModelSpec | str | Step", n_ranks: "int | Ranks", stage: "Stage | None" = None, *,
+                  micro_batch_size: int | None = None, seq_len: int | None = None, **options) -> _mem.MemoryBreakdown:
     """One rank's peak in a training step: what stays between steps (`model_states`) plus the step's
     worst moment, the largest of `rank_phases` (whose docstring says what each library holds when).
     Validated against independent measurements on real gloo ranks (DeepSpeed 0.19.8, torch 2.13) for
     several model families, buckets smaller than the model, bf16 and fp32, 2 and 4 ranks
     (tests/test_validation.py): within 5 % of the measured step peak."""
-    phases = rank_phases(model, n_ranks, stage, micro_batch_size=micro_batch_size, seq_len=seq_len, recipe=recipe,
-                         implementation=implementation, attention=attention, reduce_bucket=reduce_bucket,
-                         max_live_parameters=max_live_parameters, persistence_threshold=persistence_threshold,
-                         prefetch_bucket=prefetch_bucket, max_reuse_distance=max_reuse_distance,
-                         optimizer_impl=optimizer_impl, device=device, gpu=gpu, use_cache=use_cache,
-                         accumulation_steps=accumulation_steps, no_sync=no_sync)
+    phases = rank_phases(model, n_ranks, stage, micro_batch_size=micro_batch_size, seq_len=seq_len, **options)
     return max(phases, key=lambda b: b.total)
 
 
 # ----------------------------------------------------------------------------- communication
-REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's stage3_max_reuse_distance default, in elements
 COMM_IMPLEMENTATIONS: tuple[str, ...] = ("paper", "deepspeed", "fsdp2")
 
 
@@ -724,9 +790,7 @@ def communication(n_params: int, n_ranks: int, stage: Stage, *, bytes_per_value:
 
 # ----------------------------------------------------------------------------- does it fit
 # what `fits` passes on to `estimate_rank` (its own micro_batch_size, seq_len and gpu aside)
-_ESTIMATE_OPTIONS = ("recipe", "implementation", "attention", "reduce_bucket", "max_live_parameters",
-                     "persistence_threshold", "prefetch_bucket", "max_reuse_distance", "optimizer_impl", "device",
-                     "use_cache", "accumulation_steps", "no_sync")
+_ESTIMATE_OPTIONS = tuple(k for k in RANK_OPTIONS + STEP_OPTIONS if k != "gpu")
 
 
 def fits(model: ModelSpec | str, n_ranks: int, stage: Stage, gpu, *, micro_batch_size: int, seq_len: int,
