@@ -269,3 +269,21 @@ def test_live_states_on_a_family_the_stored_runs_lack():
         assert "skipped" not in row, row
         _, _, _, lg = _ledger_for(row, spec)
         assert lg.storage == row["in_state"], (opt, dtype, lg.storage, row["in_state"])
+
+
+def test_the_registry_declares_each_optimizer_once():
+    """One registry: every name has its library (and the version its rules were read from), where its states live,
+    and whether the sharded estimators, flat counts and the recipe's state dtype apply; the vocabularies the other
+    modules read are derived from it."""
+    from vramlab import step as STEP
+
+    for name, info in O.INFO.items():
+        assert info.library in O.VERSIONS and info.version == O.VERSIONS[info.library]
+        assert info.placement in O.PLACEMENTS
+        assert not (info.sharded and info.shaped)  # a flat shard cannot price a shaped optimizer
+        lg = O.ledger(name, [("w", (4096, 64))], param_bytes=4)
+        assert (lg.paged > 0) == (info.placement == "paged") and (lg.host > 0) == (info.placement == "host")
+    assert O.SHARDED == tuple(n for n in O.NAMES if O.INFO[n].sharded) == M.OPTIMIZERS
+    assert O.SHAPED == tuple(n for n in O.NAMES if O.INFO[n].shaped)
+    assert set(O.TORCH) == {n for n in O.NAMES if O.INFO[n].library == "torch.optim"} - {"adafactor"}
+    assert STEP.Step("gpt2", batch_size=1, seq_len=8, optimizer=O.NAMES[-1]).optimizer == O.NAMES[-1]

@@ -26,10 +26,8 @@ from .step import (LOSSES, MAX_ACCUMULATION, OPTIMIZER_IMPLS, OPTIONS as STEP_OP
 from .specs import resolve as _resolve
 from .units import fmt_bytes
 
-OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit")
-# every optimizer one device models (`vramlab.optimizers`): OPTIMIZERS, which also shard (ZeRO, FSDP, pipelines),
-# and the ones whose states depend on each tensor's shape or live off the allocator
-ALL_OPTIMIZERS: tuple[str, ...] = _optim.NAMES
+OPTIMIZERS = _optim.SHARDED  # (the registry's names; these two go once their callers read `optimizers`)
+ALL_OPTIMIZERS = _optim.NAMES
 TORCHTUNE_CHUNKS = 8  # torchtune's default num_output_chunks (CEWithChunkedOutputLoss)
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_states", "activations", "temporaries",
                                "kv_cache", "inputs", "other")
@@ -123,7 +121,7 @@ def optimizer_state_bytes(optimizer: Optimizer, n_params: int, precision: Precis
     bitsandbytes keeps it, the n values taken as one tensor (a flat shard): 1 byte each for m and v plus one
     fp32 absmax per 256-value block of each, and its two 256-entry maps (`vramlab.optimizers`; a whole
     model's tensors: `model_states`). The other optimizers depend on each tensor's shape: `model_states`."""
-    check_choice(optimizer, OPTIMIZERS, "optimizer")
+    check_choice(optimizer, _optim.SHARDED, "optimizer")
     n_params = _checks.whole("n_params", n_params, lo=0, hi=MAX_PARAMS)
     sb = state_bytes(precision)
     master = 4 * n_params if precision == "fp16-fp32-master" else 0  # fp32 master weights (ZeRO's K includes them)
@@ -136,7 +134,7 @@ def optimizer_state_bytes(optimizer: Optimizer, n_params: int, precision: Precis
     if optimizer == "adamw-8bit":  # bitsandbytes, the n values as one tensor (a flat shard)
         return sum(_optim.tensor_states(optimizer, (n_params,), param_bytes=4).values()) \
             + _optim.shared_bytes(optimizer, [(n_params,)]) + master if n_params else master
-    raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+    raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(_optim.SHARDED)}")
 
 
 def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: "ModelSpec | Iterable[int]",
@@ -158,7 +156,7 @@ def optimizer_step_temporaries(optimizer: Optimizer, impl: OptimizerImpl, spec: 
     then every update_proj_gap) the SVD of the largest projected matrix (its fp32 copy, U and Vh), LAPACK's or
     cuSOLVER's workspace aside; bitsandbytes (paged too) updates in place; an offloaded optimizer steps on the host.
     `spec`: the model, or the element counts of the tensors stepped (one device's share)."""
-    check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
+    check_choice(optimizer, _optim.NAMES, "optimizer")
     check_choice(impl, OPTIMIZER_IMPLS, "optimizer implementation")
     n_params = _checks.whole("n_params", n_params, lo=0, hi=MAX_PARAMS)
     if not isinstance(spec, ModelSpec):
@@ -195,20 +193,20 @@ def model_states(model: ModelSpec | str, *, precision: Precision = "fp32", optim
                  trainable_params: int | None = None, galore_rank: int = _optim.GALORE_RANK) -> MemoryBreakdown:
     """Parameters, gradients and optimizer states: what the ZeRO paper calls model states
     (Rajbhandari+19: 16 bytes/param for mixed-precision Adam, 2 + 2 + 12). A mixture of experts
-    counts every expert. `optimizer` is any of ALL_OPTIMIZERS (`vramlab.optimizers`): the states counted
+    counts every expert. `optimizer` is any of the registry's (`optimizers.NAMES`): the states counted
     are those the device's caching allocator holds (`optimizers.Ledger.device`): a paged optimizer's
     paged buffers and an offloaded optimizer's host copies are not (`optimizer_ledger`); torch's 0-dim step
     counters, on the host unless the step is fused, are not either."""
     spec = inference_spec(model)
     check_choice(precision, PRECISIONS, "precision")
-    check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
+    check_choice(optimizer, _optim.NAMES, "optimizer")
     n_all = spec.params
     n_train = n_all if trainable_params is None else _checks.whole("trainable_params", trainable_params, lo=0, hi=n_all)
     pb = param_bytes(precision)
     if trainable_params is not None and optimizer in _optim.SHAPED:
         raise ValueError(f"optimizer {optimizer!r} with trainable_params: its states depend on the adapters' "
-                         f"shapes, which are not modelled; use one of {', '.join(OPTIMIZERS)}")
-    if optimizer in OPTIMIZERS and (optimizer != "adamw-8bit" or trainable_params is not None):
+                         f"shapes, which are not modelled; use one of {', '.join(_optim.SHARDED)}")
+    if optimizer in _optim.SHARDED and (optimizer != "adamw-8bit" or trainable_params is not None):
         states = optimizer_state_bytes(optimizer, n_train, precision)
     elif trainable_params is not None:  # the adapters, as one flat tensor
         states = optimizer_ledger(spec, optimizer, precision, tensors=[(n_train,)] if n_train else []).device
@@ -226,10 +224,10 @@ def optimizer_ledger(model: ModelSpec | str, optimizer: str, precision: Precisio
     with the states, as everywhere."""
     spec = inference_spec(model)
     check_choice(precision, PRECISIONS, "precision")
-    check_choice(optimizer, ALL_OPTIMIZERS, "optimizer")
-    if precision in FP32_STATES and optimizer not in OPTIMIZERS:
+    check_choice(optimizer, _optim.NAMES, "optimizer")
+    if precision in FP32_STATES and optimizer not in _optim.SHARDED:
         raise ValueError(f"precision {precision!r} keeps fp32 states or master weights for a 16-bit model, which "
-                         f"{optimizer!r} does not: use bf16 (its states follow the model) or one of {', '.join(OPTIMIZERS)}")
+                         f"{optimizer!r} does not: use bf16 (its states follow the model) or one of {', '.join(_optim.SHARDED)}")
     pb = param_bytes(precision)
     lg = _optim.ledger(optimizer, spec if tensors is None else tensors, param_bytes=pb,
                        state_bytes=state_bytes(precision) if optimizer in _optim.TORCH else None, rank=galore_rank)
@@ -325,7 +323,7 @@ def training_phases(step: "Step | ModelSpec | str", *, share: DeviceShare = WHOL
     batch_size  # sequences per step (micro-batch)
     seq_len     # tokens per sequence (T5: encoder and decoder each)
     precision   fp32 | bf16-mixed | fp16-mixed (PyTorch AMP: fp32 model + autocast) | bf16 (pure)
-    optimizer   adamw | adam | sgd | sgd-momentum | adamw-8bit, and on one device the rest of ALL_OPTIMIZERS
+    optimizer   adamw | adam | sgd | sgd-momentum | adamw-8bit, and on one device the rest of `optimizers.NAMES`
                 (Adafactor, torchao's 8-/4-bit/FP8 AdamW, GaLore with `galore_rank`, bitsandbytes' paged AdamW,
                 torchao's CPU-offloaded AdamW: `vramlab.optimizers`); optimizer_impl for-loop | foreach | fused
     optimizer_in_backward  each parameter stepped as soon as its gradient is made, then the gradient freed
@@ -395,9 +393,9 @@ def training_phases(step: "Step | ModelSpec | str", *, share: DeviceShare = WHOL
     k_acc, in_bwd, loss, capacity_factor = step.accumulation_steps, step.optimizer_in_backward, step.loss, step.capacity_factor
     if not isinstance(share, DeviceShare):
         raise ValueError(f"share must be a vramlab.memory.DeviceShare, got {_checks.show(share)}")
-    if optimizer not in OPTIMIZERS and not share.whole:
+    if optimizer not in _optim.SHARDED and not share.whole:
         raise ValueError(f"optimizer {optimizer!r} is modelled on one device; a parallel layout takes one of "
-                         f"{', '.join(OPTIMIZERS)}")
+                         f"{', '.join(_optim.SHARDED)}")
     if in_bwd and not share.whole:
         raise ValueError("optimizer_in_backward is modelled on one device, not a parallel layout's share")
     chunk = loss_chunk_size(spec, tokens=batch_size * seq_len, loss=loss, loss_chunk_tokens=step.loss_chunk_tokens)

@@ -25,12 +25,6 @@ from typing import Iterable
 
 from . import checks as _checks
 
-# torch.optim's own (memory.OPTIMIZERS) and the ones this module adds
-TORCH = ("adamw", "adam", "sgd", "sgd-momentum")
-EXTRA: tuple[str, ...] = ("adafactor", "adafactor-hf", "adafactor-momentum", "adamw-8bit-ao", "adamw-4bit-ao",
-                          "adamw-fp8-ao", "galore-adamw", "paged-adamw", "paged-adamw-8bit", "adamw-cpu-offload")
-NAMES: tuple[str, ...] = (*TORCH, "adamw-8bit", *EXTRA)
-SHAPED = ("adafactor", "adafactor-hf", "adafactor-momentum", "galore-adamw")  # need each tensor's shape
 
 BNB_BLOCK, BNB_MIN_8BIT, BNB_PAGE_MIN = 256, 4096, 100_000  # bitsandbytes' blocks, min_8bit_size, paging floor
 AO_MIN = 4096  # torchao quantizes a tensor of at least 4096 values whose size the block divides
@@ -48,42 +42,87 @@ GALORE_TARGETS = ("attn", "attention", "mlp", "densereludense")  # modules whose
 ROUTERS = ("gate", "router")  # a mixture of experts' router (`mlp.gate`, `shared_expert_gate`) is not projected
 
 
+# the version of each library whose source the rules below were read from (requirements.txt pins the installed
+# ones; torchao's is benchmarks/results/optimizers/cpu.json's)
+VERSIONS: dict[str, str] = {"torch.optim": "2.13.0", "bitsandbytes": "0.50.2", "transformers": "5.23.0",
+                            "torchao": "0.18.0", "galore-torch": "1.0"}
+PLACEMENTS: tuple[str, ...] = ("device", "paged", "host")
+
+
 @dataclass(frozen=True)
 class Info:
+    """One optimizer of the registry: what it is (label, source, what it keeps), the library that steps it
+    (`version`: the one its rules were read from), and how vramlab models it: `sharded` (ZeRO, FSDP and the
+    pipelines shard its states as one flat tensor: `memory`'s parallel estimators take it), `shaped` (its
+    states depend on each tensor's shape, so a flat count of parameters cannot price it), `recipe_states`
+    (its moments take the precision recipe's state dtype, torch.optim's rule; the others keep their own),
+    `placement` (where its large states live: the device's caching allocator, CUDA unified memory that
+    pages to the host, or the host). The bytes themselves: `tensor_states`, `shared_bytes`, `ledger`;
+    its step's temporaries: `memory.optimizer_step_temporaries`."""
+
     label: str
     source: str
     keeps: str
+    library: str
+    sharded: bool = False
+    shaped: bool = False
+    recipe_states: bool = False
+    placement: str = "device"
+
+    @property
+    def version(self) -> str:
+        return VERSIONS[self.library]
 
 
+# the registry: every optimizer vramlab models, by the name the library, the CLI, the calculators and configs use
 INFO: dict[str, Info] = {
     "adamw": Info("AdamW (torch.optim)", "Loshchilov & Hutter 2019; torch.optim.AdamW",
-                  "m and v, full size, in the parameters' dtype"),
-    "adam": Info("Adam (torch.optim)", "Kingma & Ba 2015; torch.optim.Adam", "m and v, full size"),
-    "sgd": Info("SGD", "torch.optim.SGD", "nothing"),
-    "sgd-momentum": Info("SGD with momentum", "torch.optim.SGD(momentum=0.9)", "one full-size buffer"),
+                  "m and v, full size, in the parameters' dtype",
+                   library="torch.optim", sharded=True, recipe_states=True),
+    "adam": Info("Adam (torch.optim)", "Kingma & Ba 2015; torch.optim.Adam", "m and v, full size",
+                  library="torch.optim", sharded=True, recipe_states=True),
+    "sgd": Info("SGD", "torch.optim.SGD", "nothing",
+                 library="torch.optim", sharded=True, recipe_states=True),
+    "sgd-momentum": Info("SGD with momentum", "torch.optim.SGD(momentum=0.9)", "one full-size buffer",
+                          library="torch.optim", sharded=True, recipe_states=True),
     "adamw-8bit": Info("8-bit AdamW (bitsandbytes)", "Dettmers et al. 2021; bitsandbytes.optim.AdamW8bit",
-                       "m and v in 1 byte, an fp32 absmax per 256 values; tensors under 4096 values in fp32"),
+                       "m and v in 1 byte, an fp32 absmax per 256 values; tensors under 4096 values in fp32",
+                        library="bitsandbytes", sharded=True),
     "adafactor": Info("Adafactor (torch.optim)", "Shazeer & Stern 2018; torch.optim.Adafactor",
-                      "a row and a column mean of g^2 per matrix (no momentum), full v for vectors"),
+                      "a row and a column mean of g^2 per matrix (no momentum), full v for vectors",
+                       library="torch.optim", shaped=True),
     "adafactor-hf": Info("Adafactor (transformers)", "transformers.optimization.Adafactor(beta1=None)",
-                         "factored v in fp32, and each tensor's RMS"),
+                         "factored v in fp32, and each tensor's RMS",
+                          library="transformers", shaped=True),
     "adafactor-momentum": Info("Adafactor with momentum (transformers)",
-                               "transformers.optimization.Adafactor(beta1=0.9)", "factored v and a full m, fp32"),
+                               "transformers.optimization.Adafactor(beta1=0.9)", "factored v and a full m, fp32",
+                                library="transformers", shaped=True),
     "adamw-8bit-ao": Info("8-bit AdamW (torchao)", "torchao.optim.AdamW8bit",
-                          "1 byte a value + an fp32 scale per 256 + a 256-entry map, per moment"),
+                          "1 byte a value + an fp32 scale per 256 + a 256-entry map, per moment",
+                           library="torchao"),
     "adamw-4bit-ao": Info("4-bit AdamW (torchao)", "Li et al. 2023 (arXiv:2309.01507); torchao.optim.AdamW4bit",
-                          "half a byte a value + an fp32 scale per 128 + a 16-entry map, per moment"),
+                          "half a byte a value + an fp32 scale per 128 + a 16-entry map, per moment",
+                           library="torchao"),
     "adamw-fp8-ao": Info("FP8 AdamW (torchao)", "torchao.optim.AdamWFp8",
-                         "fp8 e4m3 values + an fp32 scale per 256, per moment"),
+                         "fp8 e4m3 values + an fp32 scale per 256, per moment",
+                          library="torchao"),
     "galore-adamw": Info("GaLore AdamW", "Zhao et al. 2024 (arXiv:2403.03507); galore_torch.GaLoreAdamW",
-                         "m and v of the rank-r projected gradient, and the projection, per targeted matrix"),
+                         "m and v of the rank-r projected gradient, and the projection, per targeted matrix",
+                          library="galore-torch", shaped=True),
     "paged-adamw": Info("paged AdamW (bitsandbytes)", "Dettmers et al. 2023 (QLoRA); bitsandbytes.optim.PagedAdamW",
-                        "fp32 m and v in CUDA unified memory, paged to the host under pressure"),
+                        "fp32 m and v in CUDA unified memory, paged to the host under pressure",
+                         library="bitsandbytes", placement="paged"),
     "paged-adamw-8bit": Info("paged 8-bit AdamW (bitsandbytes)", "bitsandbytes.optim.PagedAdamW8bit",
-                             "8-bit m and v in unified memory"),
+                             "8-bit m and v in unified memory",
+                              library="bitsandbytes", placement="paged"),
     "adamw-cpu-offload": Info("AdamW offloaded to the CPU (torchao)", "torchao.optim.CPUOffloadOptimizer",
-                              "on the host: the states, and pinned copies of the weights and gradients in their dtype"),
+                              "on the host: the states, and pinned copies of the weights and gradients in their dtype",
+                               library="torchao", placement="host"),
 }
+NAMES: tuple[str, ...] = tuple(INFO)
+SHARDED: tuple[str, ...] = tuple(n for n, i in INFO.items() if i.sharded)  # ZeRO, FSDP, pipelines: flat shards
+SHAPED: tuple[str, ...] = tuple(n for n, i in INFO.items() if i.shaped)  # need each tensor's shape
+TORCH: tuple[str, ...] = tuple(n for n, i in INFO.items() if i.recipe_states)  # moments in the recipe's dtype
 
 
 def check(optimizer: str) -> str:
