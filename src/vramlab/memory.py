@@ -484,8 +484,7 @@ def training_phases(step: "Step | ModelSpec | str", *, share: DeviceShare = WHOL
     base = dict(parameters=P, optimizer_states=O, inputs=inputs, other=workspaces + share.buffers, precision=precision, device=device,
                 label=f"{spec.name} train b={b} s={s} {precision}")
     if loss != "whole":
-        phases = _loss_phases(base, loss=loss, A=A, tokens=b * s, chunk=chunk, vocab=V, e=e, nb=nb, pb=pb,
-                              trained=trained, amp=amp, device=device, grads=grads)
+        phases = _loss_phases(step, base, A=A, chunk=chunk, e=e, nb=nb, trained=trained, amp=amp, grads=grads)
     else:
         phases = [MemoryBreakdown(**base, activations=others + A + (0 if last else boundary) + logits_alive,
                                   gradients=grads(0),
@@ -579,8 +578,8 @@ def in_block(name: str) -> bool:
     return any(p in ("h", "layers", "layer", "block") and nxt.isdigit() for p, nxt in zip(parts, parts[1:]))
 
 
-def _loss_phases(base: dict, *, loss: str, A: int, tokens: int, chunk: int, vocab: int, e: int, nb: dict[str, int],
-                 pb: int, trained: bool, amp: bool, device: str, grads) -> list[MemoryBreakdown]:
+def _loss_phases(step: Step, base: dict, *, A: int, chunk: int, e: int, nb: dict[str, int], trained: bool,
+                 amp: bool, grads) -> list[MemoryBreakdown]:
     """The loss's phases of a causal LM on one device, chunked or fused (`training_phases`' `loss`),
     in place of the whole loss's forward end, backward start and LM head backward. `A` is the whole
     step's saved activations, which count the loss's log-softmax (N x V fp32), the head's input
@@ -602,7 +601,8 @@ def _loss_phases(base: dict, *, loss: str, A: int, tokens: int, chunk: int, voca
     gradient) with the chunk's c x e input gradient; under autocast on the CPU, which has no
     fp32-output addmm (`out_dtype`, CUDA), the chunk's gradient is copied to fp32 for the weight's.
     The blocks' backward phases that follow are the whole loss's (`training_phases`)."""
-    N, c, V = tokens, chunk, vocab
+    N, c, V = step.batch_size * step.seq_len, chunk, step.model.vocab_size
+    loss, device, pb = step.loss, step.device, param_bytes(step.precision)
     half, x = nb["half"], nb["x"]
     head = V * e * half if trained else 0  # one chunk's head gradient, in the compute dtype
     if loss == "chunked":
