@@ -6,7 +6,7 @@ Timed, each the best of a few repeats:
 - every calculator at its defaults, with each input at each end of its range (each choice, min and
   max) while the others keep their defaults, with every input at its largest, and on a fixed random
   sample of combinations;
-- the functions the calculators call at their heaviest: `parallel.simulate(256, 1024)` for every
+- the functions the calculators call at their heaviest: `pipeline.simulate(256, 1024)` for every
   schedule, `parallel.estimate_layout` of a 70B model with pp = 80 and 1,024 micro-batches,
   `offload.smallest_resident` over 2,000 equal layers.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from vramlab import offload, parallel  # noqa: E402
+from vramlab import offload, parallel, pipeline  # noqa: E402
 from vramlab.present import calculators
 
 BUDGET_MS = 100.0
@@ -95,8 +95,8 @@ def _sample(calc: calculators.Calculator, rng: random.Random, n: int) -> list[di
 def named_cases() -> list[tuple[str, object]]:
     big = "llama-3.1-70b"
     layers = 2000
-    cases = [(f"parallel.simulate(256, 1024, {s!r}{', chunks=2' if s == 'interleaved' else ''})",
-              (lambda s=s: parallel.simulate(256, 1024, s, chunks=2 if s == "interleaved" else 1)))
+    cases = [(f"pipeline.simulate(256, 1024, {s!r}{', chunks=2' if s == 'interleaved' else ''})",
+              (lambda s=s: pipeline.simulate(256, 1024, s, chunks=2 if s == "interleaved" else 1)))
              for s in ("gpipe", "1f1b", "interleaved")]
     cases.append((f"parallel.estimate_layout({big}, pp=80, micro_batches=1024)",
                   lambda: parallel.estimate_layout(big, parallel.Layout(pp=80, micro_batches=1024),

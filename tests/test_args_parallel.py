@@ -1,6 +1,7 @@
-"""vramlab.parallel's arguments (one ValueError naming the argument; numpy scalars accepted;
-bools, strings, NaN and infinities refused) and its fast paths: the closed forms of `simulate` and
-the pipeline points of `estimate_layout`, checked against the event simulation they replace."""
+"""vramlab.parallel's and vramlab.pipeline's arguments (one ValueError naming the argument; numpy
+scalars accepted; bools, strings, NaN and infinities refused) and their fast paths: the closed forms
+of `simulate` and the pipeline points of `estimate_layout`, checked against the event simulation
+they replace."""
 
 from __future__ import annotations
 
@@ -14,18 +15,19 @@ import pytest
 
 import vramlab
 from vramlab import parallel as P
+from vramlab import pipeline as PIPE
 
 
 # ----------------------------------------------------------------------------- the references
 def _simulate_reference(p, m, schedule, v=1, forward=Fraction(1), backward=Fraction(2)):
-    """parallel._simulate as it was: replay every operation in integer ticks, then count each
+    """pipeline._simulate as it was: replay every operation in integer ticks, then count each
     device's activations in flight from the events' end times. Returns (ops, makespan, in_flight,
     bubble), ops as plain tuples."""
     forward, backward = Fraction(forward), Fraction(backward)
     unit = Fraction(1, v * forward.denominator * backward.denominator)
     tf, tb = int(forward / v / unit), int(backward / v / unit)
-    orders = P._orders(p, m, schedule, v)
-    ticks = P.replay_orders(orders, [[tf if kind == "F" else tb for kind, _, _ in order] for order in orders],
+    orders = PIPE._orders(p, m, schedule, v)
+    ticks = PIPE.replay_orders(orders, [[tf if kind == "F" else tb for kind, _, _ in order] for order in orders],
                             what=f"the {schedule} schedule")
     in_flight = []
     for d in range(p):  # a forward's activations are held from its end to its backward's end
@@ -43,11 +45,11 @@ def _simulate_reference(p, m, schedule, v=1, forward=Fraction(1), backward=Fract
 
 
 def _interleaved_points_reference(p, m, v, stage, received_inputs, sends_pend):
-    """parallel._interleaved_points as it was: walk the stage's order operation by operation."""
+    """pipeline.interleaved_points as it was: walk the stage's order operation by operation."""
     last = p * v - 1
     alive = [0] * v
     pending, best = 0, {}
-    for kind, _, c in P._orders(p, m, "interleaved", v)[stage]:
+    for kind, _, c in PIPE._orders(p, m, "interleaved", v)[stage]:
         if kind == "F":
             alive[c] += 1
             continue
@@ -75,7 +77,7 @@ def _interleaved_points_reference(p, m, v, stage, received_inputs, sends_pend):
 def _cases(p_max, m_max, chunks):
     for p in range(1, p_max + 1):
         for m in range(1, m_max + 1):
-            for schedule in P.SCHEDULES:
+            for schedule in PIPE.SCHEDULES:
                 for v in (chunks if schedule == "interleaved" else (1,)):
                     if schedule == "interleaved" and (p == 1 or m % p):
                         continue
@@ -83,7 +85,7 @@ def _cases(p_max, m_max, chunks):
 
 
 def _same_run(p, m, schedule, v, forward=1, backward=2, ops=False):
-    run = P.simulate(p, m, schedule, chunks=v, forward=forward, backward=backward)
+    run = PIPE.simulate(p, m, schedule, chunks=v, forward=forward, backward=backward)
     ref_ops, makespan, in_flight, bubble = _simulate_reference(p, m, schedule, v, Fraction(forward), Fraction(backward))
     assert (run.makespan, run.in_flight, run.bubble) == (makespan, in_flight, bubble), (p, m, schedule, v, forward, backward)
     if ops:
@@ -113,7 +115,7 @@ def test_simulate_many_chunks_and_random_larger_cases():
         _same_run(p, m, "interleaved", v)
     rng = random.Random(29)
     for _ in range(12):
-        schedule = rng.choice(P.SCHEDULES)
+        schedule = rng.choice(PIPE.SCHEDULES)
         p = rng.randint(2, 24)
         v = rng.choice((1, 2, 3, 5, 8)) if schedule == "interleaved" else 1
         m = p * rng.randint(1, 4) if schedule == "interleaved" else rng.randint(1, 64)
@@ -124,11 +126,11 @@ def test_simulate_many_chunks_and_random_larger_cases():
 def test_simulate_answers_its_whole_range():
     """p = 256, m = 1024, 64 chunks: the closed forms (the event simulation took minutes)."""
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 1), ("interleaved", 64)):
-        run = P.simulate(256, 1024, schedule, chunks=v)
-        assert run.bubble == P.bubble_fraction(256, 1024, schedule, chunks=v)
+        run = PIPE.simulate(256, 1024, schedule, chunks=v)
+        assert run.bubble == PIPE.bubble_fraction(256, 1024, schedule, chunks=v)
         assert len(run.in_flight) == 256
-    assert P.simulate(256, 1024, "1f1b").in_flight == tuple(min(256 - s, 1024) for s in range(256))
-    assert P.simulate(256, 1024, "interleaved", chunks=2).in_flight[0] == 2 * 255 + 256 + 1
+    assert PIPE.simulate(256, 1024, "1f1b").in_flight == tuple(min(256 - s, 1024) for s in range(256))
+    assert PIPE.simulate(256, 1024, "interleaved", chunks=2).in_flight[0] == 2 * 255 + 256 + 1
 
 
 def test_interleaved_points_are_the_walk():
@@ -139,7 +141,7 @@ def test_interleaved_points_are_the_walk():
             for v in (1, 2, 3, 5):
                 for stage in range(p):
                     for received, pend in ((False, False), (True, False), (True, True)):
-                        assert P._interleaved_points(p, m, v, stage, received, pend) == \
+                        assert PIPE.interleaved_points(p, m, v, stage, received, pend) == \
                             _interleaved_points_reference(p, m, v, stage, received, pend), (p, m, v, stage, received, pend)
     rng = random.Random(7)
     for _ in range(8):
@@ -147,7 +149,7 @@ def test_interleaved_points_are_the_walk():
         m = p * rng.randint(1, 6)
         stage = rng.randrange(p)
         for received, pend in ((True, False), (True, True)):
-            assert P._interleaved_points(p, m, v, stage, received, pend) == \
+            assert PIPE.interleaved_points(p, m, v, stage, received, pend) == \
                 _interleaved_points_reference(p, m, v, stage, received, pend), (p, m, v, stage, received, pend)
 
 
@@ -162,7 +164,7 @@ def test_interleaved_estimate_is_unchanged(monkeypatch):
                P.Layout(pp=2, micro_batches=4, schedule="interleaved", chunks=1)]
     runs = [(lay, device, keep) for lay in layouts for device in ("cpu", "cuda") for keep in (True, False)]
     fast = [P.estimate_layout(spec, lay, device=device, keep_stage_output=keep, **kw) for lay, device, keep in runs]
-    monkeypatch.setattr(P, "_interleaved_points", _interleaved_points_reference)
+    monkeypatch.setattr(PIPE, "interleaved_points", _interleaved_points_reference)
     slow = [P.estimate_layout(spec, lay, device=device, keep_stage_output=keep, **kw) for lay, device, keep in runs]
     assert [[s.to_dict() for s in x] for x in fast] == [[s.to_dict() for s in x] for x in slow]
 
@@ -181,10 +183,10 @@ def test_layout_limits_are_layouts():
 
 # ----------------------------------------------------------------------------- A: the issue's cases
 def test_numpy_scalars_are_numbers():
-    ref = P.simulate(4, 8)
-    assert P.simulate(4, 8, forward=np.int64(1)) == ref
-    assert P.simulate(np.int64(4), np.int64(8), chunks=np.int64(1), backward=np.float64(2.0)) == ref
-    assert P.simulate(4, 8, forward=np.float32(0.5), backward=np.float32(1.0)).makespan == 11 * Fraction(3, 2)
+    ref = PIPE.simulate(4, 8)
+    assert PIPE.simulate(4, 8, forward=np.int64(1)) == ref
+    assert PIPE.simulate(np.int64(4), np.int64(8), chunks=np.int64(1), backward=np.float64(2.0)) == ref
+    assert PIPE.simulate(4, 8, forward=np.float32(0.5), backward=np.float32(1.0)).makespan == 11 * Fraction(3, 2)
     sizes = [4 * n for _, n in vramlab.preset("gpt2").param_tensors()]
     assert P.ddp_buckets(sizes, bucket_cap_mb=np.int64(25)) == P.ddp_buckets(sizes)
     assert P.ddp_buckets(np.array(sizes), first_bucket_mb=np.float32(1.0)) == P.ddp_buckets(sizes)
@@ -192,7 +194,7 @@ def test_numpy_scalars_are_numbers():
     want = P.ddp_overlap(buckets, n=8, backward_seconds=0.5, link="nvlink4")
     assert P.ddp_overlap(buckets, n=8, backward_seconds=np.float64(0.5), link="nvlink4") == want
     assert P.ddp_overlap(np.array(buckets), n=np.int64(8), backward_seconds=np.float32(0.5), link="nvlink4") == want
-    assert P.bubble_fraction(np.int64(4), np.int64(8), chunks=np.int64(1)) == P.bubble_fraction(4, 8)
+    assert PIPE.bubble_fraction(np.int64(4), np.int64(8), chunks=np.int64(1)) == PIPE.bubble_fraction(4, 8)
     assert P.korthikanti_layer_activations(s=np.int64(8), b=np.int64(1), h=np.int64(4), a=np.int64(2), t=np.int64(2),
                                            sp=np.bool_(True)) == P.korthikanti_layer_activations(s=8, b=1, h=4, a=2, t=2, sp=True)
     assert P.Layout(tp=2, sp=np.bool_(True)).sp is True
@@ -226,17 +228,17 @@ def test_one_interleaving_rule():
     """bubble_fraction, simulate and Layout refuse the same interleaved combinations, each naming
     the arguments as its caller wrote them."""
     with pytest.raises(ValueError, match=r"^m must be a multiple of p \(4\) under the interleaved schedule.*got 6$"):
-        P.bubble_fraction(4, 6, "interleaved", chunks=2)
+        PIPE.bubble_fraction(4, 6, "interleaved", chunks=2)
     with pytest.raises(ValueError, match=r"^m must be a multiple of p \(4\)"):
-        P.simulate(4, 6, "interleaved", chunks=2)
+        PIPE.simulate(4, 6, "interleaved", chunks=2)
     with pytest.raises(ValueError, match=r"^micro_batches must be a multiple of pp \(4\)"):
         P.Layout(pp=4, micro_batches=6, schedule="interleaved", chunks=2)
     with pytest.raises(ValueError, match=r"^p must be at least 2 for the interleaved schedule"):
-        P.bubble_fraction(1, 4, "interleaved")
+        PIPE.bubble_fraction(1, 4, "interleaved")
     with pytest.raises(ValueError, match=r"^chunks must be 1 under the 1f1b schedule"):
-        P.simulate(4, 8, "1f1b", chunks=2)
+        PIPE.simulate(4, 8, "1f1b", chunks=2)
     with pytest.raises(ValueError, match=r"^chunks must be 1 under the gpipe schedule"):
-        P.bubble_fraction(4, 8, "gpipe", chunks=2)
+        PIPE.bubble_fraction(4, 8, "gpipe", chunks=2)
 
 
 def test_what_the_model_allows():
@@ -290,30 +292,30 @@ EST = dict(micro_batch_size=1, seq_len=128)
     (lambda: P.korthikanti_layer_activations(s=8, b=1, h=4, a=1, recompute=None), r"^unknown recompute None"),
     (lambda: P.korthikanti_layer_activations(s=8, b=1, h=4, a=1, sp=True), r"^sp=True needs t > 1"),
     # bubble_fraction
-    (lambda: P.bubble_fraction(True, 4), r"^p must be"),
-    (lambda: P.bubble_fraction(4, "8"), r"^m must be"),
-    (lambda: P.bubble_fraction(4, 8, chunks=1.0), r"^chunks must be"),
-    (lambda: P.bubble_fraction(4, 8, "zigzag"), r"^unknown schedule 'zigzag'"),
-    (lambda: P.bubble_fraction(4, 8, of=True), r"^of must be 'total' or 'ideal', got True"),
-    (lambda: P.bubble_fraction(4, 8, of=["total"]), r"^of must be 'total' or 'ideal'"),
+    (lambda: PIPE.bubble_fraction(True, 4), r"^p must be"),
+    (lambda: PIPE.bubble_fraction(4, "8"), r"^m must be"),
+    (lambda: PIPE.bubble_fraction(4, 8, chunks=1.0), r"^chunks must be"),
+    (lambda: PIPE.bubble_fraction(4, 8, "zigzag"), r"^unknown schedule 'zigzag'"),
+    (lambda: PIPE.bubble_fraction(4, 8, of=True), r"^of must be 'total' or 'ideal', got True"),
+    (lambda: PIPE.bubble_fraction(4, 8, of=["total"]), r"^of must be 'total' or 'ideal'"),
     # simulate
-    (lambda: P.simulate(4, 8, forward=NAN), r"^forward must be a finite positive number, got nan"),
-    (lambda: P.simulate(4, 8, backward=INF), r"^backward must be a finite positive number, got inf"),
-    (lambda: P.simulate(4, 8, forward=True), r"^forward must be"),
-    (lambda: P.simulate(4, 8, forward="1"), r"^forward must be"),
-    (lambda: P.simulate(4, 8, backward=0), r"^backward must be"),
-    (lambda: P.simulate(4, 8, backward=np.float32("nan")), r"^backward must be"),
-    (lambda: P.simulate(257, 8), r"^p must be a whole number from 1 to 256"),
-    (lambda: P.simulate(4, 1025), r"^m must be a whole number from 1 to 1,024"),
-    (lambda: P.simulate(4, 8, "interleaved", chunks=65), r"^chunks must be a whole number from 1 to 64"),
+    (lambda: PIPE.simulate(4, 8, forward=NAN), r"^forward must be a finite positive number, got nan"),
+    (lambda: PIPE.simulate(4, 8, backward=INF), r"^backward must be a finite positive number, got inf"),
+    (lambda: PIPE.simulate(4, 8, forward=True), r"^forward must be"),
+    (lambda: PIPE.simulate(4, 8, forward="1"), r"^forward must be"),
+    (lambda: PIPE.simulate(4, 8, backward=0), r"^backward must be"),
+    (lambda: PIPE.simulate(4, 8, backward=np.float32("nan")), r"^backward must be"),
+    (lambda: PIPE.simulate(257, 8), r"^p must be a whole number from 1 to 256"),
+    (lambda: PIPE.simulate(4, 1025), r"^m must be a whole number from 1 to 1,024"),
+    (lambda: PIPE.simulate(4, 8, "interleaved", chunks=65), r"^chunks must be a whole number from 1 to 64"),
     # replay_orders
-    (lambda: P.replay_orders("FB", [[1, 2]]), r"^orders must be a non-empty list"),
-    (lambda: P.replay_orders([[("F", 0, 0)]], [[1, 2]]), r"^took\[0\] must hold one duration per operation"),
-    (lambda: P.replay_orders([[("F", 0, 0)]], [[NAN]]), r"^took\[0\]\[0\] must be"),
-    (lambda: P.replay_orders([[("X", 0, 0)]], [[1]]), r"^unknown orders\[0\]\[0\] kind 'X'"),
-    (lambda: P.replay_orders([[("F", -1, 0)]], [[1]]), r"^orders\[0\]\[0\] micro-batch must be"),
-    (lambda: P.replay_orders([[("F", 0)]], [[1]]), r"^orders\[0\]\[0\] must be \(kind, micro-batch, chunk\)"),
-    (lambda: P.replay_orders([[("F", 0, 0)]], [[1]], what=3), r"^what must be"),
+    (lambda: PIPE.replay_orders("FB", [[1, 2]]), r"^orders must be a non-empty list"),
+    (lambda: PIPE.replay_orders([[("F", 0, 0)]], [[1, 2]]), r"^took\[0\] must hold one duration per operation"),
+    (lambda: PIPE.replay_orders([[("F", 0, 0)]], [[NAN]]), r"^took\[0\]\[0\] must be"),
+    (lambda: PIPE.replay_orders([[("X", 0, 0)]], [[1]]), r"^unknown orders\[0\]\[0\] kind 'X'"),
+    (lambda: PIPE.replay_orders([[("F", -1, 0)]], [[1]]), r"^orders\[0\]\[0\] micro-batch must be"),
+    (lambda: PIPE.replay_orders([[("F", 0)]], [[1]]), r"^orders\[0\]\[0\] must be \(kind, micro-batch, chunk\)"),
+    (lambda: PIPE.replay_orders([[("F", 0, 0)]], [[1]], what=3), r"^what must be"),
     # stage_layers, rank_params, stage_tensors, in_flight
     (lambda: P.stage_layers(12, 0), r"^pp must be a whole number from 1 to 1,048,576, got 0"),
     (lambda: P.stage_layers(12.0, 2), r"^num_layers must be"),
@@ -389,8 +391,8 @@ def test_every_entry_point_refuses_with_one_named_value_error(call, msg):
 def test_valid_answers_unchanged_by_the_checks():
     """Plain Python inputs give what they gave: a float duration is its exact binary value, a
     Fraction stays exact, np.float64 (a float) was and is accepted."""
-    run = P.simulate(3, 5, forward=0.1, backward=Fraction(1, 3))
+    run = PIPE.simulate(3, 5, forward=0.1, backward=Fraction(1, 3))
     assert run.makespan == 7 * (Fraction(0.1) + Fraction(1, 3))
-    assert P.simulate(3, 5, forward=np.float64(0.1), backward=Fraction(1, 3)) == run
-    assert P.bubble_fraction(4, 8, "interleaved", chunks=2, of="ideal") == Fraction(3, 16)
+    assert PIPE.simulate(3, 5, forward=np.float64(0.1), backward=Fraction(1, 3)) == run
+    assert PIPE.bubble_fraction(4, 8, "interleaved", chunks=2, of="ideal") == Fraction(3, 16)
     assert math.isclose(P.ddp_overlap([1 << 20], n=2, backward_seconds=0, link="nvlink4")["hidden_share"], 0, abs_tol=1e-12)

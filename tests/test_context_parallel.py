@@ -1,4 +1,4 @@
-"""Context parallelism: `parallel.context_parallel`'s calculator, and ring attention and Ulysses
+"""Context parallelism: `context_parallel.context_parallel`'s calculator, and ring attention and Ulysses
 run on gloo ranks (`python -m vramlab.measure.parallel cp`) against it."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from vramlab import activations as act
+from vramlab import context_parallel as CP
 from vramlab import parallel as P
 from vramlab.specs import from_config
 
@@ -32,12 +33,12 @@ def gqa():
 
 def cp(spec, **kw):
     kw = {"batch_size": 2, "seq_len": 256, "precision": "fp32", "device": "cpu", **kw}
-    return P.context_parallel(spec, **kw)
+    return CP.context_parallel(spec, **kw)
 
 
 # --------------------------------------------------------------- the calculator
 
-@pytest.mark.parametrize("method", P.CP_METHODS)
+@pytest.mark.parametrize("method", CP.CP_METHODS)
 def test_one_rank_is_the_plain_ledger_and_the_plain_estimate(lab, method):
     got = cp(lab, cp=1, method=method)
     plain = act.activation_bytes(lab, batch_size=2, seq_len=256, precision="fp32", device="cpu")
@@ -89,21 +90,21 @@ def test_the_ring_hides_behind_long_attention_and_ulysses_never_does():
     100 GbE it does not. Ulysses' all-to-alls sit between the projections and attention: exposed."""
     big = from_config(dict(LAB, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                            num_key_value_heads=8, num_hidden_layers=2, max_position_embeddings=32768), name="llama-8b-ish")
-    long = P.context_parallel(big, cp=4, method="ring", batch_size=1, seq_len=32768, link="nvlink4")
-    short = P.context_parallel(big, cp=4, method="ring", batch_size=1, seq_len=4096, link="ethernet-100g")
+    long = CP.context_parallel(big, cp=4, method="ring", batch_size=1, seq_len=32768, link="nvlink4")
+    short = CP.context_parallel(big, cp=4, method="ring", batch_size=1, seq_len=4096, link="ethernet-100g")
     assert long["verdict"] == "hidden" and long["exposed_seconds_per_layer"] == {"forward": 0.0, "backward": 0.0,
                                                                                    "recompute": 0.0}
     assert short["verdict"] == "exposed" and short["exposed_seconds_per_layer"]["forward"] > 0
-    assert P.context_parallel(big, cp=4, method="ulysses", batch_size=1, seq_len=32768)["verdict"] == "exposed"
+    assert CP.context_parallel(big, cp=4, method="ulysses", batch_size=1, seq_len=32768)["verdict"] == "exposed"
 
 
 def test_cp_positions_partition_the_sequence():
     for n in (1, 2, 4):
-        held = [P.cp_positions(32, n, r) for r in range(n)]
+        held = [CP.cp_positions(32, n, r) for r in range(n)]
         assert sorted(sum(held, [])) == list(range(32))
         c = 32 // (2 * n)
         assert held[0][:c] == list(range(c)) and held[0][c:] == list(range(32 - c, 32))
-    assert P.cp_positions(8, 2, 1, zigzag=False) == [4, 5, 6, 7]
+    assert CP.cp_positions(8, 2, 1, zigzag=False) == [4, 5, 6, 7]
 
 
 @pytest.mark.parametrize("kw, says", [
@@ -129,7 +130,7 @@ def test_encoders_are_refused():
     bert = from_config(dict(model_type="bert", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, vocab_size=100, max_position_embeddings=64), name="bert-tiny")
     with pytest.raises(ValueError, match="causal decoders"):
-        P.context_parallel(bert, cp=2, batch_size=1, seq_len=64)
+        CP.context_parallel(bert, cp=2, batch_size=1, seq_len=64)
 
 
 # --------------------------------------------------------------- the stored campaign
@@ -256,7 +257,7 @@ def test_recompute_and_the_loss_are_one_devices_at_cp_1(lab, gqa):
     from vramlab import memory
 
     for spec in (lab, gqa):
-        for recompute in P.CP_RECOMPUTE:
+        for recompute in CP.CP_RECOMPUTE:
             for loss in ("whole", "chunked", "fused"):
                 got = cp(spec, cp=1, recompute=recompute, loss=loss)
                 want = max(memory.training_phases(spec, batch_size=2, seq_len=256, precision="fp32", device="cpu",
@@ -284,8 +285,8 @@ def test_the_fused_loss_moves_a_long_context_peak_off_the_logits():
     from vramlab import fitting
 
     kw = dict(cp=8, batch_size=1, seq_len=131072, gpu="h100")
-    whole, fused = P.context_parallel("llama-3.2-1b", **kw), P.context_parallel("llama-3.2-1b", loss="fused", **kw)
-    both = P.context_parallel("llama-3.2-1b", loss="fused", recompute="full", **kw)
+    whole, fused = CP.context_parallel("llama-3.2-1b", **kw), CP.context_parallel("llama-3.2-1b", loss="fused", **kw)
+    both = CP.context_parallel("llama-3.2-1b", loss="fused", recompute="full", **kw)
     # (the fused rank's peak: its loss's forward, or the last block's backward, where the tied head's gradient
     # waits for the embedding's beside the kept gradients; never the logits' gradient)
     assert "logits gradient" in whole["peak_phase"] and "logits gradient" not in fused["peak_phase"]
@@ -353,7 +354,7 @@ def test_llama_8b_at_128k_fits_an_h100_only_with_the_states_sharded():
     fits = {}
     for shard in (False, True):
         for n in (1, 2, 4, 8, 16, 32, 64):
-            r, f = P.context_fit("llama-3.1-8b", "h100", cp=n, shard_states=shard, **kw)
+            r, f = CP.context_fit("llama-3.1-8b", "h100", cp=n, shard_states=shard, **kw)
             fits[shard, n] = f.fits
             if f.fits:
                 assert r["peak"] <= cap, (shard, n)

@@ -1,4 +1,4 @@
-"""Expert parallelism (H2): `parallel.expert_parallel`'s calculator, and the all-to-all dispatch run on gloo ranks
+"""Expert parallelism (H2): `expert_parallel.expert_parallel`'s calculator, and the all-to-all dispatch run on gloo ranks
 (`python -m vramlab.measure.parallel ep`) against it: stored campaign + two live runs."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from vramlab import moe
-from vramlab import parallel as P
+from vramlab import expert_parallel as EP
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "expert_parallel" / "cpu.json"
 
@@ -135,8 +135,8 @@ def test_live_runs_against_the_calculator(live):
 
 def test_states_split_dense_whole_experts_by_ep():
     spec = _spec("ep-mixtral8")
-    one = P.expert_parallel(spec, ep=1, dp=4, batch_size=1, seq_len=16, precision="fp32")
-    four = P.expert_parallel(spec, ep=4, dp=4, batch_size=1, seq_len=16, precision="fp32")
+    one = EP.expert_parallel(spec, ep=1, dp=4, batch_size=1, seq_len=16, precision="fp32")
+    four = EP.expert_parallel(spec, ep=4, dp=4, batch_size=1, seq_len=16, precision="fp32")
     assert four["param_counts"]["dense"] == one["param_counts"]["dense"]
     assert 4 * four["param_counts"]["experts"] == one["param_counts"]["experts"]
     assert sum(one["param_counts"].values()) == spec.params
@@ -146,9 +146,9 @@ def test_states_split_dense_whole_experts_by_ep():
 
 def test_zero_shards_dense_over_dp_and_experts_over_edp():
     spec = _spec("ep-mixtral")
-    z0 = P.expert_parallel(spec, ep=2, dp=4, batch_size=1, seq_len=16, precision="fp32", zero_stage=0)
-    z1 = P.expert_parallel(spec, ep=2, dp=4, batch_size=1, seq_len=16, precision="fp32", zero_stage=1)
-    z2 = P.expert_parallel(spec, ep=2, dp=4, batch_size=1, seq_len=16, precision="fp32", zero_stage=2)
+    z0 = EP.expert_parallel(spec, ep=2, dp=4, batch_size=1, seq_len=16, precision="fp32", zero_stage=0)
+    z1 = EP.expert_parallel(spec, ep=2, dp=4, batch_size=1, seq_len=16, precision="fp32", zero_stage=1)
+    z2 = EP.expert_parallel(spec, ep=2, dp=4, batch_size=1, seq_len=16, precision="fp32", zero_stage=2)
     nd, ne = z0["param_counts"]["dense"], z0["param_counts"]["experts"]
     steps_d = z0["optimizer_states"]["dense"] - 8 * nd  # AdamW's fp32 step counts, one per tensor
     steps_e = z0["optimizer_states"]["experts"] - 8 * ne
@@ -159,28 +159,28 @@ def test_zero_shards_dense_over_dp_and_experts_over_edp():
 
 def test_dispatch_rows():
     spec = _spec("ep-mixtral")  # 4 experts, top-2
-    d = P.expert_parallel(spec, ep=2, dp=2, batch_size=2, seq_len=64, precision="fp32")
+    d = EP.expert_parallel(spec, ep=2, dp=2, batch_size=2, seq_len=64, precision="fp32")
     assert d["dispatch_rows"] == {"sent": 256, "received_expected": 256, "received_worst": 2 * 128 * 2}
-    c = P.expert_parallel(spec, ep=2, dp=2, batch_size=2, seq_len=64, precision="fp32", capacity_factor=1.5)
+    c = EP.expert_parallel(spec, ep=2, dp=2, batch_size=2, seq_len=64, precision="fp32", capacity_factor=1.5)
     C = moe.expert_capacity(128, 4, 2, 1.5)
     assert c["capacity"] == C and c["dispatch_rows"]["sent"] == 4 * C == c["dispatch_rows"]["received_expected"]
     assert c["sent_per_layer"]["forward"] == 2 * 4 * C * 64 * 4 // 2
-    assert P.expert_parallel(spec, ep=1, dp=2, batch_size=2, seq_len=64)["sent_per_layer"]["forward"] == 0
+    assert EP.expert_parallel(spec, ep=1, dp=2, batch_size=2, seq_len=64)["sent_per_layer"]["forward"] == 0
 
 
 def test_greedy_shard_is_zero_redundancy_optimizers_partition():
     # torch/distributed/optim/zero_redundancy_optimizer.py `_partition_parameters`: largest first, to the emptiest rank
     sizes = [5, 9, 9, 1, 3, 7]
-    shards = [P._greedy_shard(sizes, 3, r) for r in range(3)]
+    shards = [EP._greedy_shard(sizes, 3, r) for r in range(3)]
     assert shards == [[9, 3], [9, 1], [7, 5]]  # 9, 9, 7 to ranks 0, 1, 2; 5 to rank 2 (7); 3 to 0; 1 to 1
     assert sorted(sum(shards, [])) == sorted(sizes)
 
 
 def test_zero_greedy_states_cover_the_model_once():
     spec = _spec("ep-qwen2")
-    ranks = [P.expert_parallel(spec, ep=2, dp=4, batch_size=1, seq_len=16, precision="fp32", zero_stage=1,
+    ranks = [EP.expert_parallel(spec, ep=2, dp=4, batch_size=1, seq_len=16, precision="fp32", zero_stage=1,
                                zero_partition="greedy", rank=r) for r in range(4)]
-    full = P.expert_parallel(spec, ep=2, dp=4, batch_size=1, seq_len=16, precision="fp32")
+    full = EP.expert_parallel(spec, ep=2, dp=4, batch_size=1, seq_len=16, precision="fp32")
     assert sum(r["optimizer_states"]["dense"] for r in ranks) == full["optimizer_states"]["dense"]
     # the experts' states: each edp group (ranks 0, 2 hold one half of the experts, 1, 3 the other) covers them once
     assert sum(ranks[r]["optimizer_states"]["experts"] for r in (0, 2)) == full["optimizer_states"]["experts"]
@@ -200,26 +200,26 @@ def test_zero_greedy_states_cover_the_model_once():
 ])
 def test_bad_input_is_one_line(kw, words):
     with pytest.raises(ValueError) as e:
-        P.expert_parallel(_spec("ep-mixtral"), batch_size=1, seq_len=16, **kw)
+        EP.expert_parallel(_spec("ep-mixtral"), batch_size=1, seq_len=16, **kw)
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_dense_model_is_refused():
     with pytest.raises(ValueError, match="dense model"):
-        P.expert_parallel("gpt2", ep=1, dp=1, batch_size=1, seq_len=16)
+        EP.expert_parallel("gpt2", ep=1, dp=1, batch_size=1, seq_len=16)
 
 
 def test_real_size_mixtral_and_deepseek_v3_at_ep8():
     # Mixtral-8x7B (Jiang et al. 2024, arXiv:2401.04088): 47B parameters (46.7B), 8 experts: at ep 8 a rank
     # holds one expert per layer (45.1B / 8) and the 1.6B dense ones
-    m = P.expert_parallel("mixtral-8x7b", ep=8, dp=8, batch_size=1, seq_len=4096)
+    m = EP.expert_parallel("mixtral-8x7b", ep=8, dp=8, batch_size=1, seq_len=4096)
     assert m["experts_per_rank"] == 1
     assert round(m["param_counts"]["experts"] * 8 / 1e9, 1) == 45.1
     assert round(sum(m["param_counts"].values()) / 1e9, 2) == 7.24
     assert 0.96 < m["expert_share"] < 0.97
     # DeepSeek-V3 (arXiv:2412.19437): 671B parameters, 256 routed experts in 58 MoE layers: at ep 8, 32 per
     # rank; the routed experts are 97.4 % of the model, so a rank holds 1/8 of them beside 17.1B dense ones
-    d = P.expert_parallel("deepseek-v3", ep=8, dp=8, batch_size=1, seq_len=4096)
+    d = EP.expert_parallel("deepseek-v3", ep=8, dp=8, batch_size=1, seq_len=4096)
     assert d["experts_per_rank"] == 32
     assert round((d["param_counts"]["experts"] * 8 + d["param_counts"]["dense"]) / 1e9) == 671
     assert round(d["param_counts"]["dense"] / 1e9, 1) == 17.1

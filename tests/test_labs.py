@@ -449,14 +449,14 @@ def test_lab3_on_the_gpu_machines_host_predicts_every_rank():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 8), (3, 4), (4, 8)])
 def test_replayed_bubble_of_equal_operations_is_the_formula(schedule, p, m):
-    """Operations laid out by parallel.simulate (equal forward 1, backward 2) and replayed from their
+    """Operations laid out by pipeline.simulate (equal forward 1, backward 2) and replayed from their
     start/end times: the bubble is (p-1)/(m+p-1), even when the recorded times are shifted by gaps."""
-    from vramlab import parallel as P
+    from vramlab import pipeline as PIPE
     from vramlab.measure import parallel as parlab
 
     if schedule == "1f1b" and m < p:
         pytest.skip("1F1B needs m >= p")
-    run = P.simulate(p, m, schedule)
+    run = PIPE.simulate(p, m, schedule)
     stages = [[(o.kind, float(o.start) + 0.5 * k, float(o.end) + 0.5 * k)  # gaps of 0.5 between ops
                for k, o in enumerate(sorted((o for o in run.ops if o.device == d), key=lambda o: o.start))]
               for d in range(p)]

@@ -1,5 +1,5 @@
 """An MoE's model states per rank under tensor, pipeline and expert parallelism with ZeRO
-(`parallel.moe_layout_states`, Megatron-Core's parallel folding). Checked against the transformers models
+(`expert_parallel.moe_layout_states`, Megatron-Core's parallel folding). Checked against the transformers models
 built on the meta device at their published shapes: each rank's tensors cut out of the real parameters with
 torch (`tensor_split` along the dimension Megatron-Core splits -- heads and MLP widths by columns or rows,
 vocabulary rows, experts along their first dimension and inside each by etp -- and the blocks split over
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from vramlab import parallel, specs
+from vramlab import expert_parallel, specs
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -79,7 +79,7 @@ def _rank_counts(model, *, tp, pp, ep, etp):
 def test_rank_states_equal_the_real_tensors_cut_as_megatron_cuts_them(name, tp, pp, ep, etp, dp):
     model = _model(name)
     want = _rank_counts(model, tp=tp, pp=pp, ep=ep, etp=etp)
-    r = parallel.moe_layout_states(name, tp=tp, pp=pp, ep=ep, etp=etp, dp=dp, zero_stage=1)
+    r = expert_parallel.moe_layout_states(name, tp=tp, pp=pp, ep=ep, etp=etp, dp=dp, zero_stage=1)
     assert [s["param_counts"] for s in r["stages"]] == want
     assert r["edp"] * r["ep"] * r["etp"] == tp * dp
     busiest = max(r["stages"], key=lambda s: s["states"])
@@ -87,9 +87,9 @@ def test_rank_states_equal_the_real_tensors_cut_as_megatron_cuts_them(name, tp, 
 
 
 def test_zero_shards_dense_over_dp_and_experts_over_edp():
-    base = parallel.moe_layout_states("mixtral-8x7b", tp=2, ep=4, dp=8, precision="bf16-mixed")["stages"][0]
-    z1 = parallel.moe_layout_states("mixtral-8x7b", tp=2, ep=4, dp=8, zero_stage=1)["stages"][0]
-    z2 = parallel.moe_layout_states("mixtral-8x7b", tp=2, ep=4, dp=8, zero_stage=2)["stages"][0]
+    base = expert_parallel.moe_layout_states("mixtral-8x7b", tp=2, ep=4, dp=8, precision="bf16-mixed")["stages"][0]
+    z1 = expert_parallel.moe_layout_states("mixtral-8x7b", tp=2, ep=4, dp=8, zero_stage=1)["stages"][0]
+    z2 = expert_parallel.moe_layout_states("mixtral-8x7b", tp=2, ep=4, dp=8, zero_stage=2)["stages"][0]
     n = base["param_counts"]
     edp = 2 * 8 // 4
     # AdamW in fp32 (AMP's master weights are the model): 8 bytes an element, over the owning group
@@ -102,7 +102,7 @@ def test_zero_shards_dense_over_dp_and_experts_over_edp():
 def test_more_expert_ranks_never_hold_more():
     prev = None
     for ep in (1, 2, 4, 8):
-        s = parallel.moe_layout_states("mixtral-8x7b", tp=1, ep=ep, dp=8, zero_stage=1)["states"]
+        s = expert_parallel.moe_layout_states("mixtral-8x7b", tp=1, ep=ep, dp=8, zero_stage=1)["states"]
         assert prev is None or s < prev
         prev = s
 
@@ -118,10 +118,10 @@ def test_more_expert_ranks_never_hold_more():
 ])
 def test_bad_layouts_are_one_line(kw, says):
     with pytest.raises(ValueError, match=None) as e:
-        parallel.moe_layout_states("mixtral-8x7b", **kw)
+        expert_parallel.moe_layout_states("mixtral-8x7b", **kw)
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_dense_model_is_refused():
     with pytest.raises(ValueError, match="dense model"):
-        parallel.moe_layout_states("llama-3.2-1b", ep=2, dp=2)
+        expert_parallel.moe_layout_states("llama-3.2-1b", ep=2, dp=2)

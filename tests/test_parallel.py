@@ -1,5 +1,6 @@
 """vramlab.parallel against the papers' formulas, an independent count of parameters, torch's own
-DDP bucketing, and a schedule simulation checked against the closed-form bubble."""
+DDP bucketing, and the layouts' micro-batches in flight against the schedule simulation
+(tests/test_pipeline.py checks the simulation against the closed-form bubble)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import vramlab
 import vramlab.collectives
 from vramlab import parallel as P
+from vramlab import pipeline as PIPE
 from vramlab.specs import from_config
 
 # Korthikanti et al. 2022 (arXiv:2205.05198), Table 3: their models, all with s = 2048 and t = 8
@@ -59,32 +61,6 @@ def test_ledger_split_reproduces_korthikanti(t, sp):
     paper = P.korthikanti_layer_activations(s=s, b=b, h=spec.hidden_size, a=spec.num_heads, t=t, sp=sp)
     norm_stats = Fraction(2 * 2 * 4 * s * b, t if sp else 1)
     assert got == paper + norm_stats
-
-
-@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)])
-@pytest.mark.parametrize("p, m", [(2, 4), (4, 4), (4, 8), (8, 16), (3, 9)])
-def test_simulated_bubble_matches_the_formula(schedule, v, p, m):
-    if schedule == "interleaved" and m % p:
-        pytest.skip("interleaving needs m divisible by p")
-    run = P.simulate(p, m, schedule, chunks=v)
-    assert run.bubble == P.bubble_fraction(p, m, schedule, chunks=v) == Fraction(p - 1, v * m + p - 1)
-    assert P.bubble_fraction(p, m, schedule, chunks=v, of="ideal") == Fraction(p - 1, v * m)
-    assert len(run.ops) == 2 * p * m * v  # every forward and backward of every micro-batch and chunk, once
-
-
-@pytest.mark.parametrize("p, m", [(4, 8), (8, 16), (4, 2)])
-def test_micro_batches_in_flight(p, m):
-    """GPipe holds every micro-batch on every stage; 1F1B holds p - s on stage s (Narayanan+21)."""
-    assert P.simulate(p, m, "gpipe").in_flight == (m,) * p
-    assert P.simulate(p, m, "1f1b").in_flight == tuple(min(p - s, m) for s in range(p))
-
-
-def test_interleaving_holds_more_on_the_first_device():
-    """Megatron (Narayanan+21, section 2.2): the interleaved schedule's first device holds
-    1 + (p-1)/(pv) times the activations of 1F1B's (in units of one stage's worth)."""
-    p, v, m = 4, 2, 8
-    run = P.simulate(p, m, "interleaved", chunks=v)
-    assert Fraction(run.in_flight[0], v) == p * (1 + Fraction(p - 1, p * v))
 
 
 def _gpt2_rank_params_by_hand(t: int) -> int:
@@ -316,7 +292,7 @@ def test_zero1_axis_shards_the_optimizer_states():
 def test_in_flight_closed_forms_are_the_simulation():
     for p, m in ((4, 8), (8, 4), (3, 9)):
         for schedule in ("gpipe", "1f1b"):
-            assert P.in_flight(P.Layout(pp=p, micro_batches=m, schedule=schedule)) == P.simulate(p, m, schedule).in_flight
+            assert P.in_flight(P.Layout(pp=p, micro_batches=m, schedule=schedule)) == PIPE.simulate(p, m, schedule).in_flight
 
 
 def test_first_1f1b_stage_holds_about_all_layers():

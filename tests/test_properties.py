@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from vramlab import checkpointing, memory, offload, parallel, precision, specs, zero
+from vramlab import checkpointing, memory, offload, parallel, pipeline, precision, specs, zero
 from vramlab.present import calculators
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
@@ -129,9 +129,9 @@ def test_more_checkpointing_never_more_memory(model, b, s, data):
 @SETTINGS
 @given(p=st.integers(1, 32), m=st.integers(1, 64), schedule=st.sampled_from(("gpipe", "1f1b")))
 def test_pipeline_bubble_is_a_fraction_and_shrinks_with_more_micro_batches(p, m, schedule):
-    f = parallel.bubble_fraction(p, m, schedule)
+    f = pipeline.bubble_fraction(p, m, schedule)
     assert 0 <= f < 1
-    assert parallel.bubble_fraction(p, m + 1, schedule) <= f
+    assert pipeline.bubble_fraction(p, m + 1, schedule) <= f
 
 
 # -------------------------------------------------------------- invalid input: ValueError, nothing else
@@ -165,9 +165,9 @@ CASES = [
     (parallel.estimate_layout, dict(model="gpt2", layout=parallel.Layout(tp=2, pp=2, micro_batches=4),
                                     micro_batch_size=2, seq_len=64),
      dict(micro_batch_size=JUNK_COUNT, seq_len=JUNK_COUNT, model=JUNK_CHOICE)),
-    (parallel.simulate, dict(p=4, m=8), dict(p=JUNK_COUNT, m=JUNK_COUNT, forward=JUNK_NUMBER, backward=JUNK_NUMBER,
+    (pipeline.simulate, dict(p=4, m=8), dict(p=JUNK_COUNT, m=JUNK_COUNT, forward=JUNK_NUMBER, backward=JUNK_NUMBER,
                                              schedule=JUNK_CHOICE)),
-    (parallel.bubble_fraction, dict(p=4, m=8), dict(p=JUNK_COUNT, m=JUNK_COUNT, schedule=JUNK_CHOICE)),
+    (pipeline.bubble_fraction, dict(p=4, m=8), dict(p=JUNK_COUNT, m=JUNK_COUNT, schedule=JUNK_CHOICE)),
     (offload.transfer_seconds, dict(nbytes=10**9, gpu="H100"), dict(nbytes=JUNK_NUMBER)),
     (offload.stream_layers, dict(layer_bytes=[10**6] * 4, layer_seconds=[1e-3] * 4, streamed=[1, 3], link_GBps=16),
      dict(link_GBps=JUNK_NUMBER, buffers=JUNK_COUNT, layer_bytes=JUNK_NUMBER, streamed=JUNK_NUMBER)),

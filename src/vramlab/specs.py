@@ -59,7 +59,7 @@ MOE_MODEL_TYPES = tuple(t for t, f in MODEL_TYPES.items() if f == "moe")
 _ALL_MOE_TYPES = ("mixtral", "olmoe")
 _MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 MOE_NOT_MODELLED = ("a mixture of experts is not modelled yet by this calculator (it prices dense models; a mixture of "
-                    "experts: memory.estimate_training on one device, parallel.expert_parallel over ranks)")
+                    "experts: memory.estimate_training on one device, expert_parallel.expert_parallel over ranks)")
 
 
 class SpecError(ValueError):

@@ -530,7 +530,7 @@ def rank_phases(model: "ModelSpec | str | Step", n_ranks: "int | Ranks", stage: 
     gradients are kept instead of reduce-scattered.
 
     `recompute` and `loss` / `loss_chunk_tokens` (`memory.training_phases`' plans; defaults: none, the whole
-    loss, as every stored ZeRO measurement ran): FSDP2 only, as `parallel.context_parallel(shard_states=True)`
+    loss, as every stored ZeRO measurement ran): FSDP2 only, as `context_parallel.context_parallel(shard_states=True)`
     composes it (its measured runs: full recompute, chunked and fused losses); under recompute an earlier
     block's backward frees the later block's checkpointed input, not its saved tensors.
 

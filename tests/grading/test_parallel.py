@@ -19,10 +19,10 @@ ONE_F_ONE_B = _function(solution("lab03_parallelism", "ex1-solution"), "one_f_on
 
 def test_one_f_one_b_passes_and_matches_the_library_schedule():
     GP.check_one_f_one_b(ONE_F_ONE_B, cases=((1, 1), (2, 4), (4, 8), (3, 5), (4, 2), (5, 16), (4, 4)))
-    from vramlab import parallel as P
+    from vramlab import pipeline as PIPE
 
     for p, m in ((2, 4), (4, 8), (3, 7)):  # the same step time and in-flight counts as the library's 1F1B
-        run = P.simulate(p, m, "1f1b", forward=1, backward=2)
+        run = PIPE.simulate(p, m, "1f1b", forward=1, backward=2)
         replay = GP.pipeline_replay(ONE_F_ONE_B(p, m))
         assert replay["end"] == run.makespan and replay["in_flight"] == list(run.in_flight)
 

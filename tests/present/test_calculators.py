@@ -477,10 +477,10 @@ def test_offload_loader_line_is_loader_memorys():
 
 
 def test_context_calculator_is_context_parallels():
-    from vramlab import parallel as PAR
+    from vramlab import context_parallel as CP
 
     r = C.get("context").run(model="llama-3.2-1b", method="ring", cp=4, batch_size=1, seq_len=32768, gpu="h100-80gb")
-    want = PAR.context_parallel("llama-3.2-1b", cp=4, method="ring", batch_size=1, seq_len=32768, gpu="h100-80gb",
+    want = CP.context_parallel("llama-3.2-1b", cp=4, method="ring", batch_size=1, seq_len=32768, gpu="h100-80gb",
                                 precision="bf16-mixed")
     assert r.numbers["peak"][0] == want["peak"] and r.numbers["verdict"][1] == want["verdict"]
     assert r.numbers["sent"][0] == want["sent_per_layer"]["forward"] + want["sent_per_layer"]["backward"]
@@ -527,11 +527,11 @@ def test_moe_calculator_prices_training_as_estimate_training():
 
 
 def test_experts_calculator_is_expert_parallel():
-    from vramlab import parallel as PAR
+    from vramlab import expert_parallel as EP
 
     r = C.get("experts").run(model="qwen1.5-moe-a2.7b", ep=4, dp=8, capacity="dropless", zero=1, batch_size=2,
                              seq_len=2048, link="nvlink4")
-    want = PAR.expert_parallel("qwen1.5-moe-a2.7b", ep=4, dp=8, batch_size=2, seq_len=2048, zero_stage=1)
+    want = EP.expert_parallel("qwen1.5-moe-a2.7b", ep=4, dp=8, batch_size=2, seq_len=2048, zero_stage=1)
     assert not r.error and r.numbers["states"][0] == want["states"] and r.numbers["experts_per_rank"][0] == 15
     assert r.numbers["a2a"][0] == want["sent_per_layer"]["forward"] + want["sent_per_layer"]["backward"]
     assert "<svg" in r.svg and "ep 4" in r.svg and "ep 8" not in r.svg.split("ep 4")[0]

@@ -400,24 +400,24 @@ CONTEXT_1B = ["context", "--model", "llama-3.2-1b", "--seq-len", "131072", "--cp
 
 
 def test_context_answers_as_context_parallel(capsys):
-    """`vramlab context` is `parallel.context_parallel` at the asked CP size and at every other one that
+    """`vramlab context` is `context_parallel.context_parallel` at the asked CP size and at every other one that
     splits the sequence (and, for Ulysses, the heads); the fit is `fitting.device_fit` of the rank's peak at
     its s/cp tokens, and the largest batch the one where one more sequence does not fit."""
-    from vramlab import fitting, parallel
+    from vramlab import context_parallel, fitting
 
     out = _json(capsys, *CONTEXT_1B)
-    r = parallel.context_parallel("llama-3.2-1b", cp=8, batch_size=1, seq_len=131072, gpu="h100")
+    r = context_parallel.context_parallel("llama-3.2-1b", cp=8, batch_size=1, seq_len=131072, gpu="h100")
     assert out["peak_bytes"] == r["peak"] and out["tokens_per_rank"] == 16384 and out["zigzag"] is True
     assert out["sent_per_layer_bytes"] == r["sent_per_layer"] and out["verdict"] == r["verdict"]
     assert set(out["sweep"]) == {"1", "2", "4", "8", "16", "32", "64"}
     for n, s in out["sweep"].items():
-        x = parallel.context_parallel("llama-3.2-1b", cp=int(n), batch_size=1, seq_len=131072, gpu="h100")
+        x = context_parallel.context_parallel("llama-3.2-1b", cp=int(n), batch_size=1, seq_len=131072, gpu="h100")
         assert s["peak_bytes"] == x["peak"] and s["tokens_per_rank"] == 131072 // int(n)
     assert out["sweep"]["1"]["fits"] is False and out["sweep"]["16"]["fits"] is True  # CP is what makes 128 k fit
     b = out["gpu"]["max_batch_size"]
 
     def fits(batch):
-        x = parallel.context_parallel("llama-3.2-1b", cp=8, batch_size=batch, seq_len=131072, gpu="h100")
+        x = context_parallel.context_parallel("llama-3.2-1b", cp=8, batch_size=batch, seq_len=131072, gpu="h100")
         return fitting.device_fit(x["peak"], "h100", largest_tensor=fitting.fragmentation_bytes(
             "llama-3.2-1b", batch_size=batch, seq_len=16384, precision="bf16-mixed")).fits
     assert b == 0 and not fits(1) or fits(b) and not fits(b + 1)
@@ -458,11 +458,11 @@ def test_context_bad_input_one_line_exit_2(args, needle):
 def test_context_with_recompute_and_the_fused_loss(capsys):
     """--recompute full and --loss fused are `context_parallel`'s; at 128 k tokens they are the first levers
     (the logits' gradient and the blocks' saved tensors before more ranks)."""
-    from vramlab import parallel
+    from vramlab import context_parallel
 
     out = _json(capsys, "context", "--model", "llama-3.2-1b", "--seq-len", "131072", "--cp", "2", "--recompute", "full",
                 "--loss", "fused", "--gpu", "h100")
-    r, fit = parallel.context_fit("llama-3.2-1b", "h100", cp=2, batch_size=1, seq_len=131072, recompute="full",
+    r, fit = context_parallel.context_fit("llama-3.2-1b", "h100", cp=2, batch_size=1, seq_len=131072, recompute="full",
                                   loss="fused", precision="bf16-mixed")
     assert out["peak_bytes"] == r["peak"] and out["gpu"]["fits"] is fit.fits is True
     assert out["sent_per_layer_bytes"]["recompute"] == out["sent_per_layer_bytes"]["forward"] > 0
@@ -476,13 +476,13 @@ def test_context_with_recompute_and_the_fused_loss(capsys):
 
 @pytest.mark.slow
 def test_experts_answers_as_expert_parallel(capsys):
-    """`vramlab experts` is `parallel.expert_parallel` at --ep and at every EP size that divides the experts
+    """`vramlab experts` is `expert_parallel.expert_parallel` at --ep and at every EP size that divides the experts
     and the ranks; bad input is one line."""
-    from vramlab import parallel
+    from vramlab import expert_parallel
 
     out = _json(capsys, "experts", "--model", "qwen3-30b-a3b", "--ep", "8", "--dp", "16", "--batch-size", "2",
                 "--seq-len", "4096", "--capacity-factor", "1.25", "--zero", "1")
-    want = parallel.expert_parallel("qwen3-30b-a3b", ep=8, dp=16, batch_size=2, seq_len=4096, capacity_factor=1.25,
+    want = expert_parallel.expert_parallel("qwen3-30b-a3b", ep=8, dp=16, batch_size=2, seq_len=4096, capacity_factor=1.25,
                                     zero_stage=1)
     assert out["states_bytes"] == want["states"] and out["experts_per_rank"] == 16 and out["edp"] == 2
     assert out["sent_per_layer_bytes"] == want["sent_per_layer"] and out["capacity"] == want["capacity"]
@@ -497,12 +497,12 @@ def test_experts_answers_as_expert_parallel(capsys):
 
 
 def test_experts_with_tensor_and_pipeline_parallelism_prints_every_stage(capsys):
-    """`vramlab experts --tp/--pp/--etp` is `parallel.moe_layout_states`: one rank's states on every stage."""
-    from vramlab import parallel
+    """`vramlab experts --tp/--pp/--etp` is `expert_parallel.moe_layout_states`: one rank's states on every stage."""
+    from vramlab import expert_parallel
 
     out = _json(capsys, "experts", "--model", "deepseek-v3", "--pp", "16", "--ep", "64", "--dp", "128", "--zero", "1",
                 "--batch-size", "1", "--seq-len", "4096")
-    want = parallel.moe_layout_states("deepseek-v3", pp=16, ep=64, dp=128, zero_stage=1)
+    want = expert_parallel.moe_layout_states("deepseek-v3", pp=16, ep=64, dp=128, zero_stage=1)
     assert out["devices"] == 2048 and out["edp"] == 2 and len(out["stages"]) == 16
     assert out["states_bytes"] == want["states"] and [s["states_bytes"] for s in out["stages"]] == \
         [s["states"] for s in want["stages"]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from vramlab import offload, parallel
+from vramlab import offload, pipeline
 from vramlab.present import svg
 
 NS = "{http://www.w3.org/2000/svg}"
@@ -40,7 +40,7 @@ def test_stacked_bar_heights_are_proportional_to_values():
 
 
 def test_gantt_draws_every_operation_of_a_schedule_with_a_legend():
-    run = parallel.simulate(2, 4, "1f1b")
+    run = pipeline.simulate(2, 4, "1f1b")
     root = _parse(svg.gantt(run.ops, devices=2, makespan=run.makespan, title="1F1B"))
     boxes = [r for r in root.iter(f"{NS}rect") if r.get("fill", "").startswith("#") and r.get("height") == "22"]
     assert len(run.ops) == 2 * 4 * 2 and len(boxes) == len(run.ops)  # a box per forward and backward
@@ -57,7 +57,7 @@ def test_loglog_lines_and_streams_and_tp_figure_are_well_formed():
 
 def test_interleaved_gantt_names_every_chunk_and_numbers_its_boxes():
     """The second model chunk had no legend entry and the boxes no micro-batch numbers."""
-    run = parallel.simulate(4, 8, "interleaved", chunks=2)
+    run = pipeline.simulate(4, 8, "interleaved", chunks=2)
     for width in (680, svg.PHONE):
         root = _parse(svg.gantt(run.ops, devices=4, makespan=run.makespan, chunks=2, title="interleaved", width=width))
         texts = [t.text for t in root.iter(f"{NS}text")]
@@ -74,7 +74,7 @@ def _sizes(root: ET.Element) -> list[float]:
 
 def test_charts_have_a_phone_layout_and_no_text_under_the_minimum():
     bars = [(f"plan {i}", [("weights", 2.0 + i, "#111"), ("optimizer states", 1.0, "#222")]) for i in range(8)]
-    run = parallel.simulate(4, 8, "1f1b")
+    run = pipeline.simulate(4, 8, "1f1b")
     s = offload.stream_layers([10**8] * 4, [1e-3] * 4, streamed=[1, 2, 3], link_GBps=25)
     for width in (svg.WIDE, svg.PHONE):
         charts = [svg.stacked_bars(bars, title="a long title that has to wrap on a phone's column, twice or more",

@@ -70,7 +70,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import checks
+from .. import context_parallel as CP
+from .. import expert_parallel as EP
 from .. import parallel as P
+from .. import pipeline as PIPE
 from ..memory import LOSSES, loss_chunk_size
 from ..specs import ModelSpec, from_config
 
@@ -1257,7 +1260,7 @@ def replayed_bubble(stage_ops: list[list]) -> float:
             count[kind] += 1
         orders.append(order)
         took.append([end - start for _, start, end in ops])
-    ticks = P.replay_orders(orders, took)
+    ticks = PIPE.replay_orders(orders, took)
     return 1 - max(sum(t) for t in took) / max(end for *_, end in ticks)
 
 
@@ -1313,7 +1316,7 @@ def bubble_rows(result: dict) -> list[dict[str, Any]]:
     out = []
     for schedule, m in seen:
         got = measured_bubble(result["per_rank"], schedule, m)
-        formula = float(P.bubble_fraction(p, m, schedule, of="total"))
+        formula = float(PIPE.bubble_fraction(p, m, schedule, of="total"))
         out.append({"schedule": schedule, "micro_batches": m, "formula": formula, "measured": got["bubble"],
                     "replayed": got["replayed"], "error": error(formula, got["bubble"]), "forward_s": got["forward_s"],
                     "backward_s": got["backward_s"]})
@@ -1825,7 +1828,7 @@ def cp_problem(spec: ModelSpec, cp: int, method: str, seq: int, zigzag: bool = T
     if spec.family != "llama":
         return f"{spec.name}: the CP experiment replaces Llama-family attention only, not {spec.family}'s"
     try:
-        P.context_parallel(spec, cp=cp, method=method, batch_size=1, seq_len=seq, precision="fp32",
+        CP.context_parallel(spec, cp=cp, method=method, batch_size=1, seq_len=seq, precision="fp32",
                            device="cpu", zigzag=zigzag)
     except ValueError as e:
         return str(e)
@@ -1886,7 +1889,7 @@ def _run_cp_in(rank: int, world: int, args, dev, stack) -> dict[str, Any]:
     _register_cp()
     _CP = _CPState(args.method, rank, world, args.zigzag)
     zig = args.zigzag and args.method == "ring"  # Ulysses gathers the whole sequence: contiguous shards
-    pos = torch.tensor(P.cp_positions(s, world, rank, zigzag=zig), device=dev)
+    pos = torch.tensor(CP.cp_positions(s, world, rank, zigzag=zig), device=dev)
     batch = _batch(spec, b, s, dev)  # the same sequences on every rank: CP splits them, not the batch
     labels_all = F.pad(batch, (0, 1), value=-100)[:, 1:]
     count = int((labels_all != -100).sum())
@@ -2109,7 +2112,7 @@ def cp_prediction(spec: ModelSpec, *, cp: int, method: str, batch_size: int, seq
                   loss_chunk: int | None = None, fsdp: bool = False) -> dict[str, Any]:
     """What `vramlab.parallel` predicts for one rank of a CP run (fp32 on the CPU, AdamW; `fsdp`: the states
     sharded over the CP ranks, `shard_states`)."""
-    return P.context_parallel(spec, cp=cp, method=method, batch_size=batch_size, seq_len=seq_len, precision="fp32",
+    return CP.context_parallel(spec, cp=cp, method=method, batch_size=batch_size, seq_len=seq_len, precision="fp32",
                               device="cpu", zigzag=zigzag, optimizer_impl="foreach" if foreach else "for-loop",
                               recompute=recompute, loss=loss, loss_chunk_tokens=loss_chunk, shard_states=fsdp)
 
@@ -2195,7 +2198,7 @@ def cp_main(argv: list[str]) -> int:
     p.add_argument("--no-zigzag", dest="zigzag", action="store_false",
                    help="ring: contiguous sequence shards instead of the zig-zag (chunks r and 2cp-1-r)")
     p.add_argument("--optimizer-impl", default="foreach", choices=("foreach", "for-loop"))
-    p.add_argument("--recompute", default="none", choices=P.CP_RECOMPUTE,
+    p.add_argument("--recompute", default="none", choices=CP.CP_RECOMPUTE,
                    help="full: every block checkpointed (torch.utils.checkpoint), its attention re-run in the backward")
     p.add_argument("--loss", default="whole", choices=LOSSES,
                    help="whole, chunked (torchtune's) or fused (Liger's linear cross-entropy) on the rank's tokens")
@@ -2703,7 +2706,7 @@ def ep_problem(spec: ModelSpec, ep: int, dp: int, capacity_factor) -> str | None
     if spec.model_type not in ("mixtral", "qwen2_moe"):
         return f"{spec.name}: the EP experiment builds Mixtral- and Qwen2-MoE-shaped models, not {spec.model_type}"
     try:
-        P.expert_parallel(spec, ep=ep, dp=dp, batch_size=1, seq_len=8, capacity_factor=capacity_factor,
+        EP.expert_parallel(spec, ep=ep, dp=dp, batch_size=1, seq_len=8, capacity_factor=capacity_factor,
                           precision="fp32", device="cpu")
     except ValueError as e:
         return str(e)
@@ -2817,7 +2820,7 @@ def ep_prediction(spec: ModelSpec, *, ep: int, dp: int, batch_size: int, seq_len
                   rank: int = 0) -> dict[str, Any]:
     """What `vramlab.parallel.expert_parallel` predicts for one rank of this experiment (fp32, CPU, AdamW),
     given the rows the rank's router really sent it (dropless routing depends on the data)."""
-    return P.expert_parallel(spec, ep=ep, dp=dp, batch_size=batch_size, seq_len=seq_len,
+    return EP.expert_parallel(spec, ep=ep, dp=dp, batch_size=batch_size, seq_len=seq_len,
                              capacity_factor=capacity_factor, precision="fp32", device="cpu",
                              received_rows=received_rows, kept_rows=kept_rows, home_rows=home_rows, zero_stage=zero,
                              zero_partition="greedy", rank=rank)

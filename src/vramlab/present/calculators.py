@@ -25,7 +25,10 @@ from .. import collectives as C
 from .. import compression as COMP
 from .. import activations, fitting, memory, optimizers, specs
 from .. import offload as OFF
+from .. import context_parallel as CP
+from .. import expert_parallel as EP
 from .. import parallel as PAR
+from .. import pipeline as PIPE
 from .. import precision as P
 from .. import serving as SERVE
 from .. import snapshot as SNAP
@@ -328,16 +331,16 @@ MOE = Calculator(
 
 def _experts(*, model: str, ep: int, dp: int, capacity: str, zero: int, batch_size: int, seq_len: int,
              link: str) -> Result:
-    """One expert-parallel rank (`parallel.expert_parallel`): its states, dispatch buffers and all-to-all
+    """One expert-parallel rank (`expert_parallel.expert_parallel`): its states, dispatch buffers and all-to-all
     traffic, beside every other EP size that divides the experts and the ranks."""
     spec = specs.preset(model)
     kw = dict(dp=dp, batch_size=batch_size, seq_len=seq_len, capacity_factor=_capacity(capacity), zero_stage=zero,
               link=link)
-    r = PAR.expert_parallel(spec, ep=ep, **kw)
+    r = EP.expert_parallel(spec, ep=ep, **kw)
     bars = []
     for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         try:
-            x = PAR.expert_parallel(spec, ep=n, **kw)
+            x = EP.expert_parallel(spec, ep=n, **kw)
         except ValueError:  # this size does not divide the experts or the ranks: left out of the sweep
             continue
         dense = sum(x[k]["dense"] for k in ("parameters", "gradients", "optimizer_states"))
@@ -550,7 +553,7 @@ def _parallel(*, model: str, dp: int, tp: int, pp: int, sp: str, zero: str, reco
     ok = verdict.fits
     comm = PAR.communication(spec, layout, dp_link=link, pp_link=link, tp_link="nvlink4",
                              **{k: v for k, v in kw.items() if k != "recompute"})
-    bubble = PAR.bubble_fraction(pp, micro_batches, schedule, chunks=chunks) if pp > 1 else 0
+    bubble = PIPE.bubble_fraction(pp, micro_batches, schedule, chunks=chunks) if pp > 1 else 0
     shown = list(enumerate(stages))
     shown = shown if len(shown) <= 8 else shown[:4] + shown[-4:]  # the first and last stages differ most
     bars = [(f"stage {i}", [(c.replace("_", " "), getattr(b, c) / GiB, COLORS[c]) for c in memory.CATEGORIES])
@@ -558,14 +561,14 @@ def _parallel(*, model: str, dp: int, tp: int, pp: int, sp: str, zero: str, reco
     title = f"{spec.name} on {layout.devices} GPUs (dp {dp} x tp {tp} x pp {pp}): memory per device"
     svgs = [_both(stacked_bars, bars, title=title, line=(g.usable_bytes / GiB, f"{g.name} usable"))]
     if pp > 1 and pp * micro_batches * chunks <= 512:
-        run = PAR.simulate(pp, micro_batches, schedule, chunks=chunks)
+        run = PIPE.simulate(pp, micro_batches, schedule, chunks=chunks)
         svgs.append(_both(gantt, run.ops, devices=pp, makespan=run.makespan, chunks=chunks,
                           title=f"{schedule}, {pp} stages, {micro_batches} micro-batches: bubble {float(bubble):.1%} of the step"))
     worst = max(stages, key=lambda b: b.total)
     lines = [worst.table(title=f"fullest device: {worst.label}"), "",
              str(verdict), verdict.explain(),
              f"pipeline bubble: {float(bubble):.1%} of the step's time"
-             + (f" ({float(PAR.bubble_fraction(pp, micro_batches, schedule, chunks=chunks, of='ideal')):.1%} of the ideal time)"
+             + (f" ({float(PIPE.bubble_fraction(pp, micro_batches, schedule, chunks=chunks, of='ideal')):.1%} of the ideal time)"
                 if pp > 1 else " (no pipeline)"), "",
              "communication per step (alpha-beta model):"]
     if dp > 1:
@@ -585,16 +588,16 @@ CP_CHOICES = (1, 2, 4, 8, 16, 32)
 
 def _context(*, model: str, method: str, cp: int, batch_size: int, seq_len: int, precision: str, zigzag: str,
              gpu: str, link: str, recompute: str = "none", loss: str = "whole", fsdp: str = "no") -> Result:
-    """One context-parallel rank (`parallel.context_parallel`), beside the same step at every other CP size;
+    """One context-parallel rank (`context_parallel.context_parallel`), beside the same step at every other CP size;
     `fsdp` "yes": the model states sharded over the CP ranks too (FSDP2)."""
     spec, g = specs.preset(model), specs.gpu(gpu)
     kw = dict(method=method, batch_size=batch_size, seq_len=seq_len, precision=precision, zigzag=zigzag == "yes",
               link=link, gpu=g, recompute=recompute, loss=loss, shard_states=fsdp == "yes")
-    r = PAR.context_parallel(spec, cp=cp, **kw)
+    r = CP.context_parallel(spec, cp=cp, **kw)
     bars = []
     for n in CP_CHOICES:
         try:
-            x = PAR.context_parallel(spec, cp=n, **kw)
+            x = CP.context_parallel(spec, cp=n, **kw)
         except ValueError:  # this size does not split the heads or the sequence: left out of the sweep
             continue
         rest = x["peak"] - x["blocks_saved"]
@@ -606,7 +609,7 @@ def _context(*, model: str, method: str, cp: int, batch_size: int, seq_len: int,
                                                   + (", FSDP2" if fsdp == "yes" else "")
                                                   + ": one rank's peak against the CP size",
                         line=(g.usable_bytes / GiB, f"{g.name} usable"))
-    fits = PAR.context_fit(spec, g, cp=cp, **{k: v for k, v in kw.items() if k != "gpu"})[1].fits
+    fits = CP.context_fit(spec, g, cp=cp, **{k: v for k, v in kw.items() if k != "gpu"})[1].fits
     f, b = r["comm_seconds_per_layer"], r["attention_seconds_per_layer"]
     lines = [f"{method} attention over {cp} ranks ({'zig-zag chunks' if r['zigzag'] else 'contiguous shards'}): "
              f"{r['tokens_per_rank']:,} tokens a rank",
@@ -634,7 +637,7 @@ CONTEXT = Calculator(
     number_labels={"peak": "a rank's peak", "activations": "saved by its blocks", "sent": "sent per layer",
                    "verdict": "communication"},
     inputs=(Input(name="model", label="model", kind="choice", default="llama-3.2-1b", choices=DECODER_PRESETS),
-            Input(name="method", label="method", kind="choice", default="ring", choices=PAR.CP_METHODS),
+            Input(name="method", label="method", kind="choice", default="ring", choices=CP.CP_METHODS),
             Input(name="cp", label="context parallel", kind="choice", default=8, choices=CP_CHOICES),
             Input(name="batch_size", label="batch size", kind="int", default=1, min=1, max=64),
             Input(name="seq_len", label="sequence length", kind="choice", default=65536, choices=LONG_SEQ_CHOICES),
@@ -642,7 +645,7 @@ CONTEXT = Calculator(
             Input(name="zigzag", label="zig-zag (ring)", kind="choice", default="yes", choices=("yes", "no")),
             Input(name="gpu", label="GPU", kind="choice", default="h100-80gb", choices=GPU_CHOICES),
             Input(name="link", label="link", kind="choice", default="nvlink4", choices=tuple(C.LINKS)),
-            Input(name="recompute", label="recompute", kind="choice", default="none", choices=PAR.CP_RECOMPUTE),
+            Input(name="recompute", label="recompute", kind="choice", default="none", choices=CP.CP_RECOMPUTE),
             Input(name="loss", label="loss", kind="choice", default="whole", choices=memory.LOSSES),
             Input(name="fsdp", label="FSDP2 over the CP ranks", kind="choice", default="no", choices=("no", "yes"))))
 
@@ -658,7 +661,7 @@ PARALLEL = Calculator(
             Input(name="zero", label="optimizer states", kind="choice", default="replicated",
                   choices=("replicated", "ZeRO-1")),
             Input(name="recompute", label="recompute", kind="choice", default="none", choices=PAR.RECOMPUTE),
-            Input(name="schedule", label="schedule", kind="choice", default="1f1b", choices=PAR.SCHEDULES),
+            Input(name="schedule", label="schedule", kind="choice", default="1f1b", choices=PIPE.SCHEDULES),
             Input(name="micro_batches", label="micro-batches", kind="choice", default=8, choices=(1, 2, 4, 8, 16, 32, 64)),
             Input(name="micro_batch_size", label="micro-batch size", kind="int", default=1, min=1, max=64),
             Input(name="seq_len", label="sequence length", kind="choice", default=2048, choices=SEQ_CHOICES),

@@ -33,6 +33,8 @@ from .. import checkpointing as CK
 from .. import collectives as COLL
 from .. import compression as COMP
 from .. import offload as OFF
+from .. import context_parallel as CP
+from .. import expert_parallel as EP
 from .. import parallel as PAR
 from .. import precision as P
 from .. import serving as SERVE
@@ -196,13 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     cx.add_argument("--seq-len", type=_COUNT, required=True, help="tokens per sequence (the whole sequence, all ranks)")
     cx.add_argument("--batch-size", type=_COUNT, default=1, help="sequences per step (default 1)")
     cx.add_argument("--cp", type=_COUNT, required=True, help="ranks the sequence is split over")
-    cx.add_argument("--method", default="ring", choices=PAR.CP_METHODS,
+    cx.add_argument("--method", default="ring", choices=CP.CP_METHODS,
                     help="ring attention (K/V blocks passed round a ring) or Ulysses (all-to-all over heads); default ring")
     cx.add_argument("--contiguous", action="store_true",
                     help="ring: contiguous shards instead of zig-zag chunks (the causal load imbalance)")
     cx.add_argument("--precision", default="bf16-mixed", choices=P.PRECISIONS, help="default bf16-mixed")
     cx.add_argument("--optimizer", default="adamw", choices=memory.OPTIMIZERS, help="default adamw")
-    cx.add_argument("--recompute", default="none", choices=PAR.CP_RECOMPUTE,
+    cx.add_argument("--recompute", default="none", choices=CP.CP_RECOMPUTE,
                     help="full: every block checkpointed (its attention and its K/V transfers run again); default none")
     cx.add_argument("--loss", default="whole", choices=memory.LOSSES,
                     help="the loss on the rank's tokens: whole, chunked (torchtune's) or fused (Liger's); default whole")
@@ -408,7 +410,7 @@ def _estimate_options(ns) -> tuple[dict, argparse.Namespace]:
                          "whole loss)")
     if ns.capacity_factor is not None or spec.is_moe:
         raise ValueError("a mixture of experts is priced on one GPU (`estimate train`) or split over ranks by expert "
-                         "parallelism (parallel.expert_parallel); ZeRO and FSDP ranks are modelled for dense models")
+                         "parallelism (expert_parallel.expert_parallel); ZeRO and FSDP ranks are modelled for dense models")
     if ns.fsdp2 and ns.zero not in (None, 3):
         raise ValueError(f"--fsdp2 shards like ZeRO-3: leave --zero out (or give --zero 3), not --zero {ns.zero}")
     if ns.recompute is not None:
@@ -587,8 +589,8 @@ CP_SWEEP = (1, 2, 4, 8, 16, 32, 64)  # the CP sizes the context command sets bes
 
 
 def _cp_rank(ns, cp: int, batch_size: int | None = None) -> tuple[dict, fitting.Fit]:
-    """One CP rank and its fit (`parallel.context_fit`)."""
-    return PAR.context_fit(_spec(ns), _gpu(ns), cp=cp, method=ns.method,
+    """One CP rank and its fit (`context_parallel.context_fit`)."""
+    return CP.context_fit(_spec(ns), _gpu(ns), cp=cp, method=ns.method,
                            batch_size=ns.batch_size if batch_size is None else batch_size, seq_len=ns.seq_len,
                            precision=ns.precision, optimizer=ns.optimizer, zigzag=not ns.contiguous, link=ns.link,
                            recompute=ns.recompute, loss=ns.loss, shard_states=ns.fsdp)
@@ -818,7 +820,7 @@ def _levers(ns, here: Answer) -> list[Lever]:
         if not ns.fsdp and ns.precision in ("fp32", "bf16-mixed") and ns.optimizer in ("adam", "adamw"):
             L.append(Lever(({"fsdp": True},)))  # the states sharded over the CP ranks as well
         L.append(Lever(_doublings(ns.cp, "cp"), monotone=True))
-        L.append(Lever(tuple({"method": m, "contiguous": False} for m in PAR.CP_METHODS if m != ns.method)))
+        L.append(Lever(tuple({"method": m, "contiguous": False} for m in CP.CP_METHODS if m != ns.method)))
         if ns.precision == "fp32":
             L.append(Lever(({"precision": "bf16-mixed"},)))
         if ns.optimizer in ("adam", "adamw") and not ns.fsdp:
@@ -1212,7 +1214,7 @@ EP_SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def _experts(ns) -> int:
-    """`parallel.expert_parallel` at --ep and at every other EP size that divides the experts and the ranks.
+    """`expert_parallel.expert_parallel` at --ep and at every other EP size that divides the experts and the ranks.
     No fit verdict: the states and bytes are exact, a real model's activations depend on its kernels."""
     if ns.model not in specs.moe_preset_names():
         raise ValueError(f"--model {ns.model!r}: expert parallelism needs a mixture of experts; presets: "
@@ -1222,11 +1224,11 @@ def _experts(ns) -> int:
         return _experts_layout(ns, spec)
     kw = dict(dp=ns.dp, batch_size=ns.batch_size, seq_len=ns.seq_len, capacity_factor=ns.capacity_factor,
               zero_stage=ns.zero, precision=ns.precision, link=ns.link)
-    mine = PAR.expert_parallel(spec, ep=ns.ep, **kw)
+    mine = EP.expert_parallel(spec, ep=ns.ep, **kw)
     sweep = {}
     for n in sorted(set(EP_SWEEP) | {ns.ep}):
         try:
-            r = mine if n == ns.ep else PAR.expert_parallel(spec, ep=n, **kw)
+            r = mine if n == ns.ep else EP.expert_parallel(spec, ep=n, **kw)
         except ValueError:  # does not divide the experts or the ranks
             continue
         states = {k: sum(r[c][k] for c in ("parameters", "gradients", "optimizer_states")) for k in ("dense", "experts")}
@@ -1243,7 +1245,7 @@ def _experts(ns) -> int:
                    "all-to-all a layer", "its time"], rows,
                   caption=f"{spec.name} on {ns.dp} ranks, {ns.batch_size} x {ns.seq_len:,} tokens a rank, {routing}, "
                           f"{ns.precision} AdamW, ZeRO-{ns.zero}: one rank at each EP size",
-                  notes=["parallel.expert_parallel: states exact (dense over dp, experts over dp/ep under ZeRO); buffers "
+                  notes=["expert_parallel.expert_parallel: states exact (dense over dp, experts over dp/ep under ZeRO); buffers "
                          "and all-to-all bytes (dispatch and combine, forward and backward) per MoE layer; time on "
                          f"{ns.link} (alpha-beta). A step's activations depend on the kernels: `estimate train` prices "
                          "one device's"], align="rrrrrrrr")
@@ -1263,9 +1265,9 @@ def _experts(ns) -> int:
 
 
 def _experts_layout(ns, spec) -> int:
-    """`parallel.moe_layout_states`: one rank's states on every pipeline stage of tp x pp x dp devices with the
+    """`expert_parallel.moe_layout_states`: one rank's states on every pipeline stage of tp x pp x dp devices with the
     experts folded over ep x etp (states only: the dispatch and activations under TP are not modelled)."""
-    r = PAR.moe_layout_states(spec, tp=ns.tp, pp=ns.pp, ep=ns.ep, etp=ns.etp, dp=ns.dp, zero_stage=ns.zero,
+    r = EP.moe_layout_states(spec, tp=ns.tp, pp=ns.pp, ep=ns.ep, etp=ns.etp, dp=ns.dp, zero_stage=ns.zero,
                               precision=ns.precision)
     rows = []
     for s in r["stages"]:
@@ -1278,7 +1280,7 @@ def _experts_layout(ns, spec) -> int:
                   rows, caption=f"{spec.name} on tp {ns.tp} x pp {ns.pp} x dp {ns.dp} = {r['devices']:,} GPUs, experts over "
                                 f"ep {ns.ep} x etp {ns.etp} (each on edp = {r['edp']} ranks), {ns.precision} AdamW, "
                                 f"ZeRO-{ns.zero}: one rank of each stage",
-                  notes=["parallel.moe_layout_states (Megatron-Core's parallel folding): the rank's tensors exact; states "
+                  notes=["expert_parallel.moe_layout_states (Megatron-Core's parallel folding): the rank's tensors exact; states "
                          "only -- the dispatch and the activations with tensor parallelism are not modelled (without "
                          "--tp/--pp/--etp the command prices one rank's dispatch and all-to-alls)"], align="rrrrrrr")
     if ns.json:

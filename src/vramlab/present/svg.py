@@ -262,7 +262,7 @@ def gantt(ops: Sequence, *, devices: int, makespan: float, title: str = "", chun
     """A pipeline schedule: one row per device, forwards (light) and backwards (dark) labelled with
     their micro-batch, each model chunk in its own colour (the legend names them) when there are
     several, idle time (the bubble) hatched.
-    `ops`: objects with device, kind ("F"/"B"), micro, chunk, start, end (vramlab.parallel.Op)."""
+    `ops`: objects with device, kind ("F"/"B"), micro, chunk, start, end (vramlab.pipeline.Op)."""
     narrow = width < NARROW
     left, right = (46, 8) if narrow else (74, 12)
     heads, ty = _title(title, 8 if narrow else left, width)
