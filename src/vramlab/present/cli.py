@@ -70,8 +70,8 @@ _COUNT = checks.argtype(_count, int)
 _COUNT_0 = checks.argtype(_count, int, lo=0)
 
 
-def _model_source(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
+def _model_source(p: argparse.ArgumentParser, required: bool = True) -> None:
+    src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--model", help=f"a preset: {', '.join(specs.preset_names())}")
     src.add_argument("--hf-config", metavar="PATH", help="a transformers config.json (or a folder holding one)")
 
@@ -85,18 +85,54 @@ def _gpu_arg(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--gpu", required=required, help=f"one of: {', '.join(specs.GPUS)} (or a unique part of a name)")
 
 
+class Parser(checks.Parser):
+    """`checks.Parser` with a `check(parser, namespace)`, where one is set, run after the parse, where argparse
+    checks the required arguments (before it refuses unrecognized ones): for what argparse cannot say itself,
+    as estimate's two forms."""
+
+    check: Callable[[argparse.ArgumentParser, argparse.Namespace], None] | None = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        if self.check is not None:
+            self.check(self, ns)
+        return ns, extras
+
+
+def _estimate_form(p: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """`vramlab estimate` has two forms: `train|infer` with a model and the sizes (required, in argparse's words),
+    or `--from FILE` with what fills in what the file does not say (from_config.READS), nothing else."""
+    if ns.from_file is not None:
+        for a in p._actions:
+            if a.dest not in from_config.READS and not isinstance(a, argparse._HelpAction) \
+                    and getattr(ns, a.dest, a.default) != a.default:
+                p.error(f"argument --from: not allowed with argument {argparse._get_action_name(a)}")
+        return
+    missing = [argparse._get_action_name(a) for a in p._actions
+               if a.dest in ("mode", "batch_size", "seq_len") and getattr(ns, a.dest) is None]
+    if missing:
+        p.error(f"the following arguments are required: {', '.join(missing)}")
+    if ns.model is None and ns.hf_config is None:
+        p.error("one of the arguments --model --hf-config is required")
+    if ns.format is not None:
+        p.error("argument --format: only with --from FILE (the file's format)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `vramlab` command line: every error is one line and exit status 2 (`checks.Parser`)."""
     p = checks.Parser(prog="vramlab", description="Where GPU memory goes: does a training or inference step fit, "
                                                   "and what to change when it does not.")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=checks.Parser)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     commands = {}
     est = commands["estimate"] = sub.add_parser(
         "estimate", help="the peak memory of a training step (one GPU, or one rank with --zero/--fsdp2), "
-                         "an inference prefill or generate()")
-    est.add_argument("mode", choices=("train", "infer"))
-    _model_source(est)
-    _sizes(est, "sequences per step (with --zero/--fsdp2: per rank, the micro-batch)")
+                         "an inference prefill or generate(); or of the training configuration you have (--from FILE)")
+    est.check = _estimate_form
+    est.add_argument("mode", nargs="?", choices=("train", "infer"), help="required without --from")
+    _model_source(est, required=False)
+    est.add_argument("--batch-size", type=_COUNT, default=None, help="sequences per step (with --zero/--fsdp2: per rank, "
+                     "the micro-batch); required without --from")
+    est.add_argument("--seq-len", type=_COUNT, default=None, help="tokens per sequence; required without --from")
     est.add_argument("--precision", default=None, metavar="P",
                      help=f"train: {' | '.join(P.PRECISIONS)} (default fp32); infer: {' | '.join(INFER_DTYPES)} "
                           "(default bf16)")
@@ -137,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --zero/--fsdp2, instead of --precision: bytes per parameter as zero.RECIPES "
                           "(default: from --precision, fp32 -> fp32-adam, 16-bit -> mixed-adam)")
     est.add_argument("--json", action="store_true", help="print one JSON object")
+    from_config.add_file_options(est.add_argument_group(
+        "the training configuration you have", "--from FILE reads the settings from the file: a DeepSpeed, "
+        "Trainer, accelerate, Axolotl, torchtune or torchtitan config; --model, --gpus, --batch-size, --seq-len "
+        "and --gpu fill in what it does not say (nothing else applies)"), required=False)
 
     plan = commands["plan"] = sub.add_parser("plan", help="dp x tp x pp (x ZeRO-1) layouts of N GPUs that fit, fastest first")
     _model_source(plan)
@@ -922,6 +962,8 @@ def _fit_json(f: fitting.Fit) -> dict:
 
 
 def _estimate(ns) -> int:
+    if ns.from_file is not None:  # the training configuration the user has
+        return from_config.answer_from(ns)
     spec, gpu = _spec(ns), _gpu(ns)
     options, _ = _estimate_options(ns)
     if _is_sharded(ns):
@@ -1299,9 +1341,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is not None and (isinstance(argv, (str, bytes)) or not isinstance(argv, Sequence)
                              or not all(isinstance(a, str) for a in argv)):
         raise ValueError(f"argv must be a list of strings (or None for sys.argv), got {argv!r:.60}")
-    raw = list(sys.argv[1:] if argv is None else argv)
-    if raw[:1] == ["estimate"] and from_config.wants(raw[1:]):  # a training configuration read
-        return from_config.main(raw[1:])
     args = _parser().parse_args(argv)
     try:
         return _main(args)
