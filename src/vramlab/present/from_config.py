@@ -5,7 +5,7 @@ YAML, torchtune recipe, torchtitan TOML); this prints every setting with the fie
 assumption made), one rank's peak, the equivalent library call, and with --gpu whether it fits.
 Exit codes as `vramlab`'s: 0 success, 2 bad input (one line on stderr, never a traceback).
 
-`--from` is an option of `vramlab estimate` (present/cli.py adds `add_file_options` to its parser and
+`--from` is an option of `vramlab estimate` (present/cli_args.py adds `add_file_options` to its parser and
 calls `answer_from` when it is given); `main` is the same command on its own parser.
 """
 
