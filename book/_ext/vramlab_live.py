@@ -3,8 +3,8 @@ tidy what the theme stack puts on every page.
 
 At the end of an HTML build it writes `_static/vendor/vramlab-<version>-<hash>.zip` (what the browser
 runs, straight from src/, so it always matches the code that rendered the page: the pure folder's
-modules and presets, and the two pure modules of `vramlab.present` the page calls, `calculators` and
-`svg`; nothing of `measure`, `grading`, the widgets, the figures or the CLI)
+modules and presets, and the pure modules of `vramlab.present` the page calls, `calculators` (with its
+chapters' `calc_*`) and `svg`; nothing of `measure`, `grading`, the widgets, the figures or the CLI)
 and `_static/vramlab-live.json` naming it; book/_static/live-worker.mjs unpacks it into Pyodide.
 The hash in the name keeps a reader's browser from using a stale cached copy.
 
@@ -48,7 +48,8 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "vramlab"
 
 
 # what runs in the reader's browser (Pyodide): pure Python only (tests/test_layers.py checks each)
-BROWSER = ("*.py", "presets/*.json", "present/__init__.py", "present/calculators.py", "present/svg.py")
+BROWSER = ("*.py", "presets/*.json", "present/__init__.py", "present/calculators.py", "present/calc_*.py",
+           "present/svg.py")
 
 
 def browser_files() -> list[Path]:

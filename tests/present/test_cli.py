@@ -568,6 +568,15 @@ def test_the_command_line_runs_on_the_lowest_python_allowed(tmp_path):
     r = subprocess.run([exe, "-I", "-c", code, src, "estimate", "train", "--model", "gpt2", "--batch-size", "2",
                         "--seq-len", "128"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "total" in r.stdout, r.stderr
+    for args, says in [(["--help"], "estimate"), (["estimate", "--help"], "--from FILE"), (["gpus"], "h100"),
+                       (["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--gpu", "h100", "--seq-len", "4096"], "fits")]:
+        r = subprocess.run([exe, "-I", "-c", code, src, *args], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and says in r.stdout, (args, r.stderr)
+    ds = tmp_path / "ds_config.json"  # a JSON config needs no tomllib
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4}))
+    r = subprocess.run([exe, "-I", "-c", code, src, "estimate", "--from", str(ds), "--model", "gpt2", "--seq-len", "256"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "zero_optimization.stage" in r.stdout, r.stderr
     toml = tmp_path / "train.toml"  # reading TOML says what it needs, in one line
     toml.write_text('[model]\nname = "llama3"\n')
     r = subprocess.run([exe, "-I", "-c", code, src, "estimate", "--from", str(toml)], capture_output=True, text=True,

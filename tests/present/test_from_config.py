@@ -59,3 +59,25 @@ def test_vramlab_estimate_from_goes_through_the_hook(tmp_path, model, capsys):
     assert cli.main(["estimate", f"--from={tmp_path / 'missing.json'}", "--model", model]) == 2
     assert capsys.readouterr().err.count("\n") == 1
     assert cli.main(["estimate", "train", "--model", "gpt2", "--batch-size", "1", "--seq-len", "64"]) == 0
+
+
+def test_from_is_an_option_of_estimate(tmp_path, capsys):
+    # `--from` is parsed with estimate's other options: what it does not read is refused in one line, and
+    # without it estimate's required arguments are required as before
+    import pytest
+
+    path = tmp_path / "ds.json"
+    path.write_text(ACCELERATE_ZERO2)
+    for argv, says in [(["estimate", "--from", str(path), "--precision", "bf16"],
+                        "argument --from: not allowed with argument --precision"),
+                       (["estimate", "train", "--from", str(path)], "argument --from: not allowed with argument mode"),
+                       (["estimate", "--model", "gpt2"], "the following arguments are required: mode, --batch-size, --seq-len"),
+                       (["estimate", "train", "--batch-size", "1", "--seq-len", "8"],
+                        "one of the arguments --model --hf-config is required"),
+                       (["estimate", "train", "--model", "gpt2", "--batch-size", "1", "--seq-len", "8", "--format",
+                         "deepspeed"], "--format: only with --from FILE")]:
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and err.count("\n") == 1, (argv, err)
+    assert "--from FILE" in cli.build_parser().commands["estimate"].format_help()

@@ -5,12 +5,8 @@ YAML, torchtune recipe, torchtitan TOML); this prints every setting with the fie
 assumption made), one rank's peak, the equivalent library call, and with --gpu whether it fits.
 Exit codes as `vramlab`'s: 0 success, 2 bad input (one line on stderr, never a traceback).
 
-The hook `vramlab`'s command line needs (present/cli.py): `from . import from_config` beside its other
-imports, and in `main`, after its check of `argv` and before `_parser().parse_args(argv)`:
-
-    raw = list(sys.argv[1:] if argv is None else argv)
-    if raw[:1] == ["estimate"] and from_config.wants(raw[1:]):
-        return from_config.main(raw[1:])
+`--from` is an option of `vramlab estimate` (present/cli_args.py adds `add_file_options` to its parser and
+calls `answer_from` when it is given); `main` is the same command on its own parser.
 """
 
 from __future__ import annotations
@@ -45,12 +41,22 @@ def wants(argv: Sequence[str]) -> bool:
     return any(a == "--from" or a.startswith("--from=") for a in argv)
 
 
+# what `answer_from` reads of a parsed command line: the file, its format, and what fills in what it does not say
+READS = ("from_file", "format", "model", "gpus", "batch_size", "seq_len", "gpu", "json")
+
+
+def add_file_options(p, *, required: bool = True):
+    """--from FILE and --format, on `p` (a parser or an argument group, returned)."""
+    p.add_argument("--from", dest="from_file", required=required, metavar="FILE",
+                   help="a training configuration: " + ", ".join(configs.FORMAT_NAMES.values()))
+    p.add_argument("--format", default=None, choices=configs.FORMATS, help="the file's format (default: from its fields)")
+    return p
+
+
 def add_from_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The options of `vramlab estimate --from FILE` (on `p`, returned)."""
     count = checks.argtype(checks.whole, int)
-    p.add_argument("--from", dest="from_file", required=True, metavar="FILE",
-                   help="a training configuration: " + ", ".join(configs.FORMAT_NAMES.values()))
-    p.add_argument("--format", default=None, choices=configs.FORMATS, help="the file's format (default: from its fields)")
+    add_file_options(p)
     p.add_argument("--model", default=None, metavar="MODEL",
                    help="a config.json (or its folder), a preset, or a Hugging Face id in the local cache "
                         "(default: the model the file names, where it names one)")
