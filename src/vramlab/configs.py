@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from . import checks, fitting, memory, specs
+from . import checks, fitting, memory, optimizers, specs
 from . import compression as COMP
 from . import offload as OFF
 from . import zero as Z
@@ -1388,7 +1388,7 @@ def _finish(d: _Draft, fmt: str, ref: ModelRef) -> Setup:
                            "counted whole (an over-estimate)")
             v["loss"] = "whole"
             s.pop("loss")
-        if v.get("optimizer") not in memory.OPTIMIZERS:
+        if v.get("optimizer") not in optimizers.SHARDED:
             _fail(f"{s['optimizer']}: not modelled")
     off_o, off_p = v.get("offload_optimizer", "none"), v.get("offload_param", "none")
     if sharding == "deepspeed":

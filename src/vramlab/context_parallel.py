@@ -10,6 +10,7 @@ from fractions import Fraction
 from typing import Any
 
 from . import checks as _checks
+from . import optimizers as _optim
 from . import collectives as _coll
 from . import memory as _mem
 from . import specs as _specs
@@ -341,7 +342,7 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     _checks.positions(spec, s)
     _checks.one_of("precision", precision, _prec.PRECISIONS)
     _checks.one_of("device", device, ("cuda", "cpu"))
-    _checks.one_of("optimizer", optimizer, _mem.OPTIMIZERS)
+    _checks.one_of("optimizer", optimizer, _optim.SHARDED)
     _checks.one_of("optimizer_impl", optimizer_impl, _mem.OPTIMIZER_IMPLS)
     zigzag = _checks.flag("zigzag", zigzag)
     if not isinstance(recompute, str) or recompute not in CP_RECOMPUTE:

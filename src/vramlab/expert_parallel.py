@@ -10,6 +10,7 @@ from fractions import Fraction
 from typing import Any
 
 from . import checks as _checks
+from . import optimizers as _optim
 from . import collectives as _coll
 from . import memory as _mem
 from . import specs as _specs
@@ -190,7 +191,7 @@ def expert_parallel(model: "ModelSpec | str", *, ep: int, dp: int, batch_size: i
         capacity_factor = _checks.number("capacity_factor", capacity_factor, lo=0, lo_open=True,
                                          hi=_moe.MAX_CAPACITY_FACTOR, what="a number > 0 (None: dropless)")
     _checks.one_of("precision", precision, _prec.PRECISIONS)
-    _checks.one_of("optimizer", optimizer, _mem.OPTIMIZERS)
+    _checks.one_of("optimizer", optimizer, _optim.SHARDED)
     _checks.one_of("device", device, ("cuda", "cpu"))
     zero_stage = _checks.one_of("zero_stage", zero_stage, (0, 1, 2))
     zero_partition = _checks.one_of("zero_partition", zero_partition, ("even", "greedy"))
@@ -365,7 +366,7 @@ def moe_layout_states(model: "ModelSpec | str", *, tp: int = 1, pp: int = 1, ep:
         raise ValueError(f"pp must be at most {spec.name}'s {spec.num_layers} blocks, got {pp}")
     zero_stage = _checks.one_of("zero_stage", zero_stage, (0, 1, 2))
     _checks.one_of("precision", precision, _prec.PRECISIONS)
-    _checks.one_of("optimizer", optimizer, _mem.OPTIMIZERS)
+    _checks.one_of("optimizer", optimizer, _optim.SHARDED)
     edp = tp * dp // (etp * ep)
     layers = stage_layers(spec.num_layers, pp)
     pb = _mem.param_bytes(precision)

@@ -26,8 +26,6 @@ from .step import (LOSSES, MAX_ACCUMULATION, OPTIMIZER_IMPLS, OPTIONS as STEP_OP
 from .specs import resolve as _resolve
 from .units import fmt_bytes
 
-OPTIMIZERS = _optim.SHARDED  # (the registry's names; these two go once their callers read `optimizers`)
-ALL_OPTIMIZERS = _optim.NAMES
 TORCHTUNE_CHUNKS = 8  # torchtune's default num_output_chunks (CEWithChunkedOutputLoss)
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_states", "activations", "temporaries",
                                "kv_cache", "inputs", "other")

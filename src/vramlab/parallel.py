@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from . import checks as _checks
+from . import optimizers as _optim
 from . import collectives as _coll
 from . import memory as _mem
 from . import specs as _specs
@@ -339,7 +340,7 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
     _check_layout_model(spec, layout)
     b, s = check_count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), check_count("seq_len", seq_len, hi=_checks.MAX_COUNT)
     _checks.positions(spec, s)
-    for name, value, choices in (("precision", precision, _prec.PRECISIONS), ("optimizer", optimizer, _mem.OPTIMIZERS),
+    for name, value, choices in (("precision", precision, _prec.PRECISIONS), ("optimizer", optimizer, _optim.SHARDED),
                                  ("optimizer_impl", optimizer_impl, _mem.OPTIMIZER_IMPLS),
                                  ("attention", attention, _act.ATTENTIONS), ("recompute", recompute, RECOMPUTE),
                                  ("device", device, ("cuda", "cpu")), ("implementation", implementation, IMPLEMENTATIONS)):

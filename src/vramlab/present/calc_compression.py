@@ -188,7 +188,7 @@ def _optimizers(*, model: str, precision: str, optimizer: str, in_backward: str,
     spec = specs.preset(model)
     in_bwd = in_backward == "yes"
     rows, bars = [], []
-    for name in memory.ALL_OPTIMIZERS:
+    for name in optimizers.NAMES:
         lg = memory.optimizer_ledger(spec, name, precision, galore_rank=galore_rank)
         peak = memory.estimate_training(spec, batch_size=batch_size, seq_len=seq_len, precision=precision,
                                         optimizer=name, optimizer_in_backward=in_bwd,
@@ -218,7 +218,7 @@ OPTIMIZERS = Calculator(
     number_labels={"states": "its states on the device", "peak": "its training peak", "adamw_peak": "AdamW's peak"},
     inputs=(Input(name="model", label="model", kind="choice", default="llama-3.2-1b", choices=OPT_MODELS),
             Input(name="precision", label="model dtype", kind="choice", default="bf16", choices=("fp32", "bf16")),
-            Input(name="optimizer", label="optimizer", kind="choice", default="adafactor", choices=memory.ALL_OPTIMIZERS),
+            Input(name="optimizer", label="optimizer", kind="choice", default="adafactor", choices=optimizers.NAMES),
             Input(name="in_backward", label="optimizer in the backward", kind="choice", default="no", choices=("no", "yes")),
             Input(name="galore_rank", label="GaLore rank", kind="choice", default=128, choices=(16, 32, 64, 128, 256, 512, 1024)),
             Input(name="batch_size", label="batch size", kind="int", default=1, min=1, max=64),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from .. import activations, fitting, memory, specs
+from .. import optimizers
 from .. import precision as P
 from .. import serving as SERVE
 from ..units import GiB, fmt_bytes
@@ -100,7 +101,7 @@ TRAINING = Calculator(
             Input(name="batch_size", label="batch size", kind="int", default=8, min=1, max=128),
             Input(name="seq_len", label="sequence length", kind="choice", default=1024, choices=SEQ_CHOICES),
             Input(name="precision", label="precision", kind="choice", default="bf16-mixed", choices=P.PRECISIONS),
-            Input(name="optimizer", label="optimizer", kind="choice", default="adamw", choices=memory.OPTIMIZERS),
+            Input(name="optimizer", label="optimizer", kind="choice", default="adamw", choices=optimizers.SHARDED),
             Input(name="attention", label="attention", kind="choice", default="sdpa", choices=activations.ATTENTIONS),
             Input(name="recompute", label="recompute", kind="choice", default="none", choices=activations.RECOMPUTES),
             Input(name="gpu", label="GPU", kind="choice", default="t4", choices=GPU_CHOICES),

@@ -8,6 +8,7 @@ import argparse
 from typing import Callable
 
 from .. import activations, checks, memory, specs
+from .. import optimizers
 from .. import precision as P
 from .. import serving as SERVE
 from .. import zero as Z
@@ -110,8 +111,8 @@ def add_estimate(sub) -> argparse.ArgumentParser:
     est.add_argument("--precision", default=None, metavar="P",
                      help=f"train: {' | '.join(P.PRECISIONS)} (default fp32); infer: {' | '.join(INFER_DTYPES)} "
                           "(default bf16)")
-    est.add_argument("--optimizer", default=None, choices=memory.ALL_OPTIMIZERS, metavar="OPT",
-                     help=f"train only (default adamw): {', '.join(memory.ALL_OPTIMIZERS)}")
+    est.add_argument("--optimizer", default=None, choices=optimizers.NAMES, metavar="OPT",
+                     help=f"train only (default adamw): {', '.join(optimizers.NAMES)}")
     est.add_argument("--optimizer-in-backward", action="store_true", default=None,
                      help="train: step each parameter as its gradient is made, then free the gradient "
                           "(register_post_accumulate_grad_hook)")
@@ -186,7 +187,7 @@ def add_lora(sub) -> argparse.ArgumentParser:
                       help="default: peft's default target modules for the architecture")
     lora.add_argument("--precision", default=None, choices=P.PRECISIONS,
                       help="the base's (default: bf16 for LoRA, bf16-mixed for full; qlora and lora-int8 compute in bf16)")
-    lora.add_argument("--optimizer", default="adamw", choices=memory.OPTIMIZERS, help="default adamw")
+    lora.add_argument("--optimizer", default="adamw", choices=optimizers.SHARDED, help="default adamw")
     lora.add_argument("--recompute", default="none", metavar="PLAN",
                       help="gradient checkpointing (default none): full, every-K, first-N, ...")
     _gpu_arg(lora)
@@ -214,7 +215,7 @@ def add_checkpoint(sub) -> argparse.ArgumentParser:
     _sizes(ck)
     _gpu_arg(ck)
     ck.add_argument("--precision", **declared(CHECKPOINTING, "precision"), help="default %(default)s")
-    ck.add_argument("--optimizer", default="adamw", choices=memory.OPTIMIZERS, help="default adamw")
+    ck.add_argument("--optimizer", default="adamw", choices=optimizers.SHARDED, help="default adamw")
     ck.add_argument("--attention", default="sdpa", choices=activations.ATTENTIONS)
     ck.add_argument("--plan", default=None, metavar="PLAN",
                     help="also show this plan (every-K, first-N, segments-K, ...) and its breakdown")
@@ -236,7 +237,7 @@ def add_context(sub) -> argparse.ArgumentParser:
     cx.add_argument("--contiguous", action="store_true",
                     help="ring: contiguous shards instead of zig-zag chunks (the causal load imbalance)")
     cx.add_argument("--precision", **declared(CONTEXT, "precision"), help="default %(default)s")
-    cx.add_argument("--optimizer", default="adamw", choices=memory.OPTIMIZERS, help="default adamw")
+    cx.add_argument("--optimizer", default="adamw", choices=optimizers.SHARDED, help="default adamw")
     cx.add_argument("--recompute", **declared(CONTEXT, "recompute"),
                     help="full: every block checkpointed (its attention and its K/V transfers run again); "
                          "default %(default)s")

@@ -19,6 +19,7 @@ import sys
 from typing import Sequence
 
 from .. import checks, memory, specs
+from .. import optimizers
 from .. import precision as P
 from .. import snapshot as S
 from ..units import GiB
@@ -43,7 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                                     "scales activations from it)")
     p.add_argument("--seq-len", type=_COUNT, default=None, help="tokens a sequence (with --model/--hf-config)")
     p.add_argument("--precision", default="fp32", choices=P.PRECISIONS, help="with --model (default fp32)")
-    p.add_argument("--optimizer", default="adamw", choices=memory.OPTIMIZERS, help="with --model (default adamw)")
+    p.add_argument("--optimizer", default="adamw", choices=optimizers.SHARDED, help="with --model (default adamw)")
     p.add_argument("--gpu", default=None, help=f"the GPU it ran on: {', '.join(specs.GPUS)} (its total and CUDA "
                                                "context from the catalogue)")
     p.add_argument("--device-total-gib", type=_GIB, default=None, metavar="GIB",
