@@ -86,7 +86,7 @@ def cached_config(model_id: str) -> str:
     found = sorted(glob.glob(os.path.join(glob.escape(snaps), "*", "config.json")), key=os.path.getmtime)
     if not found:
         fail(f"model {model_id!r} is not in the local Hugging Face cache ({cache}): vramlab reads models offline; "
-              f"download its config.json once (huggingface-cli download {model_id} config.json) or give a config.json path")
+             f"download its config.json once (huggingface-cli download {model_id} config.json) or give a config.json path")
     return found[-1]
 
 
@@ -113,7 +113,7 @@ def resolve_model(ref: str) -> ModelRef:
         where = f"{ref} (Hugging Face cache: {path})"
     else:
         fail(f"model {ref!r} is neither a config.json path, a preset ({', '.join(specs.preset_names())}) nor a "
-              "Hugging Face id (org/name)")
+             "Hugging Face id (org/name)")
     raw = specs.read_json(path)
     spec = specs.from_config(path, name=ref if not os.path.exists(ref) else None)
     dtype = raw.get("dtype") or raw.get("torch_dtype") if isinstance(raw, dict) else None
@@ -309,7 +309,7 @@ def _detect(data, path: str | None) -> str:
     if keys & {"per_device_train_batch_size", "output_dir", "optim", "gradient_checkpointing"}:
         return "trainer"
     fail(f"{path or 'the config'}: not a format vramlab reads ({', '.join(FORMAT_NAMES.values())}); "
-          "give the format (--format / fmt=) if it is one of them")
+         "give the format (--format / fmt=) if it is one of them")
 
 
 _READERS = {"deepspeed": read_deepspeed, "trainer": read_trainer, "accelerate": read_accelerate,
@@ -337,7 +337,7 @@ def read_setup(source, *, fmt: str | None = None, model: str | None = None, gpus
         d.put("model", named[0], named[1])
     if not d.has("model"):
         fail(f"this {FORMAT_NAMES[fmt]} does not name the model: give it (--model: a config.json path, a preset or "
-              "a Hugging Face id in the local cache)")
+             "a Hugging Face id in the local cache)")
     for name, v in (("gpus", gpus), ("micro_batch_size", batch_size), ("seq_len", seq_len)):
         if v is not None:
             arg = {"micro_batch_size": "batch_size"}.get(name, name)
@@ -408,7 +408,7 @@ def _finish(d: Draft, fmt: str, ref: ModelRef) -> Setup:
         want = v["micro_batch_size"] * v.get("accumulation_steps", 1) * v["gpus"]
         if tbs != want:
             fail(f"{src} = {tbs} but micro-batch x accumulation x ranks = {v['micro_batch_size']} x "
-                  f"{v.get('accumulation_steps', 1)} x {v['gpus']} = {want}: DeepSpeed refuses the config")
+                 f"{v.get('accumulation_steps', 1)} x {v['gpus']} = {want}: DeepSpeed refuses the config")
     for setting, (fn, src) in d.deferred.items():
         if setting not in v:
             d.put(setting, fn(spec), src)
@@ -421,7 +421,7 @@ def _finish(d: Draft, fmt: str, ref: ModelRef) -> Setup:
         prec = v["precision"]
         if prec not in ("fp32", "bf16-mixed", "fp16-mixed"):
             fail(f"{s['precision']}: pure {prec} parameters under {sharding} are not a modelled recipe "
-                  "(zero.RECIPES keep fp32 master weights); set mixed precision")
+                 "(zero.RECIPES keep fp32 master weights); set mixed precision")
         if "recipe" not in v:
             d.put("recipe", "fp32-adam" if prec == "fp32" else "mixed-adam",
                   f"{s['precision']} ({'fp32 model' if prec == 'fp32' else '16-bit compute, fp32 master weights'} and "
@@ -448,20 +448,20 @@ def _finish(d: Draft, fmt: str, ref: ModelRef) -> Setup:
     if sharding == "deepspeed":
         if v.get("recompute", "none") != "none":
             fail(f"{s['recompute']} with DeepSpeed is not modelled: zero.rank_phases models recompute under FSDP2 "
-                  "only (the DeepSpeed phases were measured without it); turn it off to price the rest")
+                 "only (the DeepSpeed phases were measured without it); turn it off to price the rest")
         if v.get("optimizer", "adamw") not in ("adam", "adamw"):
             fail(f"{s['optimizer']}: ZeRO ranks are estimated with Adam(W) only")
         v.setdefault("optimizer_impl", "fused")
         s.setdefault("optimizer_impl", "assumed: DeepSpeed's FusedAdam (one flat partition tensor)")
         if off_p != "none" or off_o == "nvme":
             fail(f"{s.get('offload_param') if off_p != 'none' else s['offload_optimizer']}: parameter and NVMe offload "
-                  "are priced by offload.infinity on one GPU (vramlab offload), not per rank here")
+                 "are priced by offload.infinity on one GPU (vramlab offload), not per rank here")
         if off_o == "cpu":
             if v["gpus"] != 1 or v["zero_stage"] not in (1, 2) or v["recipe"] != "mixed-adam" or \
                     v["precision"] != "bf16-mixed":
                 fail(f"{s['offload_optimizer']}: CPU optimizer offload is priced for one GPU, ZeRO-1/2, bf16 "
-                      "(offload.model_offload, measured so); this setup has "
-                      f"{v['gpus']} rank(s), stage {v['zero_stage']}, {v['precision']}")
+                     "(offload.model_offload, measured so); this setup has "
+                     f"{v['gpus']} rank(s), stage {v['zero_stage']}, {v['precision']}")
             d.notes.append("ZeRO-Offload: host memory (16 bytes a parameter) is not GPU memory and not in this estimate")
             if v.get("accumulation_steps", 1) > 1:
                 d.notes.append(f"{s['accumulation_steps']}: offload.model_offload prices one micro-batch a step")

@@ -51,7 +51,7 @@ def _match(ctx: dict, key: str, value, name: str) -> None:
     TrainingArguments one, or the Trainer refuses to start; so do we."""
     if ctx.get("_who") == "trainer" and key in ctx and ctx[key][0] != value:
         fail(f"{name} = {value!r} but TrainingArguments' {ctx[key][1]} = {ctx[key][0]!r}: the Trainer refuses the "
-              "mismatch (set it to \"auto\")")
+             "mismatch (set it to \"auto\")")
 
 
 def read_deepspeed(data, d: Draft, base: str, *, path: str = "", ctx: dict | None = None):
@@ -142,76 +142,80 @@ def read_deepspeed(data, d: Draft, base: str, *, path: str = "", ctx: dict | Non
     act = b.block("activation_checkpointing")
     if act is not None:
         fail(f"{n('activation_checkpointing')} is not modelled: it is DeepSpeed's checkpointing API for Megatron "
-              "models (transformers checkpoints with gradient_checkpointing)")
+             "models (transformers checkpoints with gradient_checkpointing)")
     b.only("communication_data_type", (), "a communication dtype other than the model's")
     b.only("seq_parallel_communication_data_type", (), "sequence parallelism")
     b.known(*_DS_PASS)
     zo = b.block("zero_optimization")
-    stage = 0
     if zo is not None:
-        stage = zo.get("stage", 0)
-        if stage not in Z.STAGES or checks.is_bool(stage):
-            fail(f"{zo.name('stage')} must be 0, 1, 2 or 3, got {checks.show(stage)}")
-        d.put("zero_stage", stage, zo.name("stage"))
-        zo.only("cpu_offload", (False,), "the old spelling of offload_optimizer: write offload_optimizer.device")
-        zo.only("zero_quantized_weights", (False,), "ZeRO++ quantized weights")
-        zo.only("zero_quantized_gradients", (False,), "ZeRO++ quantized gradients")
-        zo.only("zero_hpz_partition_size", (1,), "ZeRO++ hierarchical partitioning")
-        zo.only("mics_shard_size", (-1,), "MiCS sharding")
-        zo.only("zero_quantized_nontrainable_weights", (False,), "ZeRO++ quantized frozen weights")
-        zo.only("legacy_stage1", (False,), "DeepSpeed's legacy stage-1 implementation")
-        zo.only("cpu_offload_param", (False,), "the old spelling of offload_param: write offload_param.device")
-        zo.only("zenflow", (), "ZenFlow's asynchronous offloaded updates")
-        zo.only("leaf_module", (), "ZeRO-3 leaf modules (gathered whole)")
-        for k in ("stage3_model_persistence_threshold", "model_persistence_threshold"):
-            zo.only(k, (), "a cap on ZeRO-3's persistent parameters (zero.persistent_params has none)")
-        zo.known(*_ZERO_PASS)
-        for key, setting in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
-            ob = zo.block(key)
-            if ob is None:
-                continue
-            dev = ob.get("device", "none")
-            if dev not in ("none", "cpu", "nvme"):
-                fail(f"{ob.name('device')} must be none, cpu or nvme, got {checks.show(dev)}")
-            ob.known("pin_memory", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio",
-                     "pipeline_read", "pipeline_write", "pipeline", "cpuadam_cores_perc")
-            ob.only("super_offload", (False,), "SuperOffload")
-            ob.finish()
-            d.put(setting, dev, ob.name("device"))
-        for key, setting, hf_auto in (
-                ("reduce_bucket_size", "reduce_bucket", lambda s: s.hidden_size * s.hidden_size),
-                ("stage3_prefetch_bucket_size", "prefetch_bucket", lambda s: int(0.9 * s.hidden_size * s.hidden_size)),
-                ("stage3_param_persistence_threshold", "persistence_threshold", lambda s: 10 * s.hidden_size),
-                ("stage3_max_live_parameters", "max_live_parameters", None),
-                ("stage3_max_reuse_distance", "max_reuse_distance", None)):
-            if key not in zo.data and _ZERO_ALIASES.get(key) in zo.data:
-                key = _ZERO_ALIASES[key]  # written by its field name (populate_by_name)
-            v = zo.get(key)
-            zo.known(_ZERO_ALIASES.get(key, key))
-            if v is None or (setting in ("prefetch_bucket", "persistence_threshold", "max_live_parameters",
-                                         "max_reuse_distance") and stage != 3):
-                continue
-            if v == "auto" and hf_auto is not None:
-                rule = {"reduce_bucket": "h*h", "prefetch_bucket": "0.9*h*h", "persistence_threshold": "10*h"}[setting]
-                d.deferred[setting] = (hf_auto, f"{zo.name(key)} = \"auto\" -> transformers' fill from the model's "
-                                                f"hidden_size ({rule})")
-            else:
-                d.put(setting, as_int(zo.name(key), v, lo=0 if "persistence" in key else 1), zo.name(key))
-        if zo.get("overlap_comm") and stage in (1, 2):
-            d.notes.append(f"{zo.name('overlap_comm')}: transformers' DeepSpeed guide says it takes up to 4.5 x the "
-                           "bucket sizes for its double buffers; zero.rank_phases counts one reduce bucket")
-        if zo.given("allgather_bucket_size") and stage in (1, 2):
-            d.notes.append(f"{zo.name('allgather_bucket_size')}: the all-gather of updated parameters after the step "
-                           "(chunked by it) is not a peak in zero.rank_phases")
-        if zo.given("sub_group_size") and stage == 3:
-            d.notes.append(f"{zo.name('sub_group_size')}: the optimizer steps the partition in sub-groups; "
-                           "zero.rank_phases steps it whole")
-        zo.finish()
+        _zero_optimization(zo, d)
     d.put("sharding", "deepspeed", (zo.name("stage") if zo is not None else "assumed: no zero_optimization (ZeRO-0)"))
     if zo is None:
         d.put("zero_stage", 0, "assumed: no zero_optimization block, DeepSpeed's stage 0")
     b.finish()
 
+
+def _zero_optimization(zo: Block, d: Draft) -> None:
+    """DeepSpeed's zero_optimization block: the stage, what is refused or passed, the offload devices,
+    the bucket sizes (their "auto" deferred to the model's hidden_size) and what the estimate leaves out."""
+    stage = zo.get("stage", 0)
+    if stage not in Z.STAGES or checks.is_bool(stage):
+        fail(f"{zo.name('stage')} must be 0, 1, 2 or 3, got {checks.show(stage)}")
+    d.put("zero_stage", stage, zo.name("stage"))
+    zo.only("cpu_offload", (False,), "the old spelling of offload_optimizer: write offload_optimizer.device")
+    zo.only("zero_quantized_weights", (False,), "ZeRO++ quantized weights")
+    zo.only("zero_quantized_gradients", (False,), "ZeRO++ quantized gradients")
+    zo.only("zero_hpz_partition_size", (1,), "ZeRO++ hierarchical partitioning")
+    zo.only("mics_shard_size", (-1,), "MiCS sharding")
+    zo.only("zero_quantized_nontrainable_weights", (False,), "ZeRO++ quantized frozen weights")
+    zo.only("legacy_stage1", (False,), "DeepSpeed's legacy stage-1 implementation")
+    zo.only("cpu_offload_param", (False,), "the old spelling of offload_param: write offload_param.device")
+    zo.only("zenflow", (), "ZenFlow's asynchronous offloaded updates")
+    zo.only("leaf_module", (), "ZeRO-3 leaf modules (gathered whole)")
+    for k in ("stage3_model_persistence_threshold", "model_persistence_threshold"):
+        zo.only(k, (), "a cap on ZeRO-3's persistent parameters (zero.persistent_params has none)")
+    zo.known(*_ZERO_PASS)
+    for key, setting in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
+        ob = zo.block(key)
+        if ob is None:
+            continue
+        dev = ob.get("device", "none")
+        if dev not in ("none", "cpu", "nvme"):
+            fail(f"{ob.name('device')} must be none, cpu or nvme, got {checks.show(dev)}")
+        ob.known("pin_memory", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio",
+                 "pipeline_read", "pipeline_write", "pipeline", "cpuadam_cores_perc")
+        ob.only("super_offload", (False,), "SuperOffload")
+        ob.finish()
+        d.put(setting, dev, ob.name("device"))
+    for key, setting, hf_auto in (
+            ("reduce_bucket_size", "reduce_bucket", lambda s: s.hidden_size * s.hidden_size),
+            ("stage3_prefetch_bucket_size", "prefetch_bucket", lambda s: int(0.9 * s.hidden_size * s.hidden_size)),
+            ("stage3_param_persistence_threshold", "persistence_threshold", lambda s: 10 * s.hidden_size),
+            ("stage3_max_live_parameters", "max_live_parameters", None),
+            ("stage3_max_reuse_distance", "max_reuse_distance", None)):
+        if key not in zo.data and _ZERO_ALIASES.get(key) in zo.data:
+            key = _ZERO_ALIASES[key]  # written by its field name (populate_by_name)
+        v = zo.get(key)
+        zo.known(_ZERO_ALIASES.get(key, key))
+        if v is None or (setting in ("prefetch_bucket", "persistence_threshold", "max_live_parameters",
+                                     "max_reuse_distance") and stage != 3):
+            continue
+        if v == "auto" and hf_auto is not None:
+            rule = {"reduce_bucket": "h*h", "prefetch_bucket": "0.9*h*h", "persistence_threshold": "10*h"}[setting]
+            d.deferred[setting] = (hf_auto, f"{zo.name(key)} = \"auto\" -> transformers' fill from the model's "
+                                            f"hidden_size ({rule})")
+        else:
+            d.put(setting, as_int(zo.name(key), v, lo=0 if "persistence" in key else 1), zo.name(key))
+    if zo.get("overlap_comm") and stage in (1, 2):
+        d.notes.append(f"{zo.name('overlap_comm')}: transformers' DeepSpeed guide says it takes up to 4.5 x the "
+                       "bucket sizes for its double buffers; zero.rank_phases counts one reduce bucket")
+    if zo.given("allgather_bucket_size") and stage in (1, 2):
+        d.notes.append(f"{zo.name('allgather_bucket_size')}: the all-gather of updated parameters after the step "
+                       "(chunked by it) is not a peak in zero.rank_phases")
+    if zo.given("sub_group_size") and stage == 3:
+        d.notes.append(f"{zo.name('sub_group_size')}: the optimizer steps the partition in sub-groups; "
+                       "zero.rank_phases steps it whole")
+    zo.finish()
 
 def deepspeed_file(ref, base: str, where: str) -> dict:
     if isinstance(ref, dict):

@@ -75,7 +75,7 @@ class Block:
             k = extra[0]
             more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
             fail(f"unknown field {self.name(k)!r}{more} in this {FORMAT_NAMES[self.fmt]}: vramlab does not know what it "
-                  "does to memory, so it refuses it rather than ignore it; remove it, or ask for it to be modelled")
+                 "does to memory, so it refuses it rather than ignore it; remove it, or ask for it to be modelled")
 
 
 def as_int(name: str, v, *, lo: int = 1) -> int:
@@ -172,7 +172,7 @@ def parse(text: str, path: str | None, fmt: str | None, yaml_loader: Callable[[s
             fail(f"{where} is nested too deeply to be a training config")
     if yaml_loader is None:  # this layer is the standard library only: the caller brings the YAML parser
         fail(f"{where} is YAML: pass a parser (yaml_loader=yaml.safe_load), or read it with "
-              "vramlab.present.from_config.read_setup, which does")
+             "vramlab.present.from_config.read_setup, which does")
     try:
         return yaml_loader(text)
     except ValueError as e:

@@ -126,7 +126,7 @@ def _fsdp_config(fc: "Block | None", d: Draft, version, version_src: str) -> Non
     every block its own unit, reshard after forward."""
     if str(version) != "2":
         fail(f"{version_src.removeprefix('assumed: ')}: FSDP version {version} (FSDP1) is not modelled; vramlab "
-              "prices FSDP2's fully_shard (set the FSDP version to 2)")
+             "prices FSDP2's fully_shard (set the FSDP version to 2)")
     d.put("sharding", "fsdp2", version_src)
     d.put("zero_stage", 3, f"{version_src} (fully_shard shards like ZeRO-3)")
     if fc is None:
@@ -139,12 +139,12 @@ def _fsdp_config(fc: "Block | None", d: Draft, version, version_src: str) -> Non
     reshard = fc.get(key("reshard_after_forward"))
     if reshard is not None and str(reshard).lower() not in ("true", "full_shard"):
         fail(f"{fc.name(key('reshard_after_forward'))} = {checks.show(reshard)} is not modelled: FSDP2 with "
-              "reshard_after_forward=True only")
+             "reshard_after_forward=True only")
     for k in ("offload_params", "cpu_offload"):
         off = fc.get(key(k))
         if off is not None and str(off).lower() != "false":
             fail(f"{fc.name(key(k))} = {checks.show(off)} is not modelled over several ranks (offload.model_offload "
-                  "prices FSDP2's CPUOffloadPolicy on one GPU: vramlab offload --scheme fsdp2-cpu)")
+                 "prices FSDP2's CPUOffloadPolicy on one GPU: vramlab offload --scheme fsdp2-cpu)")
     ac = fc.get(key("activation_checkpointing"))
     if ac is not None:
         d.put("recompute", "full" if as_bool(fc.name(key("activation_checkpointing")), ac) else "none",
@@ -217,7 +217,7 @@ def read_accelerate(data, d: Draft, base: str):
         if f:
             dsb.finish()
             read_deepspeed(deepspeed_file(f, base, "deepspeed_config.deepspeed_config_file"), d, base,
-                       path="deepspeed_config_file", ctx=ctx)
+                           path="deepspeed_config_file", ctx=ctx)
         else:  # accelerate's inline keys, which it turns into a DeepSpeed config (DeepSpeedPlugin)
             inline = {"zero_optimization": {"stage": dsb.get("zero_stage", 2)}}
             for k, dk in (("offload_optimizer_device", "offload_optimizer"), ("offload_param_device", "offload_param")):

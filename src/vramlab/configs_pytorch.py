@@ -207,7 +207,7 @@ def read_torchtitan(data, d: Draft, base: str):
         mode = ac.get("mode", "selective")
         if mode not in ("none", "full"):
             fail(f"activation_checkpoint.mode = {checks.show(mode)} is not modelled with FSDP2 "
-                  "(zero.rank_phases: none or full); vramlab checkpoint prices selective plans on one GPU")
+                 "(zero.rank_phases: none or full); vramlab checkpoint prices selective plans on one GPU")
         d.put("recompute", mode, "activation_checkpoint.mode")
         ac.known("selective_ac_option", "per_op_sac_force_recompute_mm_shapes_by_fqns", "early_stop")
         ac.finish()

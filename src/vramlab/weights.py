@@ -132,7 +132,7 @@ def _count_moe(s: ModelSpec) -> dict[str, int]:
 
 
 COUNTERS = {"gpt2": _count_gpt2, "gpt_neox": _count_gpt_neox, "opt": _count_opt,
-             "llama": _count_llama, "bert": _count_bert, "t5": _count_t5, "moe": _count_moe}
+            "llama": _count_llama, "bert": _count_bert, "t5": _count_t5, "moe": _count_moe}
 
 
 # ----------------------------------------------------------------------------- tensors, in order
@@ -289,7 +289,7 @@ def _t_moe(s: ModelSpec) -> list[tuple[str, Shape]]:
 
 
 TENSORS = {"gpt2": _t_gpt2, "gpt_neox": _t_gpt_neox, "opt": _t_opt, "llama": _t_llama, "bert": _t_bert, "t5": _t_t5,
-            "moe": _t_moe}
+           "moe": _t_moe}
 
 
 def param_groups(s: ModelSpec) -> dict[str, int]:
