@@ -23,7 +23,8 @@ from typing import Any, Callable, Literal
 from .. import checkpointing as CK
 from .. import collectives as C
 from .. import compression as COMP
-from .. import activations, fitting, inplace, memory, optimizers, specs
+from .. import activations, fitting, memory, optimizers, specs
+from .. import inplace as IP
 from .. import offload as OFF
 from .. import parallel as PAR
 from .. import precision as P
@@ -188,8 +189,8 @@ def _training(*, model: str, batch_size: int, seq_len: int, precision: str, opti
                 accumulation_steps=accumulation_steps, loss=loss)
 
     def inplace_at(bs: int) -> dict:
-        return inplace.inplace_step(spec, batch_size=bs, seq_len=seq_len, choice=inplace, device="cuda",
-                                        precision=precision, attention=attention)
+        return IP.inplace_step(spec, batch_size=bs, seq_len=seq_len, choice=inplace, device="cuda",
+                               precision=precision, attention=attention)
 
     def train_at(bs: int):
         phases = memory.training_phases(spec, batch_size=bs, gpu=g, **opts)
@@ -253,7 +254,7 @@ TRAINING = Calculator(
             Input(name="recompute", label="recompute", kind="choice", default="none", choices=activations.RECOMPUTES),
             Input(name="gpu", label="GPU", kind="choice", default="t4", choices=GPU_CHOICES),
             Input(name="accumulation_steps", label="accumulation steps", kind="int", default=1, min=1, max=64),
-            Input(name="inplace", label="in-place ops", kind="choice", default="none", choices=inplace.INPLACE_CHOICES),
+            Input(name="inplace", label="in-place ops", kind="choice", default="none", choices=IP.INPLACE_CHOICES),
             Input(name="allocator", label="allocator", kind="choice", default="default", choices=ALLOCATORS),
             Input(name="loss", label="loss", kind="choice", default="whole", choices=memory.LOSSES)))
 
