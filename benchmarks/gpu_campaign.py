@@ -277,7 +277,7 @@ def allocator(dry: bool, tag: str) -> None:
 def inplace_ops(dry: bool, tag: str) -> None:
     """Chapter 1's in-place probe on CUDA's kernels (python -m vramlab.measure.inplace --device cuda): the
     dropout's saved bytes in place and out of place, which the CPU cannot show (its dropout saves the
-    noise either way), beside `activations.mlp_block_memory(device="cuda")`."""
+    noise either way), beside `inplace.mlp_block_memory(device="cuda")`."""
     import subprocess
 
     dest = RESULTS / "inplace" / f"{tag}.json"

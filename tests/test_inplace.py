@@ -1,4 +1,4 @@
-"""In-place operations (chapter 1): `vramlab.activations.mlp_block_memory` (the ledger's prediction of
+"""In-place operations (chapter 1): `vramlab.inplace.mlp_block_memory` (the ledger's prediction of
 what a block saves for backward and its forward peak, with and without in-place ops) against real
 tensors: saved-tensor hooks and live storages (`vramlab.measure.inplace`), on several shapes and
 precisions that are not the chapter's; and autograd's refusals against `inplace_refusal`."""
@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from vramlab import preset
-from vramlab.activations import INPLACE_OPS, MLPBlock, inplace_refusal, inplace_sites, mlp_block_memory
+from vramlab.inplace import INPLACE_OPS, MLPBlock, inplace_refusal, inplace_sites, mlp_block_memory
 
 torch = pytest.importorskip("torch")
 ip = pytest.importorskip("vramlab.measure.inplace")
@@ -209,7 +209,7 @@ def test_inplace_step_counts_the_output_dropouts_transformers_builds(name):
     """`inplace_step` multiplies one block's sites by the blocks, and T5's decoder blocks carry one more
     output dropout (after the cross-attention): the count of output dropouts on a projection's output is
     read here from transformers' own model, built from the preset's config (no weights)."""
-    from vramlab.activations import inplace_step
+    from vramlab.inplace import inplace_step
     from vramlab.measure.models import build_model
 
     spec = preset(name)
@@ -230,7 +230,7 @@ def test_inplace_step_counts_the_output_dropouts_transformers_builds(name):
 
 
 def test_inplace_step_refuses_bad_input_in_one_line():
-    from vramlab.activations import inplace_step
+    from vramlab.inplace import inplace_step
 
     with pytest.raises(ValueError, match="in-place choice"):
         inplace_step("gpt2", batch_size=1, seq_len=8, choice="all")

@@ -1,5 +1,6 @@
 """Parameter counts must equal sum(p.numel()) of the real transformers model, built offline on the
-meta device (no memory, no download), for the presets and for configs of unseen sizes."""
+meta device (no memory, no download), for the presets and for configs of unseen sizes. The families'
+tensors, name by name, are tests/test_weights.py's."""
 
 import dataclasses
 import json
@@ -19,24 +20,10 @@ def real_count(spec) -> int:
     return count_parameters(build_model(spec, device="meta"))
 
 
-@pytest.mark.parametrize("name", preset_names())
-def test_preset_params_exact(name):
-    spec = preset(name)
-    assert spec.params == real_count(spec)
-
-
 def test_required_presets_exist():
     for name in ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "bert-base", "bert-large", "mt5-base",
                  "llama-3.1-8b", "llama-3.1-70b", "mistral-7b", "qwen2.5-7b"]:
         assert name in preset_names()
-
-
-def test_published_sizes():
-    # sizes reported by the models' authors / the seeds: GPT-2 124M (HF), mT5-base ~582M (seeds)
-    assert preset("gpt2").params == 124_439_808
-    assert abs(preset("mt5-base").params - 582e6) / 582e6 < 0.001
-    assert abs(preset("bert-base").params - 110e6) / 110e6 < 0.01
-    assert abs(preset("llama-3.1-8b").params - 8.03e9) / 8.03e9 < 0.001
 
 
 # --- configs of sizes never tried: random, but each built by transformers itself --------------
@@ -135,31 +122,6 @@ def test_gpu_catalogue():
     assert gpu("h100").memory_bytes < 80 * 2**30 < gpu("h200").memory_bytes  # 80 GB (decimal) < 80 GiB
     with pytest.raises(SpecError, match="unknown GPU"):
         gpu("voodoo2")
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_param_tensors_match_named_parameters(seed):
-    # the order matters to for-loop optimizers; names are the module paths without the model prefix
-    for cfg in _rand_configs(seed):
-        spec = from_config(cfg)
-        real = [(n, p.numel()) for n, p in _hf_model(cfg).named_parameters()]
-        mine = spec.param_tensors()
-        assert [n for _, n in mine] == [n for _, n in real], cfg.model_type
-        assert all(r.endswith(m) for (m, _), (r, _) in zip(mine, real)), (mine, real)
-        assert sum(n for _, n in mine) == spec.params
-        assert _shapes_agree(spec, _hf_model(cfg)), cfg.model_type
-
-
-def _shapes_agree(spec, model) -> bool:
-    """`param_shapes` is each tensor's real shape; GPT-2's Conv1D weights are stored (in, out), listed (out, in)."""
-    conv1d = {n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
-    real = []
-    for n, p in model.named_parameters():
-        shape = tuple(p.shape)
-        if n.rsplit(".", 1)[0] in conv1d and n.endswith(".weight"):
-            shape = shape[::-1]
-        real.append(shape)
-    return [shape for _, shape in spec.param_shapes()] == real
 
 
 def test_every_gpu_argument_takes_a_gpuspec_or_a_name():

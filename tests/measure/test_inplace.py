@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from vramlab.activations import MLPBlock  # noqa: E402
+from vramlab.inplace import MLPBlock  # noqa: E402
 from vramlab.measure import inplace as ip  # noqa: E402
 
 

@@ -408,7 +408,7 @@ def test_compression_new_methods_answer_every_model_without_a_traceback():
 
 def test_training_in_place_adds_what_the_library_prices_where_every_block_is_saved():
     from vramlab import memory
-    from vramlab.activations import inplace_step
+    from vramlab.inplace import inplace_step
 
     kw = dict(model="gpt2", batch_size=4, seq_len=512, precision="bf16-mixed", gpu="h100-80gb")
     plain = C.get("training").run(**kw)

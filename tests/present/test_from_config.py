@@ -7,7 +7,9 @@ import json
 from vramlab import specs
 from vramlab import zero as Z
 from vramlab.present import cli, from_config
-from tests.test_configs import ACCELERATE_ZERO2, AXOLOTL_LORA_1B, H, hf_cache, model, read  # noqa: F401 (fixtures)
+from tests.test_configs import H, hf_cache, model, read  # noqa: F401 (fixtures)
+from tests.test_configs_deepspeed import ACCELERATE_ZERO2
+from tests.test_configs_hf import AXOLOTL_LORA_1B
 
 
 def test_cli_prints_sources_and_the_estimate(tmp_path, model, capsys):

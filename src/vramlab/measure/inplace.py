@@ -1,6 +1,6 @@
 """In-place operations, measured (chapter 1): what a block saves for backward and its forward peak,
 with and without `inplace=True` activations, in-place dropout and `branch.add_(x)`, against
-`vramlab.activations.mlp_block_memory` (the ledger's prediction).
+`vramlab.inplace.mlp_block_memory` (the ledger's prediction).
 
 Two independent counts on real tensors (CPU kernels):
 - saved: `torch.autograd.graph.saved_tensors_hooks` sees every tensor autograd saves; the distinct
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..activations import MLPBlock, inplace_set
+from ..inplace import MLPBlock, inplace_set
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -88,7 +88,7 @@ class _T5Norm(torch.nn.Module):
 
 
 class MLPBlockModule(torch.nn.Module):
-    """`vramlab.activations.MLPBlock` in torch, with the ops named in `inplace` run in place."""
+    """`vramlab.inplace.MLPBlock` in torch, with the ops named in `inplace` run in place."""
 
     def __init__(self, block: MLPBlock, inplace: Iterable[str] = (), dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -200,7 +200,7 @@ def probe(device: str = "cpu", *, batch_size: int = 4, seq_len: int = 256,
           precisions: Iterable[str] = ("fp32", "bf16")) -> list[dict]:
     """Every probe block x allowed in-place choice x precision on `device`: measured beside
     `mlp_block_memory`'s prediction for that device's kernels."""
-    from ..activations import inplace_refusal, mlp_block_memory
+    from ..inplace import inplace_refusal, mlp_block_memory
 
     torch.set_num_threads(1)
     rows = []
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
         return 2
     rows = probe(ns.device)
     out = {"what": "in-place ops on one feed-forward sublayer: measured saved bytes and forward peak beside "
-                   "vramlab.activations.mlp_block_memory", "device": ns.device,
+                   "vramlab.inplace.mlp_block_memory", "device": ns.device,
            "provenance": provenance(ns.device),
            "command": f"python -m vramlab.measure.inplace --device {ns.device} --out {ns.out}", "rows": rows}
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)

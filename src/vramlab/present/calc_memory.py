@@ -9,6 +9,7 @@ from .. import activations, fitting, memory, specs
 from .. import optimizers
 from .. import precision as P
 from .. import serving as SERVE
+from .. import inplace as IP
 from ..units import GiB, fmt_bytes
 from .calc_base import (CAPACITIES, COLORS, GPU_CHOICES, MOE_SEQ_CHOICES, SEQ_CHOICES, Calculator, Input, Result,
                         both, capacity_factor)
@@ -21,7 +22,7 @@ _ALL_SAVED = ("forward end", "backward start", "LM head backward")
 
 
 def _inplace_phases(phases, ip: dict) -> list:
-    """The step's phases with what the in-place ops add to the saved tensors (`activations.inplace_step`)."""
+    """The step's phases with what the in-place ops add to the saved tensors (`inplace.inplace_step`)."""
     out = []
     for m in phases:
         name = m.phase.split(": ")[-1]
@@ -44,8 +45,8 @@ def _training(*, model: str, batch_size: int, seq_len: int, precision: str, opti
                 accumulation_steps=accumulation_steps, loss=loss)
 
     def inplace_at(bs: int) -> dict:
-        return activations.inplace_step(spec, batch_size=bs, seq_len=seq_len, choice=inplace, device="cuda",
-                                        precision=precision, attention=attention)
+        return IP.inplace_step(spec, batch_size=bs, seq_len=seq_len, choice=inplace, device="cuda",
+                               precision=precision, attention=attention)
 
     def train_at(bs: int):
         phases = memory.training_phases(spec, batch_size=bs, gpu=g, **opts)
@@ -106,7 +107,7 @@ TRAINING = Calculator(
             Input(name="recompute", label="recompute", kind="choice", default="none", choices=activations.RECOMPUTES),
             Input(name="gpu", label="GPU", kind="choice", default="t4", choices=GPU_CHOICES),
             Input(name="accumulation_steps", label="accumulation steps", kind="int", default=1, min=1, max=64),
-            Input(name="inplace", label="in-place ops", kind="choice", default="none", choices=activations.INPLACE_CHOICES),
+            Input(name="inplace", label="in-place ops", kind="choice", default="none", choices=IP.INPLACE_CHOICES),
             Input(name="allocator", label="allocator", kind="choice", default="default", choices=ALLOCATORS),
             Input(name="loss", label="loss", kind="choice", default="whole", choices=memory.LOSSES)))
 
