@@ -171,7 +171,7 @@ def test_stored_campaign_every_rank_within_5_percent_and_traffic_exact():
         if run["config"].get("recompute") == "full":  # the re-run forward sent its K/V (or all-to-alls) again
             assert all(row["sent_recompute"] == row["sent_forward"] > 0 for row in res["rows"])
         # the rows were computed when the campaign ran: the calculator still says the same
-        from vramlab.measure.parallel import cp_rows  # noqa: PLC0415 (imports torch only where installed)
+        from vramlab.measure.context_parallel import cp_rows  # noqa: PLC0415 (imports torch only where installed)
         assert [r["predicted"] for r in cp_rows(res)] == [r["predicted"] for r in res["rows"]]
 
 
@@ -203,7 +203,7 @@ CASES = [
                          + ("" if c.get("zigzag", True) else "-contiguous"))
 def test_gloo_ranks_match_one_process_and_the_calculator(config):
     pytest.importorskip("torch")
-    from vramlab.measure.parallel import run_cp
+    from vramlab.measure.context_parallel import run_cp
 
     res = run_cp(config, timeout=120)
     assert res["ranks"] == config["nproc"] == len(res["rows"])
@@ -216,14 +216,14 @@ def test_one_gloo_run_of_fsdp_over_the_cp_ranks():
     """One small live run (two gloo ranks, ring, the states sharded by FSDP2): its peak within 5 % of the
     calculator's, its shards exact, its gradients those of one process on the whole sequence."""
     pytest.importorskip("torch")
-    from vramlab.measure.parallel import run_cp
+    from vramlab.measure.context_parallel import run_cp
 
     res = run_cp(dict(model="cp-val", method="ring", nproc=2, micro_batch=1, seq=256, fsdp=True), timeout=120)
     assert res["fsdp"] and len(res["rows"]) == 2
     for row in res["rows"]:
         _check_row(row)
     # FSDP2's collectives settled before it went on (gloo's worker let go of their buffers): without it this
-    # run's peak was 4 or 8 % higher one time in four (measure.parallel's `_settle`)
+    # run's peak was 4 or 8 % higher one time in four (measure.context_parallel's `_settle`)
     assert [r["gloo_unsettled"] for r in res["per_rank"]] == [0, 0]
 
 

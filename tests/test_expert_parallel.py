@@ -20,14 +20,14 @@ def _runs():
 
 
 def _spec(name):
-    from vramlab.measure.parallel import ep_model_spec
+    from vramlab.measure.expert_parallel import ep_model_spec
 
     return ep_model_spec(name)
 
 
 def _check_run(result):
     """States exact, peak within 5 %, bytes sent as counted, training equal to one process."""
-    from vramlab.measure.parallel import ep_prediction
+    from vramlab.measure.expert_parallel import ep_prediction
 
     spec = _spec(result["model_name"])
     moe_layers = len(spec.moe_layer_ids)
@@ -106,7 +106,7 @@ def test_stored_run_against_the_calculator(index):
 
 @pytest.fixture(scope="module")
 def live():
-    from vramlab.measure.parallel import run_ep
+    from vramlab.measure.expert_parallel import run_ep
 
     return [run_ep(dict(model="ep-mixtral", ep=2, dp=2, micro_batch=1, seq=64, capacity_factor=1.0), timeout=300),
             run_ep(dict(model="ep-qwen2", ep=2, dp=2, micro_batch=2, seq=64, zero=1), timeout=300)]
@@ -114,7 +114,7 @@ def live():
 
 @pytest.mark.slow
 def test_live_runs_against_the_calculator(live):
-    from vramlab.measure.parallel import ep_prediction
+    from vramlab.measure.expert_parallel import ep_prediction
 
     for result in live:
         _check_run(result)

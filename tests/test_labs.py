@@ -385,9 +385,9 @@ def test_lab3_stored_bubble_against_the_formula():
     15 % of it up to m = 4 plus what the stages' measured inequality explains (a shared 2-core machine
     does not give two processes equal cores: the formula assumes equal stages); at m = 8 (a bubble of
     1/9) within 0.05 of the step."""
-    from vramlab.measure import parallel as parlab
+    from vramlab.measure import pipeline as pipelab
 
-    rows = {(b["schedule"], b["micro_batches"]): b for b in parlab.bubble_rows(_lab3()["runs"]["pp"])}
+    rows = {(b["schedule"], b["micro_batches"]): b for b in pipelab.bubble_rows(_lab3()["runs"]["pp"])}
     for schedule, m, got, formula in _raw_bubbles(_lab3()["runs"]["pp"]):
         slack = 2 * _imbalance(rows[(schedule, m)])
         if m <= 4:
@@ -411,22 +411,22 @@ def test_lab3_bubble_with_longer_operations_is_the_formula():
 
 
 def test_lab3_replayed_bubble_separates_schedule_from_overhead():
-    """parlab.replayed_bubble on the stored run: with each operation's measured time and free sends, the
+    """pipelab.replayed_bubble on the stored run: with each operation's measured time and free sends, the
     two schedules give (p-1)/(m+p-1) within 10 % at every m on 2 cores, plus what the stages' measured
     inequality explains (the formula assumes equal stages), and the sends
     plus Python between operations (measured - replayed) stay under 0.05 of the step. The GPU machine's
     host run (16 cores) is replayed too: its overhead is smaller still."""
     import json
 
-    from vramlab.measure import parallel as parlab
+    from vramlab.measure import pipeline as pipelab
 
-    for b in parlab.bubble_rows(_lab3()["runs"]["pp"]):
+    for b in pipelab.bubble_rows(_lab3()["runs"]["pp"]):
         formula = 1 / (b["micro_batches"] + 1)
         assert abs(b["replayed"] - formula) / formula < 0.10 + 2 * _imbalance(b), b
         assert -0.01 < b["measured"] - b["replayed"] < 0.05, b
     host = json.loads((ROOT / "labs" / "results" / "h100" / "lab03_parallelism_h100_host.json").read_text())
     assert "H100" in host["machine"] and host["provenance"]["torch"].startswith("2.11")
-    for b in parlab.bubble_rows(host["runs"]["pp"]):
+    for b in pipelab.bubble_rows(host["runs"]["pp"]):
         assert -0.01 < b["measured"] - b["replayed"] < 0.03, b
 
 
@@ -452,7 +452,7 @@ def test_replayed_bubble_of_equal_operations_is_the_formula(schedule, p, m):
     """Operations laid out by pipeline.simulate (equal forward 1, backward 2) and replayed from their
     start/end times: the bubble is (p-1)/(m+p-1), even when the recorded times are shifted by gaps."""
     from vramlab import pipeline as PIPE
-    from vramlab.measure import parallel as parlab
+    from vramlab.measure import pipeline as pipelab
 
     if schedule == "1f1b" and m < p:
         pytest.skip("1F1B needs m >= p")
@@ -460,9 +460,9 @@ def test_replayed_bubble_of_equal_operations_is_the_formula(schedule, p, m):
     stages = [[(o.kind, float(o.start) + 0.5 * k, float(o.end) + 0.5 * k)  # gaps of 0.5 between ops
                for k, o in enumerate(sorted((o for o in run.ops if o.device == d), key=lambda o: o.start))]
               for d in range(p)]
-    assert parlab.replayed_bubble(stages) == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
+    assert pipelab.replayed_bubble(stages) == pytest.approx((p - 1) / (m + p - 1), rel=1e-12)
     with pytest.raises(ValueError, match="cannot be replayed"):
-        parlab.replayed_bubble([stages[0], stages[1][:-1] + [("F", 0.0, 1.0)]] + stages[2:])
+        pipelab.replayed_bubble([stages[0], stages[1][:-1] + [("F", 0.0, 1.0)]] + stages[2:])
 
 
 WRONG_1F1B = '''def one_f_one_b(p, m):

@@ -72,7 +72,7 @@ def _greedy_shard(sizes: list[int], world: int, me: int) -> list[int]:
 
 
 def _ep_saved_dense_layer(h: int, a: int, kv: int, d: int, b: int, s: int, e: int) -> int:
-    """Bytes one block of `measure.parallel`'s EP model saves for backward outside its MLP (read from its
+    """Bytes one block of `measure.expert_parallel`'s EP model saves for backward outside its MLP (read from its
     code, one rank, T = b s tokens, e bytes per activation): each RMSNorm (F.rms_norm) saves its input, its
     normalised input and the (T, 1) rstd; the output is saved by the projections after it; SDPA (CPU flash
     kernel) saves q, k, v, its output (o_proj's input, a view) and the (b, a, s) fp32 log-sum-exp."""
@@ -156,7 +156,7 @@ def expert_parallel(model: "ModelSpec | str", *, ep: int, dp: int, batch_size: i
     all-to-alls, each (ep-1)/ep of the buffer (a balanced router's share stays home); per step the experts'
     gradients all-reduced over edp and the dense ones over dp. Seconds: alpha-beta on `link` (`collectives`).
 
-    Peak: for a step of `vramlab.measure.parallel`'s EP model (RMSNorm, SDPA attention, the transformers expert
+    Peak: for a step of `vramlab.measure.expert_parallel`'s EP model (RMSNorm, SDPA attention, the transformers expert
     -- down(act(gate) * up) on 3-D gate_up/down tensors -- as a loop over the rank's experts (dropless) or two
     batched matmuls (capacity); derived from its code, validated fp32 on the CPU), the largest of three moments:
     - "loss": the states, every block's saved tensors (`_ep_saved_dense_layer`; a dense MLP 4 T I; the shared
@@ -233,7 +233,7 @@ def expert_parallel(model: "ModelSpec | str", *, ep: int, dp: int, batch_size: i
     a2a_s = _coll.collective_time("all_to_all", ep, sent_rows * row, lk) if ep > 1 else 0.0
     grad_ar = {"dense": _coll.collective_time("all_reduce", dp, n_dense * pb, lk) if dp > 1 else 0.0,
                "experts": _coll.collective_time("all_reduce", edp, n_exp * pb, lk) if edp > 1 else 0.0}
-    # -- activations of the measured model (read from `measure.parallel`'s EP model; e bytes each), per block
+    # -- activations of the measured model (read from `measure.expert_parallel`'s EP model; e bytes each), per block
     a, kv, d, V = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.vocab_size
     dense_layer = _ep_saved_dense_layer(h, a, kv, d, b, s, e)
     mlp_dense = T * 4 * spec.intermediate_size * e  # gate's output, act(gate), up's output, the product

@@ -54,20 +54,3 @@ def test_parlab_out_is_checked_first_and_named_parlab(afile, tmp_path, capsys):
     for out in (afile / "x.json", tmp_path):
         line = refused(parlab.main, ["ddp", "--out", str(out)], capsys)
         assert line.startswith("python -m vramlab.measure.parallel: error: --out") and "commbench" not in line, line
-
-
-
-
-# --------------------------------------------------------------- cp: FSDP2 over the CP ranks
-
-def test_cp_fsdp_flag_round_trips_through_the_campaigns_command_line():
-    config = dict(model="cp-val", method="ulysses", nproc=4, micro_batch=2, seq=1024, recompute="full", fsdp=True)
-    argv = parlab.cp_argv(config, "out.json")
-    assert argv.count("--fsdp") == 1 and "--fsdp" not in parlab.cp_argv(dict(config, fsdp=False), "out.json")
-    assert any(c.get("fsdp") for c in parlab.CP_CAMPAIGN)
-
-
-@pytest.mark.usefixtures("nothing_starts")
-def test_cp_fsdp_refuses_a_value_in_one_line(capsys):
-    line = refused(parlab.main, ["cp", "--fsdp=yes"], capsys)
-    assert "--fsdp" in line, line

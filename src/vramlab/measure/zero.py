@@ -19,7 +19,7 @@ process group per setup, and reports per rank:
   optimizer states (the inner optimizer's states and DeepSpeed's fp32 master partitions) and other
   (communication buckets and the like, largest first with their shapes);
 - the step's peak: resident plus the most that a step's own storages held at once
-  (`measure.parallel.LiveBytes`), the largest over the measured steps (all but the first two);
+  (`measure.ledger.LiveBytes`), the largest over the measured steps (all but the first two);
 - bytes communicated in the step, counted at the `torch.distributed` calls (payload per collective
   and what each rank sends on a ring, `collectives.bytes_sent_per_rank`);
 - the trained parameters against one process training the same model on all ranks' data (with
@@ -31,7 +31,7 @@ process group per setup, and reports per rank:
   that moment (bytes by owner category and the largest transient storages: bytes, dtype, shape, the
   operation that made them, their role: a module's gathered parameter, a gradient, other), each phase's
   own peak, and a cross-check against PyTorch's CPU allocator (the profiler's memory events).
-  `step_peak` and `step_transient_peaks` keep lab 4's accounting (`measure.parallel.LiveBytes`: the resident
+  `step_peak` and `step_transient_peaks` keep lab 4's accounting (`measure.ledger.LiveBytes`: the resident
   total plus the most that operation outputs held at once), which cannot see storages FSDP2 reallocates
   with `resize_` (its gathered parameters after the first step) nor resident storages freed in a step.
 Imports torch and DeepSpeed (FSDP2 needs only torch).
@@ -425,7 +425,7 @@ def run_setup(setup: str, rank: int, world: int, *, micro_batch: int, seq: int, 
     rank's report. The step's peak is the largest over the measured steps, as the allocator's peak
     over a run is: which buffers of the last collective are still alive at a step's worst moment
     depends on when Python frees them, and one step can miss a buffer that the next one holds."""
-    from .parallel import LiveBytes
+    from .ledger import LiveBytes
 
     import torch
 
@@ -556,7 +556,7 @@ def _worker(rank: int, world: int, args, port: int) -> None:
 
     from .collectives import first_line
     from .memory import settle_imports
-    from .parallel import rank_device
+    from .ranks import rank_device
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
