@@ -153,3 +153,23 @@ def test_gpu_for_device_reads_torchs_device_names(device, memory, want):
 
     got = gpu_for_device(device, memory)
     assert (got.name if got else None) == want
+
+
+def test_one_resolver_with_one_moe_policy():
+    """specs.resolve is the only resolver: a name or a ModelSpec; a mixture of experts refused in one line by the
+    dense-only calculators and passed with moe=True (one device's training, inference, `moe`, expert parallelism,
+    serving), the same spec either way; the old per-module resolvers are gone."""
+    import vramlab.activations as A
+    import vramlab.memory as M
+    import vramlab.moe as MOE
+    import vramlab.step as STEP
+    from vramlab.specs import preset, resolve
+
+    with pytest.raises(ValueError, match="mixture of experts is not modelled yet by this calculator"):
+        resolve("mixtral-8x7b")
+    spec = resolve("mixtral-8x7b", moe=True)
+    assert spec == preset("mixtral-8x7b") and resolve(spec, moe=True) is spec and spec.is_moe
+    assert resolve("gpt2", moe=True) == resolve("gpt2") == preset("gpt2")
+    with pytest.raises(ValueError, match="model must be a ModelSpec or a preset name, got 3"):
+        resolve(3, moe=True)
+    assert not any(hasattr(m, n) for m in (A, M, MOE, STEP) for n in ("resolve_moe", "_resolve_any", "inference_spec"))

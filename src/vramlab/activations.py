@@ -25,14 +25,7 @@ from . import checks as _checks
 from . import moe as _moe
 from .checks import MAX_BYTES, MAX_PARAMS
 from .precision import PRECISIONS, PURE_16BIT, Precision, dtype_sizes, loss_bytes
-from .specs import ModelSpec, moe_preset_names as _moe_preset_names, resolve as _resolve
-
-
-def _resolve_any(model) -> ModelSpec:
-    """`resolve`, except that a mixture of experts passes (its MLPs' ledger: `moe.training_layer_saved`)."""
-    if isinstance(model, ModelSpec) and model.is_moe or isinstance(model, str) and model.strip().lower() in _moe_preset_names():
-        return _moe.resolve_moe(model)
-    return _resolve(model)
+from .specs import ModelSpec, resolve as _resolve
 
 
 AttentionImpl = Literal["eager", "sdpa"]
@@ -481,7 +474,7 @@ def recompute_plan(recompute: "str | Plan | Iterable[int]", model: ModelSpec | s
     segments-K   segments of K consecutive blocks (Megatron-LM's "uniform" method)
 
     or a set of block indices, each checkpointed alone (a `Plan` passes through)."""
-    spec = _resolve_any(model)
+    spec = _resolve(model, moe=True)
     stacks = _stacks(spec)
     n = stacks[-1][1]
     if isinstance(recompute, Plan):
@@ -685,7 +678,7 @@ def activation_bytes(spec: ModelSpec, *, batch_size: int, seq_len: int, precisio
     A mixture of experts (family "moe"): attention and norms as a Llama block's (with Qwen3's and
     OLMoE's q/k norms), each layer's MLP from `moe.training_layer_saved` (`capacity_factor`: None is
     dropless routing, a number drop-and-pad buffers); whole model on one device only."""
-    spec = _resolve_any(spec)
+    spec = _resolve(spec, moe=True)
     capacity_factor = _moe.check_trainable(spec, capacity_factor)
     batch_size, seq_len = _checks.whole("batch_size", batch_size), _checks.whole("seq_len", seq_len)
     _checks.one_of("precision", precision, PRECISIONS)

@@ -38,7 +38,7 @@ def _is_routed_expert(name: str) -> bool:
 
 def _moe_spec(model: "ModelSpec | str") -> ModelSpec:
     """The model's spec, refused in one line when it has no routed experts to split."""
-    spec = _moe.resolve_moe(model)
+    spec = _specs.resolve(model, moe=True)
     if not spec.is_moe:
         raise ValueError(f"{spec.name} is a dense model: expert parallelism needs routed experts (an MoE preset, "
                          f"e.g. {', '.join(_specs.moe_preset_names()[:2])})")

@@ -13,11 +13,11 @@ from typing import Callable, Literal
 from . import checks as _checks
 from .activations import ATTENTIONS, WHOLE_MODEL, AttentionImpl, DeviceShare
 from .checks import MAX_BYTES
-from .memory import (INFERENCE_OPTIONS, MemoryBreakdown, INFER_BYTES, estimate_options, inference_spec,
+from .memory import (INFERENCE_OPTIONS, MemoryBreakdown, INFER_BYTES, estimate_options,
                      estimate_inference, estimate_training, param_bytes)
 from .step import OPTIONS as STEP_OPTIONS
 from .precision import PRECISIONS
-from .specs import GPUSpec, ModelSpec, gpu as _gpu
+from .specs import GPUSpec, ModelSpec, gpu as _gpu, resolve as _resolve
 from .units import fmt_bytes
 
 
@@ -126,7 +126,7 @@ def largest_tensor_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: in
     dense embedding gradient whole). Other keywords of `estimate_training`/`estimate_inference` are
     accepted (and ignored), so that one set of options serves both; any other is an error. A mixture
     of experts' gate-and-up output (top-k rows a token) is a candidate too."""
-    spec = inference_spec(model)  # a mixture of experts too (estimate_training says which it prices)
+    spec = _resolve(model, moe=True)  # a mixture of experts too (estimate_training says which it prices)
     _checks.no_unknown("largest_tensor_bytes", _ignored, estimate_options())
     batch_size, seq_len = _checks.whole("batch_size", batch_size), _checks.whole("seq_len", seq_len)
     _checks.one_of("mode", mode, ("train", "infer"))
@@ -168,7 +168,7 @@ def fragmentation_bytes(model: ModelSpec | str, *, batch_size: int, seq_len: int
     to 104: reserved minus allocated at the peak 0.83-0.97 of the 16-bit logits; the estimate's
     largest batch is then the measured one, 104). Otherwise one block of the largest tensor
     (`largest_tensor_bytes`), which is safe without a measurement that says more."""
-    spec = inference_spec(model)
+    spec = _resolve(model, moe=True)
     _checks.no_unknown("fragmentation_bytes", kw, estimate_options() | {"mode"})
     largest = largest_tensor_bytes(spec, batch_size=batch_size, seq_len=seq_len, precision=precision, share=share, **kw)
     batch_size, seq_len = operator.index(batch_size), operator.index(seq_len)  # checked there
@@ -375,7 +375,7 @@ def longest_sequence(model: ModelSpec | str, gpu: GPUSpec | str, *, batch_size: 
     est = estimate_training if mode == "train" else estimate_inference
     options = _gpu_step_options(est, options, "longest_sequence()", f"longest_sequence(mode={mode!r})",
                                 chosen=("seq_len",))
-    spec = inference_spec(model)
+    spec = _resolve(model, moe=True)
     est(spec, batch_size=batch_size, seq_len=1, gpu=g, **options)  # every option checked once
     limit = spec.max_position_embeddings if spec.family != "t5" and spec.max_position_embeddings else MAX_SEQ_SEARCH
     _positions(spec, limit)

@@ -22,7 +22,7 @@ from .checks import MAX_BYTES, MAX_PARAMS
 from .precision import FP32_STATES, PRECISIONS, PURE_16BIT, Precision, dtype_sizes, loss_bytes
 from .specs import GPUSpec, ModelSpec, gpu as _gpu
 from .step import (LOSSES, MAX_ACCUMULATION, OPTIMIZER_IMPLS, OPTIONS as STEP_OPTIONS, Loss, Optimizer,
-                   OptimizerImpl, Step, as_step, gpu_or_none, inference_spec)
+                   OptimizerImpl, Step, as_step, gpu_or_none)
 from .specs import resolve as _resolve
 from .units import fmt_bytes
 
@@ -195,7 +195,7 @@ def model_states(model: ModelSpec | str, *, precision: Precision = "fp32", optim
     are those the device's caching allocator holds (`optimizers.Ledger.device`): a paged optimizer's
     paged buffers and an offloaded optimizer's host copies are not (`optimizer_ledger`); torch's 0-dim step
     counters, on the host unless the step is fused, are not either."""
-    spec = inference_spec(model)
+    spec = _resolve(model, moe=True)
     check_choice(precision, PRECISIONS, "precision")
     check_choice(optimizer, _optim.NAMES, "optimizer")
     n_all = spec.params
@@ -220,7 +220,7 @@ def optimizer_ledger(model: ModelSpec | str, optimizer: str, precision: Precisio
     allocator, paged unified memory, the host). torch.optim's states follow the recipe (`state_bytes`); the
     other libraries keep theirs as they do whatever the recipe; fp16-fp32-master's fp32 master weights count
     with the states, as everywhere."""
-    spec = inference_spec(model)
+    spec = _resolve(model, moe=True)
     check_choice(precision, PRECISIONS, "precision")
     check_choice(optimizer, _optim.NAMES, "optimizer")
     if precision in FP32_STATES and optimizer not in _optim.SHARDED:
@@ -291,7 +291,7 @@ def loss_chunk_size(model: ModelSpec | str, *, tokens: int, loss: Loss = "whole"
     whole loss; `loss_chunk_tokens` (at most `tokens`) for the chunked and fused ones, or by default
     torchtune's (the tokens in 8 chunks) and Liger-Kernel's (logits no larger than the head's input:
     the next power of two above tokens / ceil(V / h), `fused_linear_cross_entropy_forward`)."""
-    spec = inference_spec(model)
+    spec = _resolve(model, moe=True)
     tokens = _checks.whole("tokens", tokens)
     check_choice(loss, LOSSES, "loss")
     if loss_chunk_tokens is not None:
@@ -708,7 +708,7 @@ def estimate_inference(model: ModelSpec | str, *, batch_size: int, seq_len: int,
     `moe.prefill_block_bytes` (the routed experts' token copies, ~top-k x the hidden state per token).
 
     Known limitations: the block's intermediates are a bound on what it holds at once, not a trace."""
-    spec = inference_spec(model)
+    spec = _resolve(model, moe=True)
     batch_size, seq_len = check_positive(batch_size=batch_size, seq_len=seq_len)
     if new_tokens is not None:  # by its own name, before it is added to seq_len
         new_tokens = _checks.whole("new_tokens", new_tokens, lo=0)

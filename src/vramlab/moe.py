@@ -7,7 +7,7 @@ and the num_experts_per_tok routed experts its router picks in each MoE layer, s
 its activations follow `active_params`, while memory for weights, gradients and optimizer states
 follows `params`. Training memory on one device is modelled below (`training_layer_saved`,
 `mla_attention_saved`, `training_block_bytes`, used by `memory.estimate_training`; every family above); `specs.resolve`
-still refuses an MoE spec for the other calculators, and this module takes one through `resolve_moe`.
+refuses an MoE spec for the dense-only calculators, and takes one with `moe=True`, as this module does.
 
 The KV cache of multi-head latent attention (DeepSeek) is the reason MLA exists: keys and values
 are rebuilt from a kv_lora_rank latent plus one shared rotary key of qk_rope_head_dim, so that is
@@ -35,22 +35,12 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 KV_LAYOUTS = ("transformers", "latent", "expanded")
 
 
-def resolve_moe(model: "ModelSpec | str") -> ModelSpec:
-    """A model as this module takes it: a ModelSpec as it is, a string as any preset's name (the
-    mixture-of-experts presets included). A dense model is allowed: it has no experts."""
-    if isinstance(model, ModelSpec):
-        return model
-    if isinstance(model, str):
-        return _specs.preset(model)
-    raise ValueError(f"model must be a ModelSpec or a preset name, got {_checks.show(model)}")
-
-
 def param_breakdown(model: "ModelSpec | str") -> dict[str, int]:
     """Parameters by role, summing to `spec.params`: embeddings, attention (projections and their
     norms), norms (the two per layer and the final one), dense_mlp (dense layers' MLPs), router
     (each MoE layer's num_experts x hidden gate), routed_experts, shared_experts (with Qwen2-MoE's
     shared-expert gate) and head (an untied LM head)."""
-    s = resolve_moe(model)
+    s = _specs.resolve(model, moe=True)
     if not s.is_moe:
         raise ValueError(f"{s.name} is a dense {s.model_type} model: it has no experts to break down "
                          f"(spec.param_groups() splits it)")
@@ -79,12 +69,12 @@ def active_params(model: "ModelSpec | str") -> int:
     """Parameters one token's forward uses (`ModelSpec.active_params`): all but the routed experts,
     plus num_experts_per_tok of them in each MoE layer. Embedding and head count whole, as the
     models' authors count: Mixtral-8x7B 12.9B of 46.7B, DeepSeek-V3 37.6B of 671B."""
-    return resolve_moe(model).active_params
+    return _specs.resolve(model, moe=True).active_params
 
 
 def kv_cache_elements_per_token(model: "ModelSpec | str", layout: str = "transformers") -> int:
     """Numbers the KV cache holds per token, all layers together, in the named layout (KV_LAYOUTS)."""
-    s = resolve_moe(model)
+    s = _specs.resolve(model, moe=True)
     _checks.one_of("layout", layout, KV_LAYOUTS)
     if not s.is_causal_lm:
         raise ValueError(f"{s.name} is a {s.model_type} model; this counts a decoder-only model's cache "
@@ -104,7 +94,7 @@ def kv_cache_bytes(model: "ModelSpec | str", *, batch_size: int, seq_len: int, d
     """The KV cache of batch_size sequences of seq_len tokens: elements per token (in `layout`) x
     tokens x bytes. Full attention is assumed (a sliding-window config caches at most its window).
     DeepSeek-V3 in bf16: 70,272 bytes a token as a latent, 4,997,120 expanded (71x)."""
-    s = resolve_moe(model)
+    s = _specs.resolve(model, moe=True)
     batch_size = _checks.whole("batch_size", batch_size)
     seq_len = _checks.positions(s, _checks.whole("seq_len", seq_len))
     _checks.one_of("dtype", dtype, tuple(DTYPE_BYTES))
@@ -137,7 +127,7 @@ def expert_capacity(tokens: int, num_experts: int, top_k: int = 1, capacity_fact
 
 def describe(model: "ModelSpec | str") -> str:
     """A few lines for a person: total and active parameters, where they sit, the KV cache per token."""
-    s = resolve_moe(model)
+    s = _specs.resolve(model, moe=True)
     parts = param_breakdown(s)
     lines = [f"{s.name} ({s.model_type}): {s.params:,} parameters, {s.active_params:,} active per token "
              f"({s.num_experts_per_tok} of {s.num_experts} routed experts in {len(s.moe_layer_ids)} of "
@@ -188,7 +178,7 @@ def prefill_block_bytes(model: "ModelSpec | str", *, tokens: int, dtype_bytes: i
     input, the residual after attention and its normalised copy. Attention is counted as SDPA on
     CUDA (no score matrix); the shared experts run before the routed ones in Qwen2-MoE (their output
     waits) and after them in DeepSeek (the routed output waits). Traced in transformers 5.x."""
-    s = resolve_moe(model)
+    s = _specs.resolve(model, moe=True)
     if not s.is_moe:
         raise ValueError(f"{s.name} is a dense {s.model_type} model: memory.estimate_inference prices its blocks")
     t = _checks.whole("tokens", tokens)
@@ -266,7 +256,7 @@ def _layer_args(model, layer, tokens, precision, device, capacity_factor):
     per kind)."""
     from .precision import PRECISIONS, dtype_sizes
 
-    s = resolve_moe(model)
+    s = _specs.resolve(model, moe=True)
     capacity_factor = check_trainable(s, capacity_factor)
     layer = _checks.whole("layer", layer, lo=0, hi=max(s.num_layers - 1, 0))
     T = _checks.whole("tokens", tokens)
@@ -384,7 +374,7 @@ def mla_attention_saved(model: "ModelSpec | str", *, tokens: int, precision: str
     Known limitations: SDPA's fused kernel assumed (CPU flash takes only equal q/k and v head widths;
     a CPU trace of v_head_dim != head_dim runs the math path and saves the scores)."""
     from .precision import PRECISIONS, dtype_sizes
-    s = resolve_moe(model)
+    s = _specs.resolve(model, moe=True)
     if not s.is_mla:
         raise ValueError(f"{s.name} has no multi-head latent attention (kv_lora_rank 0)")
     T = _checks.whole("tokens", tokens)
@@ -454,6 +444,6 @@ def training_block_bytes(model: "ModelSpec | str", *, layer: int, tokens: int, p
 
 
 __all__ = ["DTYPE_BYTES", "KV_LAYOUTS", "MAX_CAPACITY_FACTOR", "active_params", "describe", "expert_capacity", "kv_cache_bytes", "kv_cache_elements_per_token",
-           "param_breakdown", "prefill_block_bytes", "resolve_moe",
+           "param_breakdown", "prefill_block_bytes",
            "TRAINING_FAMILIES", "check_trainable", "training_layer_saved", "training_block_bytes",
            "mla_attention_saved"]

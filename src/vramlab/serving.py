@@ -62,7 +62,7 @@ TRASH_SECTORS = 2  # cache.py: two never-allocated sectors before the data secto
 
 
 def _model(model) -> ModelSpec:
-    s = _moe.resolve_moe(model)
+    s = _specs.resolve(model, moe=True)
     if not s.is_causal_lm:
         raise ValueError(f"{s.name} is a {s.model_type} model; serving is modelled for decoder-only models")
     return s

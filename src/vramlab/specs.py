@@ -820,15 +820,16 @@ def preset(name: str) -> ModelSpec:
     return from_config(cfg, name=key)
 
 
-def resolve(model: "ModelSpec | str") -> ModelSpec:
-    """A model as every calculator takes it: a `ModelSpec` as it is, a string as a preset's name.
-    A mixture of experts is refused with one line: no calculator models its training memory yet
-    (`vramlab.moe` counts its parameters and prices its KV cache)."""
+def resolve(model: "ModelSpec | str", *, moe: bool = False) -> ModelSpec:
+    """A model as every calculator takes it, the one resolver: a `ModelSpec` as it is, a string as a preset's
+    name (the mixture-of-experts presets too). `moe` is the calculator's policy for a mixture of experts: True
+    where it models one (one device's training and inference, `moe`, expert parallelism, serving), False
+    where it prices dense models only: then a mixture of experts is refused with one line."""
     if isinstance(model, str):
         model = preset(model)
     elif not isinstance(model, ModelSpec):
-        raise ValueError(f"model must be a ModelSpec or a preset name, got {model!r}")
-    if model.is_moe:
+        raise ValueError(f"model must be a ModelSpec or a preset name, got {_checks.show(model)}")
+    if model.is_moe and not moe:
         raise ValueError(f"{model.name}: {MOE_NOT_MODELLED}; vramlab.moe counts its parameters and KV cache")
     return model
 

@@ -22,7 +22,7 @@ from . import moe as _moe
 from . import optimizers as _optim
 from .activations import ATTENTIONS, Plan, recompute_plan
 from .precision import PRECISIONS
-from .specs import GPUSpec, ModelSpec, gpu as _gpu, moe_preset_names as _moe_preset_names, preset as _preset
+from .specs import GPUSpec, ModelSpec, gpu as _gpu
 from .specs import resolve as _resolve
 
 Optimizer = Literal["adamw", "adam", "sgd", "sgd-momentum", "adamw-8bit"]
@@ -33,15 +33,6 @@ OPTIMIZER_IMPLS: tuple[str, ...] = ("for-loop", "foreach", "fused")
 LOSSES: tuple[str, ...] = ("whole", "chunked", "fused")
 DEVICES: tuple[str, ...] = ("cuda", "cpu")
 MAX_ACCUMULATION = 1 << 16  # micro-batches per optimizer step
-
-
-def inference_spec(model: ModelSpec | str) -> ModelSpec:
-    """`specs.resolve`, except that a mixture of experts passes (inference and one-device training are modelled)."""
-    if isinstance(model, str) and model in _moe_preset_names():
-        return _preset(model)
-    if isinstance(model, ModelSpec) and model.is_moe:
-        return model
-    return _resolve(model)
 
 
 def gpu_or_none(gpu) -> "GPUSpec | None":
@@ -76,7 +67,7 @@ class Step:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
-        spec = inference_spec(self.model)  # a mixture of experts passes (its MLPs: `moe.training_layer_saved`)
+        spec = _resolve(self.model, moe=True)  # a mixture of experts passes (its MLPs: `moe.training_layer_saved`)
         put(self, "model", spec)
         put(self, "capacity_factor", _moe.check_trainable(spec, self.capacity_factor))
         put(self, "batch_size", _checks.whole("batch_size", self.batch_size))
