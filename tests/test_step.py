@@ -131,3 +131,24 @@ def test_a_sharded_step_refuses_a_mix_and_what_it_does_not_model():
         Z.rank_phases("gpt2", 2, 2, micro_batch_size=1, seq_len=32, precision="bf16")
     with pytest.raises(ValueError, match="stage must be 3 with implementation='fsdp2'"):
         Z.Ranks(2, 2, implementation="fsdp2")
+
+
+def test_a_layouts_device_takes_a_step():
+    """parallel.estimate_layout(model, layout, micro_batch_size=..., seq_len=..., **options) is the estimate of its
+    Step (precision bf16-mixed unless given); what a layout does not model is refused in one line."""
+    from vramlab import parallel as P
+
+    layout = P.Layout(tp=2, pp=2, micro_batches=4)
+    kw = dict(precision="fp32", recompute="selective", optimizer_impl="fused")
+    step = P.layout_step("gpt2", micro_batch_size=2, seq_len=128, options=kw)
+    assert step.batch_size == 2 and step.precision == "fp32"
+    assert P.estimate_layout(step, layout) == P.estimate_layout("gpt2", layout, micro_batch_size=2, seq_len=128, **kw)
+    assert P.layout_step("gpt2", micro_batch_size=1, seq_len=8).precision == "bf16-mixed"
+    with pytest.raises(ValueError, match="not both"):
+        P.estimate_layout(step, layout, seq_len=128)
+    with pytest.raises(ValueError, match="estimate_layout: unknown argument loss"):
+        P.estimate_layout("gpt2", layout, micro_batch_size=1, seq_len=8, loss="chunked")
+    with pytest.raises(ValueError, match="leave accumulation_steps"):
+        P.estimate_layout(Step("gpt2", batch_size=1, seq_len=8, accumulation_steps=2), layout)
+    with pytest.raises(ValueError, match="unknown optimizer 'adafactor'"):
+        P.estimate_layout(Step("gpt2", batch_size=1, seq_len=8, optimizer="adafactor"), layout)

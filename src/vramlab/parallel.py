@@ -37,6 +37,7 @@ from . import fitting as _fitting
 from . import activations as _act
 from . import pipeline as _pipe
 from .specs import ModelSpec
+from .step import Step
 
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 MAX_DEVICES = 1 << 20
@@ -306,12 +307,48 @@ def _schedule_points(layout: Layout, stage: int, held: int, received_inputs: boo
 
 
 
-def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size: int, seq_len: int,
-                    precision: str = "bf16-mixed", optimizer: str = "adamw", optimizer_impl: str = "foreach",
-                    attention: str = "sdpa", recompute: str = "none", device: str = "cuda",
-                    gradient_as_bucket_view: bool = False, keep_stage_output: bool = True,
+# the Step's options a layout takes (beside the micro-batch and sequence): what one device of a layout models
+LAYOUT_STEP_OPTIONS: tuple[str, ...] = ("precision", "optimizer", "optimizer_impl", "attention", "recompute", "device",
+                                        "gpu")
+
+
+def layout_step(model: "ModelSpec | str | Step", *, micro_batch_size: int | None = None, seq_len: int | None = None,
+                options: dict | None = None, where: str = "estimate_layout") -> Step:
+    """The checked Step of one device of a layout: a Step as it is, or a model with the micro-batch, sequence and
+    `options` (LAYOUT_STEP_OPTIONS; precision bf16-mixed unless given). A layout models torch.optim's sharded
+    optimizers, recompute none, selective or full, and no accumulation, frozen base, chunked loss or KV cache."""
+    options = dict(options or {})
+    if isinstance(model, Step):
+        if options or (micro_batch_size, seq_len) != (None, None):
+            raise ValueError(f"{where} takes a Step, or a model with micro_batch_size, seq_len and options, not both")
+        step = model
+        _specs.resolve(step.model)  # a mixture of experts: expert_parallel.moe_layout_states
+    else:
+        _checks.no_unknown(where, options, LAYOUT_STEP_OPTIONS)
+        spec = _specs.resolve(model)
+        b = check_count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT)
+        s = check_count("seq_len", seq_len, hi=_checks.MAX_COUNT)
+        _checks.positions(spec, s)
+        options = {"precision": "bf16-mixed", **options}
+        for name, choices in (("precision", _prec.PRECISIONS), ("optimizer", _optim.SHARDED),
+                              ("optimizer_impl", _mem.OPTIMIZER_IMPLS), ("attention", _act.ATTENTIONS),
+                              ("recompute", RECOMPUTE), ("device", ("cuda", "cpu"))):
+            if name in options:
+                _checks.one_of(name, options[name], choices)
+        step = Step(spec, batch_size=b, seq_len=s, **options)
+    _checks.one_of("optimizer", step.optimizer, _optim.SHARDED)
+    _checks.one_of("recompute", step.recompute, RECOMPUTE)
+    if (step.accumulation_steps, step.loss, step.trainable_params, step.use_cache, step.optimizer_in_backward) != \
+            (1, "whole", None, False, False):
+        raise ValueError(f"{where} models one step of the whole model's parameters: leave accumulation_steps, loss, "
+                         "trainable_params, use_cache and optimizer_in_backward at their defaults")
+    return step
+
+
+def estimate_layout(model: "ModelSpec | str | Step", layout: Layout, *, micro_batch_size: int | None = None,
+                    seq_len: int | None = None, gradient_as_bucket_view: bool = False, keep_stage_output: bool = True,
                     keep_gradients: bool = True, implementation: str = "megatron",
-                    gpu=None, stages: "tuple[int, ...] | None" = None) -> list[_mem.MemoryBreakdown]:
+                    stages: "tuple[int, ...] | None" = None, **options) -> list[_mem.MemoryBreakdown]:
     """Peak memory of one device of each pipeline stage (index = stage): the largest of
     `memory.training_phases` for that device's share (`activations.DeviceShare`) -- its parameters,
     gradients and optimizer states, the activations of the micro-batches the schedule holds in
@@ -336,23 +373,17 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
       V x e gradient on every rank before keeping its shard).
     - stages: only these stages (the list then holds theirs, in this order): the first and the last
       are the fullest (the most micro-batches in flight; the logits), which a planner needs."""
-    spec = _specs.resolve(model)
-    _check_layout_model(spec, layout)
-    b, s = check_count("micro_batch_size", micro_batch_size, hi=_checks.MAX_COUNT), check_count("seq_len", seq_len, hi=_checks.MAX_COUNT)
-    _checks.positions(spec, s)
-    for name, value, choices in (("precision", precision, _prec.PRECISIONS), ("optimizer", optimizer, _optim.SHARDED),
-                                 ("optimizer_impl", optimizer_impl, _mem.OPTIMIZER_IMPLS),
-                                 ("attention", attention, _act.ATTENTIONS), ("recompute", recompute, RECOMPUTE),
-                                 ("device", device, ("cuda", "cpu")), ("implementation", implementation, IMPLEMENTATIONS)):
-        _checks.one_of(name, value, choices)
+    _check_layout_model(model.model if isinstance(model, Step) else _specs.resolve(model), layout)
+    step = layout_step(model, micro_batch_size=micro_batch_size, seq_len=seq_len, options=options)
+    spec, b, s, precision, device = step.model, step.batch_size, step.seq_len, step.precision, step.device
+    _checks.one_of("implementation", implementation, IMPLEMENTATIONS)
     gradient_as_bucket_view = _checks.flag("gradient_as_bucket_view", gradient_as_bucket_view)
     keep_stage_output = _checks.flag("keep_stage_output", keep_stage_output)
     keep_gradients = _checks.flag("keep_gradients", keep_gradients)
-    gpu = _mem.gpu_or_none(gpu)
     p, v, t = layout.pp, layout.chunks, layout.tp
     if stages is not None:
         stages = _checks.wholes("stages", stages, lo=0, hi=p - 1)
-    plan = _act.recompute_plan(recompute, spec)  # once (training_phases takes the plan as it is)
+    step = dataclasses.replace(step, recompute=step.plan)  # the plan made once (training_phases takes it as it is)
     chunks = _stage_layers(spec.num_layers, p * v)
     held = in_flight(layout)
     # torch.distributed.pipelining's receive buffers, allocated for every micro-batch and kept: the
@@ -378,9 +409,7 @@ def estimate_layout(model: ModelSpec | str, layout: Layout, *, micro_batch_size:
         peak = max((phase for n, got, sends in _schedule_points(layout, stage, held[stage], torch_pp,
                                                                  sends_pend=device == "cpu")
                     for phase in _mem.training_phases(
-                        spec, batch_size=b, seq_len=s, precision=precision, optimizer=optimizer,
-                        optimizer_impl=optimizer_impl, attention=attention, recompute=plan, device=device, gpu=gpu,
-                        share=_act.DeviceShare(**share, in_flight=n, received=got, pending_sends=sends))),
+                        step, share=_act.DeviceShare(**share, in_flight=n, received=got, pending_sends=sends))),
                    key=lambda x: x.total)
         label = (f"{spec.name} stage {stage} of {p}, tp {t}" + (" + sp" if layout.sp else "")
                  + (" + ZeRO-1" if layout.zero else "") + f", {layout.schedule} m={layout.micro_batches}")
