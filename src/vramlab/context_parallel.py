@@ -6,6 +6,7 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
+import dataclasses
 from fractions import Fraction
 from typing import Any
 
@@ -20,6 +21,7 @@ from . import activations as _act
 from . import zero as _zero
 from .parallel import DECODER_FAMILIES, check_count
 from .specs import ModelSpec
+from .step import Step
 
 
 # ============================================================================ context parallelism
@@ -75,9 +77,7 @@ _CP_FSDP_RECIPES: dict[str, tuple[str, str]] = {"fp32": ("fp32-adam", "fp32"),
                                                 "bf16-mixed": ("mixed-adam", "bf16-fp32-states")}
 
 
-def _cp_fsdp_moments(spec: ModelSpec, cp: int, totals: list, ddp_states: int, recipe: str, *, b: int, n: int,
-                     L: int, device: str, gpu, optimizer_impl: str, recompute: str, loss: str,
-                     loss_chunk_tokens: int | None, extra_saved: int, kept: int,
+def _cp_fsdp_moments(rank: Step, cp: int, totals: list, ddp_states: int, recipe: str, *, extra_saved: int, kept: int,
                      alive: dict[int, int] | None = None, made: int | None = None) -> tuple[list, dict[str, int]]:
     """`context_parallel`'s moments with the states sharded over the cp ranks by FSDP2: the step's phases are
     `zero.rank_phases(implementation="fsdp2")`'s at the rank's n tokens (Ulysses' saved all-to-all outputs added
@@ -93,9 +93,10 @@ def _cp_fsdp_moments(spec: ModelSpec, cp: int, totals: list, ddp_states: int, re
     moment's shards are
     then set to their storage (each tensor's shard ceil(numel / cp), Adam's step counters). Returns (moments,
     states between steps)."""
+    spec, b, n, L, recompute = rank.model, rank.batch_size, rank.seq_len, rank.model.num_layers, rank.recompute
     fph = _zero.rank_phases(spec, cp, 3, micro_batch_size=b, seq_len=n, recipe=recipe, implementation="fsdp2",
-                            attention="sdpa", optimizer_impl=optimizer_impl, device=device, gpu=gpu,
-                            recompute=recompute, loss=loss, loss_chunk_tokens=loss_chunk_tokens)
+                            attention="sdpa", optimizer_impl=rank.optimizer_impl, device=rank.device, gpu=rank.gpu,
+                            recompute=recompute, loss=rank.loss, loss_chunk_tokens=rank.loss_chunk_tokens)
     between = _zero.model_states(spec, cp, 3, recipe=recipe, implementation="fsdp2")
     pb = _zero.RECIPES[recipe][0]  # the gathered copies' and unsharded gradients' bytes
     block, root = _zero.zero_units(spec)
@@ -206,13 +207,15 @@ def _cp_traffic(method: str, cp: int, zigzag: bool, *, b: int, n: int, s: int, q
             (exposed_f, exposed_b))
 
 
-def _cp_step_moments(spec: ModelSpec, phases: list, act: dict, *, cp: int, b: int, n: int, nb: dict, precision: str,
-                     optimizer: str, optimizer_impl: str, device: str, gpu, loss: str, again: bool, extra_saved: int,
-                     pending: int, q_b: int, fwd_flight: int, bwd_flight: int) -> list[tuple[int, str]]:
+def _cp_step_moments(rank: Step, phases: list, act: dict, *, cp: int, again: bool, extra_saved: int, pending: int,
+                     q_b: int, flights: tuple[int, int]) -> list[tuple[int, str]]:
     """(bytes, phase) of every moment of a rank's step with its states whole (`context_parallel`): one
     device's `phases` at the rank's n tokens with Ulysses' extra saved outputs (`extra_saved` a block) and the
     tied head's gradient waiting (`pending`), and the two moments CP adds inside the last block's attention
     (re-run under full recompute, `again`) with its in-flight bytes."""
+    spec, b, n, precision, device = rank.model, rank.batch_size, rank.seq_len, rank.precision, rank.device
+    fwd_flight, bwd_flight = flights
+    nb = _prec.dtype_sizes(precision, device)
     L, a = spec.num_layers, spec.num_heads
     block = _act.layer_saved(spec, attention="sdpa", device=device, precision=precision, batch_size=b)
     core = max(i for i, z in enumerate(block) if z.name == "logsumexp")  # a flash kernel's last saved tensor
@@ -239,9 +242,8 @@ def _cp_step_moments(spec: ModelSpec, phases: list, act: dict, *, cp: int, b: in
         if cp > 1 and not again and ph.phase.startswith("backward of the last block"):
             # the blocks run before the loss: the moments are those of the whole loss's forward end, less
             # everything outside the blocks
-            end = next(x for x in (phases if loss == "whole" else _mem.training_phases(
-                spec, batch_size=b, seq_len=n, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
-                attention="sdpa", device=device, gpu=gpu,
+            end = next(x for x in (phases if rank.loss == "whole" else _mem.training_phases(
+                dataclasses.replace(rank, loss="whole", loss_chunk_tokens=None),
                 share=_act.DeviceShare(keep_gradients=True))) if x.phase.startswith("forward end"))
             base = end.total - end.temporaries - end.kv_cache - (end.activations - act["layers"]) - after_core
             totals.append((base + (L - 1) * extra_saved + fwd_flight, "attention forward of the last block"))
@@ -259,12 +261,15 @@ def _cp_step_moments(spec: ModelSpec, phases: list, act: dict, *, cp: int, b: in
     return totals
 
 
+# a CP rank's training-step options (a `Step`'s, at the rank's tokens) and their defaults here
+CP_STEP_OPTIONS: dict[str, Any] = {"precision": "bf16-mixed", "device": "cuda", "optimizer": "adamw",
+                                   "optimizer_impl": "foreach", "recompute": "none", "loss": "whole",
+                                   "loss_chunk_tokens": None}
+
+
 def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", batch_size: int, seq_len: int,
-                     precision: str = "bf16-mixed", device: str = "cuda", zigzag: bool = True,
-                     link: str | _coll.Link = "nvlink4", gpu="h100", mfu: float = 0.4,
-                     optimizer: str = "adamw", optimizer_impl: str = "foreach", recompute: str = "none",
-                     loss: str = "whole", loss_chunk_tokens: int | None = None,
-                     shard_states: bool = False) -> dict[str, Any]:
+                     zigzag: bool = True, link: str | _coll.Link = "nvlink4", gpu="h100", mfu: float = 0.4,
+                     shard_states: bool = False, **options) -> dict[str, Any]:
     """One CP rank of `cp` training on `batch_size` sequences of `seq_len` tokens (`method` "ring" or
     "ulysses"; `zigzag` for the ring's load balance; Ulysses uses contiguous shards).
 
@@ -334,6 +339,11 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     neither's overlap with the other is priced; sharding over a dp x cp mesh (dp > 1) is cp x dp ranks of
     `zero` with CP's activations, not modelled here; FSDP2 measured in fp32 on gloo ranks only (its bf16
     policy is `zero`'s, validated there without CP); no reshard_after_forward=False (ZeRO-2-like) option."""
+    _checks.no_unknown("context_parallel", options, CP_STEP_OPTIONS)
+    options = {**CP_STEP_OPTIONS, **options}
+    precision, device, optimizer, optimizer_impl = (options[k] for k in ("precision", "device", "optimizer",
+                                                                         "optimizer_impl"))
+    recompute, loss, loss_chunk_tokens = options["recompute"], options["loss"], options["loss_chunk_tokens"]
     spec = _specs.resolve(model)
     cp = check_count("cp", cp, hi=MAX_CP)
     shard_states = _checks.flag("shard_states", shard_states)
@@ -399,28 +409,24 @@ def context_parallel(model: ModelSpec | str, *, cp: int, method: str = "ring", b
     # saved tensors and the last block's up to its attention core (what it saves after the core -- the
     # second norm, the MLP -- does not exist yet in the forward and was freed by its backward), plus CP's
     # in-flight bytes (and in the backward the gradient flowing into the block)
-    phases = _mem.training_phases(spec, batch_size=b, seq_len=n, precision=precision, optimizer=optimizer,
-                                  optimizer_impl=optimizer_impl, attention="sdpa", device=device,
-                                  gpu=g if device == "cuda" else None, recompute=recompute, loss=loss,
-                                  loss_chunk_tokens=loss_chunk_tokens, share=_act.DeviceShare(keep_gradients=True))
+    rank = Step(spec, batch_size=b, seq_len=n, precision=precision, optimizer=optimizer, optimizer_impl=optimizer_impl,
+                attention="sdpa", device=device, gpu=g if device == "cuda" else None, recompute=recompute, loss=loss,
+                loss_chunk_tokens=loss_chunk_tokens)  # one rank's step: its n tokens, in the policy's dtypes
+    phases = _mem.training_phases(rank, share=_act.DeviceShare(keep_gradients=True))
     # a tied head's gradient waits in autograd's input buffer for the embedding's (one AccumulateGrad node, two
     # incoming edges) through every block's backward, beside the kept gradients (seen on gloo ranks: an add
     # (6144, 256) in llama-gqa-val's attention backward; FSDP2's phases count the head's gradients themselves)
     # (cp 1 stays the one-device ledger, `memory.training_phases` with kept gradients, which leaves it out)
     pending = 0 if shard_states or cp == 1 or not spec.tie_word_embeddings else \
         spec.vocab_size * (spec.word_embed_proj_dim or spec.hidden_size) * (phases[0].gradients // spec.params)
-    totals = _cp_step_moments(spec, phases, act, cp=cp, b=b, n=n, nb=nb, precision=precision, optimizer=optimizer,
-                              optimizer_impl=optimizer_impl, device=device, gpu=g if device == "cuda" else None,
-                              loss=loss, again=again, extra_saved=extra_saved, pending=pending, q_b=q_b,
-                              fwd_flight=fwd_flight, bwd_flight=bwd_flight)
+    totals = _cp_step_moments(rank, phases, act, cp=cp, again=again, extra_saved=extra_saved, pending=pending,
+                              q_b=q_b, flights=(fwd_flight, bwd_flight))
     ddp_states = phases[0].parameters + phases[0].gradients + phases[0].optimizer_states  # kept whole, all step
     states = {"parameters": phases[0].parameters, "gradients": phases[0].gradients,
               "optimizer_states": phases[0].optimizer_states}
     pb_sync = 4 if precision == "fp32" else 2
     if shard_states:
-        totals, states = _cp_fsdp_moments(spec, cp, totals, ddp_states, fsdp_recipe, b=b, n=n, L=L, device=device,
-                                          gpu=g if device == "cuda" else None, optimizer_impl=optimizer_impl,
-                                          recompute=recompute, loss=loss, loss_chunk_tokens=loss_chunk_tokens,
+        totals, states = _cp_fsdp_moments(rank, cp, totals, ddp_states, fsdp_recipe,
                                           extra_saved=extra_saved, kept=max(act["kept"], default=0),
                                           alive=dict(act["backward"]), made=act["block_grads_made"])
         sync = _zero.communication(spec.params, cp, 3, bytes_per_value=pb_sync, link=lk, implementation="fsdp2",
