@@ -323,6 +323,8 @@ def layout_step(model: "ModelSpec | str | Step", *, micro_batch_size: int | None
             raise ValueError(f"{where} takes a Step, or a model with micro_batch_size, seq_len and options, not both")
         step = model
         _specs.resolve(step.model)  # a mixture of experts: expert_parallel.moe_layout_states
+        _checks.one_of("optimizer", step.optimizer, _optim.SHARDED)
+        _checks.one_of("recompute", step.recompute, RECOMPUTE)
     else:
         _checks.no_unknown(where, options, LAYOUT_STEP_OPTIONS)
         spec = _specs.resolve(model)
@@ -330,14 +332,11 @@ def layout_step(model: "ModelSpec | str | Step", *, micro_batch_size: int | None
         s = check_count("seq_len", seq_len, hi=_checks.MAX_COUNT)
         _checks.positions(spec, s)
         options = {"precision": "bf16-mixed", **options}
-        for name, choices in (("precision", _prec.PRECISIONS), ("optimizer", _optim.SHARDED),
-                              ("optimizer_impl", _mem.OPTIMIZER_IMPLS), ("attention", _act.ATTENTIONS),
-                              ("recompute", RECOMPUTE), ("device", ("cuda", "cpu"))):
+        # checked before the Step where a layout's own words or choices differ from the Step's (which checks the rest)
+        for name, choices in (("optimizer", _optim.SHARDED), ("attention", _act.ATTENTIONS), ("recompute", RECOMPUTE)):
             if name in options:
                 _checks.one_of(name, options[name], choices)
         step = Step(spec, batch_size=b, seq_len=s, **options)
-    _checks.one_of("optimizer", step.optimizer, _optim.SHARDED)
-    _checks.one_of("recompute", step.recompute, RECOMPUTE)
     if (step.accumulation_steps, step.loss, step.trainable_params, step.use_cache, step.optimizer_in_backward) != \
             (1, "whole", None, False, False):
         raise ValueError(f"{where} models one step of the whole model's parameters: leave accumulation_steps, loss, "
