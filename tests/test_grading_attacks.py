@@ -776,16 +776,107 @@ def test_the_sandbox_holds_nothing_but_what_grading_needs(tmp_path):
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     try:
-        probe = solutions()["ex1-solution"] + SANDBOX_PROBE.format(
+        probe = SANDBOX_PROBE.format(
             reads=[str(ROOT / ".git" / "HEAD"), str(INSTRUCTOR_SOURCE), str(ROOT / "src" / "vramlab" / "grading" / "memory.py"),
                    str(ROOT / "labs" / "tools.py"), str(other / "answers.md"), str(Path.home() / ".bashrc")],
             git=str(ROOT / ".git"), instructor=f"labs/source/{LAB}/{LAB}.md", root=str(ROOT), allowed=allowed,
-            writes=writes, port=listener.getsockname()[1])
+            writes=writes, port=listener.getsockname()[1]) + solutions()["ex1-solution"]  # (found: no answer)
         scores = _graded_with(LAB, "ex1-solution", probe, sandbox=True)
     finally:
         listener.close()
     assert tools.total(scores) == (21, 21), scores["ex1-test"]
     assert not [w for w in writes if Path(w).exists()]
+
+
+STARTER_PROBE = '''
+import ctypes, os, signal, subprocess, time
+_found = []
+_left = os.path.join(os.path.dirname(os.getcwd()), "leftover.pids")  # (the grading's folder, beside this cell's)
+_cell = os.path.basename(os.getcwd())  # test-N: an answer's process (a check's program runs elsewhere, beside it)
+if os.path.exists(_left) and _cell.startswith("test-"):
+    for _entry in open(_left).read().split():
+        _by, _pid = _entry.split(":")
+        if _by != _cell and os.path.exists(f"/proc/{_pid}"):
+            _found.append("a process an earlier test cell started: " + _pid)
+if not globals().get("_started") and _cell.startswith("test-"):
+    _started = subprocess.Popen(["setsid", "sleep", "300"])
+    with open(_left, "a") as _f:
+        _f.write(f"{_cell}:{_started.pid} ")
+for _sig in (signal.SIGTERM, signal.SIGKILL):
+    try:
+        os.kill(1, _sig)
+    except OSError:
+        pass
+time.sleep(0.2)
+try:
+    with open("/proc/1/mem", "rb") as _f:
+        _found.append("the starter's memory")
+except OSError:
+    pass
+_libc = ctypes.CDLL(None, use_errno=True)
+if _libc.ptrace(16, 1, None, None) == 0:  # PTRACE_ATTACH
+    _libc.ptrace(17, 1, None, None)
+    _found.append("traced the starter")
+_fds = sorted(int(_d) for _d in os.listdir("/proc/self/fd"))
+if [_d for _d in _fds if _d > 4 and os.path.exists(f"/proc/self/fd/{_d}") and
+        not os.readlink(f"/proc/self/fd/{_d}").startswith("/proc")]:
+    _found.append(f"descriptors {_fds}")
+if _found:
+    raise SystemExit("reachable: " + "; ".join(_found))
+'''
+
+
+@pytest.mark.skipif(not _sandbox_works(), reason="no user namespaces on this machine")
+def test_the_process_starter_is_out_of_an_answers_reach():
+    """In the sandbox every test cell's process is forked from one starter that imported torch once
+    (labs/zygote.py). An answer that signals it, traces it or reads its memory reaches nothing, holds
+    no descriptor but its own, and a background process it starts (setsid) is gone before the next
+    test cell's process runs: full marks, every test cell's process forked."""
+    nb = tools.source_notebook(LAB)
+    for c in nb.cells:  # (before every answer: what it finds leaves that answer undefined)
+        if c.metadata.get("nbgrader", {}).get("solution"):
+            c.source = STARTER_PROBE + c.source
+    report: dict = {}
+    scores = tools.grade(nb, LAB, timeout=120, sandbox=True, report=report)
+    assert tools.total(scores) == (21, 21), scores
+    assert report["forked"] == list(scores), report["forked"]
+
+
+def test_the_process_starter_refuses_to_kill_outside_a_sandbox(tmp_path):
+    """Outside a PID namespace of its own, the starter refuses `killall` (kill(-1) would reach every
+    process of the grader's user), and the grader does not use it; a process it forks holds only the
+    descriptors it was given and runs with the arguments, folder and environment asked for."""
+    import socket
+
+    import sandbox
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    proc = subprocess.Popen([sys.executable, "-I", str(ROOT / "labs" / "zygote.py"), str(theirs.fileno()), "[]"],
+                            pass_fds=(theirs.fileno(),))
+    theirs.close()
+    try:
+        ours.settimeout(60)
+        assert json.loads(ours.recv(1 << 16))["init"] is False
+        socket.send_fds(ours, [json.dumps({"op": "killall"}).encode()], [])
+        assert "not the sandbox's init" in json.loads(ours.recv(1 << 16))["error"]
+        out = open(tmp_path / "out.txt", "wb+")
+        code = ("import os, sys\nprint(sys.argv, os.getcwd(), os.environ.get('HOME'), "
+                "sorted(int(d) for d in os.listdir('/proc/self/fd')))")
+        socket.send_fds(ours, [json.dumps({"op": "spawn", "cwd": str(tmp_path), "env": {"HOME": str(tmp_path)},
+                                           "argv": ["-c", "a"], "code": code, "fds": [1]}).encode()], [out.fileno()])
+        pid = json.loads(ours.recv(1 << 16))["pid"]
+        for _ in range(500):
+            socket.send_fds(ours, [json.dumps({"op": "status", "pid": pid}).encode()], [])
+            if json.loads(ours.recv(1 << 16))["code"] is not None:
+                break
+            time.sleep(0.02)
+        printed = (tmp_path / "out.txt").read_text()
+        assert printed.startswith(f"['-c', 'a'] {tmp_path} {tmp_path} [0, 1, 2, 3]"), printed  # (3: listdir's own)
+    finally:
+        ours.close()
+        proc.wait(timeout=30)
+    with pytest.raises(sandbox.ZygoteGone, match="not its sandbox's init"):
+        sandbox.Zygote(str(tmp_path), [], [])
 
 
 def test_the_grader_does_not_follow_links_an_answer_leaves(tmp_path):

@@ -1,8 +1,9 @@
 """Where a graded answer's code runs: never in the process that checks it, but in processes of its
 own (inside the grader's sandbox where it set one, `SANDBOX_PREFIX`, under the answer worker's
 limits, `RANK_LIMITS`; labs/sandbox.py and labs/tools.py set both here), each started in a scratch
-folder that holds a copy of `programs/` and the answer (`answer.json`). Labs 6-7's checks run one
-such process on all their cases (`run_program`); labs 2-4's run one a rank (`run_world`), connected
+folder that holds a copy of `programs/` and the answer (`answer.json`). Labs 1, 6 and 7's checks run one
+such process on all their cases (`run_program`; forked from the grading's process starter, `STARTER`,
+where the grader has one); labs 2-4's run one a rank (`run_world`, each rank in a sandbox of its own), connected
 only through a `Switchboard` in the check's own process, which delivers their messages, computes
 their collectives and keeps the log of what each rank sent."""
 
@@ -17,6 +18,9 @@ ANSWER_PACKAGES: tuple[str, ...] = ("vramlab", "transformers", "peft", "deepspee
 
 # set by the grader (labs/sandbox.py): the command prefix that runs the ranks inside its sandbox
 SANDBOX_PREFIX: list[str] = []
+# set by the grader too, where its sandbox has one: the grading's process starter (labs/sandbox.py's
+# `Zygote`, which imported torch once), from which `run_program` forks its process inside that sandbox
+STARTER: list = []
 # set by the grader too: the answer worker's limits, which the ranks get as well ("memory_bytes" of
 # data a process, "timeout" seconds for a check's ranks where the check's own limit is shorter)
 RANK_LIMITS: dict[str, float] = {}
@@ -200,6 +204,9 @@ def run_program(harness: str, fn: Callable, cases: list, *, what: str, timeout: 
 
     source = cell_source(fn)
     timeout = max(timeout, float(RANK_LIMITS.get("timeout") or 0))
+    if STARTER:
+        return _run_forked(STARTER[0], harness, source, fn.__name__, cases, what=what, timeout=timeout,
+                           on_timeout=on_timeout)
     with tempfile.TemporaryDirectory() as tmp:
         _stage(tmp, source, [fn.__name__])
         with open(os.path.join(tmp, "ranks.out"), "wb") as out, open(os.path.join(tmp, "ranks.err"), "wb+") as err_file:
@@ -220,6 +227,47 @@ def run_program(harness: str, fn: Callable, cases: list, *, what: str, timeout: 
                     pass
             err = tail(err_file.fileno(), 64 << 10)
         reports = _report(f"{tmp}/out", err)
+    if not isinstance(reports, list):
+        raise AssertionError(f"the {what} did not finish" + (f": {reports['error']}" if isinstance(reports, dict) else ""))
+    return reports
+
+
+def _limits() -> dict[str, int]:
+    """`_rank_limits` as the process starter applies them ({resource name: bytes})."""
+    mem = int(RANK_LIMITS.get("memory_bytes") or 0)
+    return {"RLIMIT_FSIZE": 64 << 20, "RLIMIT_CORE": 0, **({"RLIMIT_DATA": mem} if mem > 0 else {})}
+
+
+def _run_forked(starter: Any, harness: str, source: str, name: str, cases: list, *, what: str, timeout: float,
+                on_timeout: str) -> list:
+    """`run_program` with its process forked by the grading's starter, in the starter's sandbox: a folder
+    of the grading's scratch, the same program, limits and reading of its report."""
+    import json
+    import re
+    import subprocess
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="program-", dir=starter.scratch)
+    starter.own(tmp)
+    _stage(tmp, source, [name])
+    with open(os.path.join(tmp, "ranks.out"), "wb") as out, open(os.path.join(tmp, "ranks.err"), "wb+") as err_file:
+        try:
+            proc = starter.spawn(cwd=tmp, argv=["-c", harness, json.dumps(cases), f"{tmp}/out"],
+                                 code=_LAUNCH.format(program="cases"),
+                                 fds={1: out.fileno(), 2: err_file.fileno()}, limits=_limits())
+        except RuntimeError as e:
+            raise AssertionError(f"the {what} could not be started: {e}") from None
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(re.sub(r"within \d+ s", f"within {timeout:.0f} s", on_timeout)) from None
+        finally:
+            try:
+                proc.kill()
+            except RuntimeError:
+                pass
+        err = tail(err_file.fileno(), 64 << 10)
+    reports = _report(f"{tmp}/out", err)
     if not isinstance(reports, list):
         raise AssertionError(f"the {what} did not finish" + (f": {reports['error']}" if isinstance(reports, dict) else ""))
     return reports
