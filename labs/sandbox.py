@@ -28,6 +28,7 @@ from typing import Any
 
 from answer_worker import MAX_FRAME  # the one bound on a message, both ways
 from vramlab.grading.run import ANSWER_PACKAGES, sandbox_env, tail as file_tail
+from vramlab.grading.starter import Starter, StarterGone
 
 LABS = Path(__file__).resolve().parent
 ROOT = LABS.parent
@@ -239,7 +240,7 @@ def setup_imports(cells: list[str]) -> list[str]:
 
 def preamble_modules(preamble: list[str]) -> list[str]:
     """The modules the setup's import statements name (`import torch.distributed as dist`: torch.distributed;
-    `from pathlib import Path`: pathlib), without the blocked packages: what the grading's `Zygote` imports."""
+    `from pathlib import Path`: pathlib), without the blocked packages: what the grading's `Starter` imports."""
     out: list[str] = []
     for stmt in preamble:
         try:
@@ -287,131 +288,13 @@ def _become_subreaper() -> None:
             _PROBE["subreaper"] = False
 
 
-class Forked:
-    """A process the grading's `Zygote` forked, seen as `subprocess.Popen` is seen: its pid (in the
-    sandbox's namespace), `wait(timeout)` and `kill()` (its process group; `Zygote.kill_all` kills the rest)."""
-
-    def __init__(self, zygote: "Zygote", pid: int):
-        self.zygote, self.pid, self.returncode = zygote, pid, None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self.zygote.ask({"op": "status", "pid": self.pid}).get("code")
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        end = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if end is not None and time.monotonic() >= end:
-                raise subprocess.TimeoutExpired(f"pid {self.pid} of the sandbox", timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-    def kill(self) -> None:
-        if self.returncode is None:
-            self.returncode = self.zygote.ask({"op": "kill", "pid": self.pid}).get("code")
-
-
-class ZygoteGone(RuntimeError):
-    """The grading's process starter cannot start anything more (it ended, or did not start)."""
-
-
-class Zygote:
-    """One grading's process starter (labs/zygote.py): a process in a sandbox of its own that imported
-    the lab's modules once, from which each test cell's answer process is forked (and, through
-    `vramlab.grading.run.STARTER`, each single-process check program), instead of an interpreter that
-    imports torch afresh each time. It exists only inside a sandbox whose PID namespace it is the init
-    of: there `kill_all` reaches every process of the sandbox and nothing else."""
-
-    def __init__(self, scratch: str, prefix: list[str], modules: list[str], *, timeout: float = 300):
-        import socket
-
-        self.scratch = scratch
-        self.ctrl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        script = Path(scratch) / "zygote.py"
-        script.write_bytes((LABS / "zygote.py").read_bytes())
-        self._log = open(Path(scratch) / "zygote-output.txt", "wb+")
-        try:
-            self.proc = subprocess.Popen([*prefix, PYTHON, "-I", str(script), str(theirs.fileno()), json.dumps(modules)],
-                                         cwd=scratch, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
-                                         pass_fds=(theirs.fileno(),), start_new_session=True, env=sandbox_env(scratch))
-        finally:
-            theirs.close()
-        self._n = 0
-        try:
-            hello = self._receive(timeout)
-        except ZygoteGone:
-            self.close()
-            raise
-        if not hello.get("init"):  # (a PID namespace of its own is what makes kill_all safe)
-            self.close()
-            raise ZygoteGone("the process starter is not its sandbox's init")
-        self.modules = hello.get("modules", [])
-
-    def _receive(self, timeout: float) -> dict:
-        self.ctrl.settimeout(timeout)
-        try:
-            data = self.ctrl.recv(1 << 20)
-        except OSError as e:
-            raise ZygoteGone(f"the process starter did not answer ({e})") from None
-        if not data:
-            raise ZygoteGone("the process starter ended")
-        msg = json.loads(data)
-        if not isinstance(msg, dict) or "error" in msg:
-            raise ZygoteGone(f"the process starter refused: {msg.get('error') if isinstance(msg, dict) else msg}")
-        return msg
-
-    def ask(self, req: dict, fds: tuple[int, ...] = (), timeout: float = 60) -> dict:
-        import socket
-
-        if self.ctrl is None:
-            raise ZygoteGone("the process starter was closed")
-        try:
-            socket.send_fds(self.ctrl, [json.dumps(req).encode()], list(fds))
-        except OSError as e:
-            raise ZygoteGone(f"the process starter is gone ({e})") from None
-        return self._receive(timeout)
-
-    def spawn(self, *, cwd: str, argv: list[str], fds: dict[int, int], script: str | None = None,
-              code: str | None = None, limits: dict[str, int] | None = None) -> Forked:
-        """Fork a process that runs `script` (a file in the sandbox) or `code` (as `python -c` would) with
-        `argv`, in `cwd`, with `sandbox_env(cwd)`, the descriptors `fds` ({number in the process: ours})
-        and nothing else open, under `limits` ({"RLIMIT_DATA": bytes, ...})."""
-        targets, ours = zip(*sorted(fds.items())) if fds else ((), ())
-        msg = self.ask({"op": "spawn", "cwd": cwd, "env": sandbox_env(cwd), "argv": argv, "script": script,
-                        "code": code, "fds": list(targets), "limits": limits or {}}, tuple(ours))
-        return Forked(self, int(msg["pid"]))
-
-    def own(self, folder: str) -> None:
-        """A folder the grader made in the scratch, made the sandbox user's (who owns the scratch itself)."""
-        if os.geteuid() == 0:
-            os.chown(folder, _UNPRIVILEGED, _UNPRIVILEGED)
-
-    def kill_all(self) -> None:
-        """Every process of the sandbox but the starter: killed and reaped."""
-        self.ask({"op": "killall"}, timeout=60)
-
-    def close(self) -> None:
-        """The starter's socket closed and its sandbox's processes killed (idempotent)."""
-        if self.ctrl is not None:
-            self.ctrl.close()
-            self.ctrl = None
-        if getattr(self, "proc", None) is not None:
-            kill_group(self.proc.pid)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        self._log.close()
-
-
 class Worker:
     """One answer process: started with the solution cells, then asked for calls and attributes."""
 
     def __init__(self, cells: list[tuple[str, str]], *, scratch: str, timeout: float, preamble: list[str],
-                 memory_bytes: int, prefix: list[str], zygote: Zygote | None = None):
+                 memory_bytes: int, prefix: list[str], starter: Starter | None = None):
         self.timeout = timeout
-        self.zygote = zygote
+        self.starter = starter
         self.deadline = time.monotonic() + timeout
         self.dead: str | None = None
         req_r, self.req_w = os.pipe()
@@ -423,13 +306,14 @@ class Worker:
         # replace the name with a link to a file only the grader can read)
         self._log = open(self.log, "wb+")
         self.proc = None
-        if zygote is not None:  # forked from the grading's starter, in its sandbox (torch imported there once)
-            zygote.own(scratch)
+        if starter is not None:  # forked from the grading's starter, in its sandbox (torch imported there once)
+            starter.own(scratch)
             try:
-                self.proc = zygote.spawn(cwd=scratch, argv=[str(script), "3", "4"], script=str(script),
-                                         fds={1: self._log.fileno(), 2: self._log.fileno(), 3: req_r, 4: resp_w})
-            except ZygoteGone:  # (it ended: this process starts as it would without one)
-                self.zygote = None
+                self.proc = starter.spawn(cwd=scratch, argv=[str(script), "3", "4"], script=str(script),
+                                          env=sandbox_env(scratch),
+                                          fds={1: self._log.fileno(), 2: self._log.fileno(), 3: req_r, 4: resp_w})
+            except StarterGone:  # (it ended: this process starts as it would without one)
+                self.starter = None
         if self.proc is None:
             _become_subreaper()
             self.others = _children()  # this process's children before the answer's (not to be killed)
@@ -490,7 +374,7 @@ class Worker:
     def _died(self, doing: str) -> str:
         try:
             code = self.proc.wait(timeout=2)
-        except (subprocess.TimeoutExpired, ZygoteGone):
+        except (subprocess.TimeoutExpired, StarterGone):
             code = None
         tail = ""
         try:
@@ -512,10 +396,10 @@ class Worker:
             except OSError:
                 pass
         self.req_w = self.resp_r = -1
-        if self.zygote is not None:  # everything of the sandbox but the starter: the answer's process and its own
+        if self.starter is not None:  # everything of the sandbox but the starter: the answer's process and its own
             try:
-                self.zygote.kill_all()
-            except ZygoteGone:
+                self.starter.kill_all()
+            except StarterGone:
                 pass
             self._log.close()
             return

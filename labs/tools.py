@@ -228,7 +228,7 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
     way and run any Python in their solution cells. So:
     - only the solution cells come from the submission (`assemble`); the tests are the instructor's;
     - the answers run in a process of their own (labs/answer_worker.py, started afresh for each test
-      cell, in the sandbox forked from the grading's starter labs/zygote.py, in a scratch directory, with `timeout` seconds to load and `timeout` per test cell, at most
+      cell, in the sandbox forked from the grading's process starter (vramlab.grading.starter), in a scratch directory, with `timeout` seconds to load and `timeout` per test cell, at most
       `memory_gib` GiB of data, and inside a sandbox where one can be made: sandbox.sandbox_prefix);
     - the tests run here, in the grader, and see the answer's functions as `sandbox.Remote` objects:
       no student code runs where the expected values are computed and compared;
@@ -268,15 +268,15 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
     vramlab.grading.run.SANDBOX_PREFIX[:] = prefix  # labs 2-4's checks run the answer's ranks in it too
     vramlab.grading.run.RANK_LIMITS.clear()  # ... under the answer worker's limits and --timeout
     vramlab.grading.run.RANK_LIMITS.update(timeout=timeout, memory_bytes=int(memory_gib * 2**30))
-    zygote = None
+    starter = None
     try:
         with tempfile.TemporaryDirectory(prefix="vramlab-grade-") as scratch:
             if prefix:  # one process imports the lab's modules once; each test cell's process is forked from it
                 try:
-                    zygote = sb.Zygote(scratch, prefix, sb.preamble_modules(preamble))
-                    vramlab.grading.run.STARTER[:] = [zygote]  # labs 1, 6 and 7's check programs are forked there too
-                except sb.ZygoteGone:
-                    zygote = None  # (each process then starts an interpreter of its own, as without a sandbox)
+                    starter = sb.Starter(scratch, prefix, sb.preamble_modules(preamble), env=sb.sandbox_env(scratch))
+                    vramlab.grading.run.STARTER[:] = [starter]  # labs 1, 6 and 7's check programs are forked there too
+                except sb.StarterGone:
+                    starter = None  # (each process then starts an interpreter of its own, as without a sandbox)
             for i, cell in enumerate(nb.cells):
                 if not _graded(cell):
                     continue
@@ -290,11 +290,11 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
                 above = [(gid_a, src) for j, gid_a, src in answers if j < i]
                 try:
                     worker = sb.Worker(above, scratch=str(here), timeout=timeout, preamble=preamble,
-                                       memory_bytes=int(memory_gib * 2**30), prefix=prefix, zygote=zygote)
+                                       memory_bytes=int(memory_gib * 2**30), prefix=prefix, starter=starter)
                 except sb.GradingStopped as e:
                     scores[gid] = (0, points, str(e))
                     continue
-                if worker.zygote is not None:
+                if worker.starter is not None:
                     report["forked"].append(gid)
                 try:
                     ok, why, out = sb.run_test(cell.source, gid, worker, sources)
@@ -302,11 +302,11 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
                     worker.close()
                 report["outputs"][gid] = out[-MAX_OUTPUT_CHARS:]
                 scores[gid] = (points if ok else 0, points, why)
-            if zygote is not None:
-                zygote.close()
+            if starter is not None:
+                starter.close()
     finally:
-        if zygote is not None:
-            zygote.close()
+        if starter is not None:
+            starter.close()
         vramlab.grading.run.STARTER.clear()
         vramlab.grading.run.SANDBOX_PREFIX[:] = saved_prefix
         vramlab.grading.run.RANK_LIMITS.clear()

@@ -18,8 +18,8 @@ ANSWER_PACKAGES: tuple[str, ...] = ("vramlab", "transformers", "peft", "deepspee
 
 # set by the grader (labs/sandbox.py): the command prefix that runs the ranks inside its sandbox
 SANDBOX_PREFIX: list[str] = []
-# set by the grader too, where its sandbox has one: the grading's process starter (labs/sandbox.py's
-# `Zygote`, which imported torch once), from which `run_program` forks its process inside that sandbox
+# set by the grader too, where its sandbox has one: the grading's process starter (a `starter.Starter`
+# that imported torch once), from which `run_program` forks its process inside that sandbox
 STARTER: list = []
 # set by the grader too: the answer worker's limits, which the ranks get as well ("memory_bytes" of
 # data a process, "timeout" seconds for a check's ranks where the check's own limit is shorter)
@@ -204,8 +204,9 @@ def run_program(harness: str, fn: Callable, cases: list, *, what: str, timeout: 
 
     source = cell_source(fn)
     timeout = max(timeout, float(RANK_LIMITS.get("timeout") or 0))
-    if STARTER:
-        return _run_forked(STARTER[0], harness, source, fn.__name__, cases, what=what, timeout=timeout,
+    starter = STARTER[0] if STARTER else None if SANDBOX_PREFIX else _own_starter()
+    if starter is not None:
+        return _run_forked(starter, harness, source, fn.__name__, cases, what=what, timeout=timeout,
                            on_timeout=on_timeout)
     with tempfile.TemporaryDirectory() as tmp:
         _stage(tmp, source, [fn.__name__])
@@ -240,20 +241,32 @@ def _limits() -> dict[str, int]:
 
 def _run_forked(starter: Any, harness: str, source: str, name: str, cases: list, *, what: str, timeout: float,
                 on_timeout: str) -> list:
-    """`run_program` with its process forked by the grading's starter, in the starter's sandbox: a folder
-    of the grading's scratch, the same program, limits and reading of its report."""
-    import json
-    import re
-    import subprocess
+    """`run_program` with its process forked by a starter (the grading's, in its sandbox; else this
+    process's own): a folder of the starter's scratch, the same program, limits and reading of its report."""
     import tempfile
 
+    import shutil
+
     tmp = tempfile.mkdtemp(prefix="program-", dir=starter.scratch)
-    starter.own(tmp)
-    _stage(tmp, source, [name])
+    try:
+        starter.own(tmp)
+        _stage(tmp, source, [name])
+        return _forked_program(starter, tmp, harness, cases, what=what, timeout=timeout, on_timeout=on_timeout)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _forked_program(starter: Any, tmp: str, harness: str, cases: list, *, what: str, timeout: float,
+                    on_timeout: str) -> list:
+    import json
+    import re
+    import signal
+    import subprocess
+
     with open(os.path.join(tmp, "ranks.out"), "wb") as out, open(os.path.join(tmp, "ranks.err"), "wb+") as err_file:
         try:
             proc = starter.spawn(cwd=tmp, argv=["-c", harness, json.dumps(cases), f"{tmp}/out"],
-                                 code=_LAUNCH.format(program="cases"),
+                                 code=_LAUNCH.format(program="cases"), env=sandbox_env(tmp) if starter.sandboxed else None,
                                  fds={1: out.fileno(), 2: err_file.fileno()}, limits=_limits())
         except RuntimeError as e:
             raise AssertionError(f"the {what} could not be started: {e}") from None
@@ -261,7 +274,14 @@ def _run_forked(starter: Any, harness: str, source: str, name: str, cases: list,
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(re.sub(r"within \d+ s", f"within {timeout:.0f} s", on_timeout)) from None
+        except RuntimeError:  # the starter ended (the program killed its parent): its report says the rest
+            pass
         finally:
+            if not starter.sandboxed:  # (this namespace's pid: its group killed even if the starter is gone)
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except OSError:
+                    pass
             try:
                 proc.kill()
             except RuntimeError:
@@ -566,6 +586,7 @@ def run_world(harness: str, world: int, case: Any, *, source: str, names: list[s
     import time
 
     timeout = max(timeout, float(RANK_LIMITS.get("timeout") or 0))
+    starter = None if SANDBOX_PREFIX else _own_starter()  # (in a sandbox each rank has one of its own)
     procs, socks, errs = [], [], []
     try:
         for rank in range(world):
@@ -579,11 +600,21 @@ def run_world(harness: str, world: int, case: Any, *, source: str, names: list[s
             errs.append(open(os.path.join(here, "rank.err"), "wb+"))
             fd = theirs.fileno()
             with open(os.path.join(here, "rank.out"), "wb") as out:
-                procs.append(subprocess.Popen(
-                    [*(SANDBOX_PREFIX or go_between((fd,))), os.path.abspath(sys.executable), *launch("ranks"),
-                     harness, str(rank), str(world), json.dumps(case), str(fd)],
-                    stdout=out, stderr=errs[-1], stdin=subprocess.DEVNULL, pass_fds=(fd,), start_new_session=True,
-                    cwd=here, env=_rank_env(here), preexec_fn=_rank_limits))
+                args = [harness, str(rank), str(world), json.dumps(case)]
+                proc = None
+                if starter is not None:
+                    try:  # forked from this process's starter, which imported torch once
+                        proc = starter.spawn(cwd=here, argv=["-c", *args, "3"], code=_LAUNCH.format(program="ranks"),
+                                             fds={1: out.fileno(), 2: errs[-1].fileno(), 3: fd}, limits=_limits())
+                    except RuntimeError:
+                        starter = None
+                if proc is None:
+                    proc = subprocess.Popen(
+                        [*(SANDBOX_PREFIX or go_between((fd,))), os.path.abspath(sys.executable), *launch("ranks"),
+                         *args, str(fd)],
+                        stdout=out, stderr=errs[-1], stdin=subprocess.DEVNULL, pass_fds=(fd,), start_new_session=True,
+                        cwd=here, env=_rank_env(here), preexec_fn=_rank_limits)
+                procs.append(proc)
             theirs.close()
         board = Switchboard(socks, time.monotonic() + timeout)
         try:
@@ -606,12 +637,48 @@ def run_world(harness: str, world: int, case: Any, *, source: str, names: list[s
     finally:
         for p in procs:
             try:
-                os.killpg(p.pid, signal.SIGKILL)
+                os.killpg(p.pid, signal.SIGKILL)  # (a fork of this process's starter: a pid of this namespace too)
             except (ProcessLookupError, PermissionError, OSError):
                 pass
-            p.wait()
+            try:
+                p.wait() if isinstance(p, subprocess.Popen) else p.kill()
+            except RuntimeError:  # (the starter ended: a rank killed its parent; killed above all the same)
+                pass
         for s in [*socks, *errs]:
             s.close()
+
+
+_OWN: list = []  # this process's own starter (no sandbox), started at its first run_world
+
+
+def _own_starter() -> Any:
+    """This process's starter for ranks where there is no sandbox (a student's kernel, a grading
+    without one): a child of this process that imported torch once, so that each rank starts in a
+    fraction of a second; started afresh if a rank ended it (a rank that kills its parent kills it,
+    not this process). None where it cannot start (each rank then starts an interpreter of its own)."""
+    import tempfile
+
+    from .starter import Starter, StarterGone
+
+    if _OWN and _OWN[0].owner != os.getpid():  # (a fork of the process that started it: its own, not that one's)
+        _OWN.clear()
+    if _OWN and _OWN[0].alive():
+        return _OWN[0]
+    if _OWN:
+        _OWN.pop().close()
+    import atexit
+    import shutil
+
+    folder = tempfile.mkdtemp(prefix="vramlab-starter-")
+    try:
+        _OWN.append(Starter(folder, [], ["torch", "torch.distributed"]))
+    except StarterGone:
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    _OWN[0].owner = os.getpid()
+    atexit.register(lambda s=_OWN[0]: (s.close(), shutil.rmtree(s.scratch, ignore_errors=True))
+                    if s.owner == os.getpid() else None)
+    return _OWN[0]
 
 
 def run_linked(harness: str, world: int, case: Any, *, source: str, names: list[str], tmp: str, timeout: float,

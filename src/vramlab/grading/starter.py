@@ -1,11 +1,16 @@
-"""One grading's process starter, inside its sandbox (labs/README.md, threat model).
+"""A process starter: a process that imports torch (the modules it is asked to) once and then forks,
+on request, each process that runs a graded answer's code, instead of an interpreter that imports
+torch again each time (seconds each). `Starter` is the side that asks; run as a script
+(`python -I starter.py CTRL_FD MODULES`), this file is the starter itself: standard library only,
+besides the modules it is asked to import, so that it runs from a copy in a sandbox that holds no vramlab.
 
-Started by the grader (`labs/sandbox.py`, `Zygote`) as `python -I zygote.py CTRL_FD MODULES` in a
-sandbox of its own, as that sandbox's first process (PID 1 of its PID namespace), it imports the
-lab's modules (torch, ...: `MODULES`, a JSON list) once, before any student code exists, and then,
-asked over its one socket (which only the grader holds), forks each answer's process from that
-state instead of starting an interpreter that imports torch again: a test cell's process is ready
-in milliseconds instead of seconds. Standard library only, besides the modules it is asked to import.
+Where it runs (labs/README.md, threat model):
+- a grading's, in the grader's sandbox (`labs/tools.py grade`), as that sandbox's first process (PID 1
+  of its PID namespace): it forks each test cell's answer process and the single-process check
+  programs (`vramlab.grading.run.STARTER`);
+- a process's own, without a sandbox (`vramlab.grading.run.run_world`'s ranks in a student's kernel or
+  a grading without a sandbox): a child of that process, which a rank that kills its parent ends
+  instead of the process that checks it.
 
 What keeps it the grader's:
 - nothing of a submission ever runs in it: a request names a script (or a program's code) and its
@@ -14,6 +19,7 @@ What keeps it the grader's:
   it is not dumpable (no process of the sandbox can trace it or read its memory);
 - `killall` kills every other process of the namespace (kill(-1) from its init reaches nothing outside
   it): what a test cell's answer started, however it left its session, is gone before the next one.
+  Outside a PID namespace of its own it refuses (kill(-1) would reach every process of the user).
 
 Requests (one JSON message each, descriptors attached), replies (one JSON message each):
   {"op": "spawn", "cwd", "env", "argv", "script" or "code", "fds": [targets], "limits": {...}} -> {"pid"}
@@ -210,6 +216,144 @@ def main():
                 except OSError:
                     pass
             reply({"error": str(e)[:200]})
+
+
+# --- the side that asks -------------------------------------------------------------------------
+
+class StarterGone(RuntimeError):
+    """The starter cannot start anything more (it ended, refused, or did not start)."""
+
+
+class Forked:
+    """A process the starter forked, seen as `subprocess.Popen` is seen: `pid` (in the starter's PID
+    namespace), `poll()`, `wait(timeout)` and `kill()` (its process group, killed and reaped)."""
+
+    def __init__(self, starter, pid):
+        self.starter, self.pid, self.returncode = starter, pid, None
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = self.starter.ask({"op": "status", "pid": self.pid}).get("code")
+        return self.returncode
+
+    def wait(self, timeout=None):
+        import subprocess
+        import time
+
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() >= end:
+                raise subprocess.TimeoutExpired(f"pid {self.pid} of the starter", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def kill(self):
+        if self.returncode is None:
+            self.returncode = self.starter.ask({"op": "kill", "pid": self.pid}).get("code")
+
+
+class Starter:
+    """A starter process (this file run as a script) and the one socket to it. `prefix` is the command
+    that runs it in a sandbox (labs/sandbox.py's; there it must be the sandbox's init, or it is refused:
+    `kill_all` is safe only there), or [] for a plain child of this process (`kill_all` refused).
+    `scratch`: its folder, which it and what it forks see; `env`: its environment (and its forks')."""
+
+    def __init__(self, scratch, prefix, modules, *, env=None, timeout=300.0):
+        import subprocess
+
+        self.scratch, self.sandboxed, self.env = scratch, bool(prefix), env
+        self.ctrl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = None
+        script = os.path.join(scratch, "starter.py")
+        with open(__file__, "rb") as src, open(script, "wb") as dst:
+            dst.write(src.read())
+        self._log = open(os.path.join(scratch, "starter-output.txt"), "wb+")
+        try:
+            self.proc = subprocess.Popen([*prefix, os.path.abspath(sys.executable), "-I", script, str(theirs.fileno()),
+                                          json.dumps(list(modules))], cwd=scratch, stdin=subprocess.DEVNULL,
+                                         stdout=self._log, stderr=self._log, pass_fds=(theirs.fileno(),),
+                                         start_new_session=True, env=env)
+        except OSError as e:
+            self.close()
+            raise StarterGone(f"the process starter could not start ({e})") from None
+        finally:
+            theirs.close()
+        try:
+            hello = self._receive(timeout)
+            if self.sandboxed and not hello.get("init"):  # (a PID namespace of its own makes kill_all safe)
+                raise StarterGone("the process starter is not its sandbox's init")
+        except StarterGone:
+            self.close()
+            raise
+        self.modules = hello.get("modules", [])
+
+    def _receive(self, timeout):
+        if self.ctrl is None:
+            raise StarterGone("the process starter was closed")
+        self.ctrl.settimeout(timeout)
+        try:
+            data = self.ctrl.recv(RECV)
+        except OSError as e:
+            raise StarterGone(f"the process starter did not answer ({e})") from None
+        if not data:
+            raise StarterGone("the process starter ended")
+        try:
+            msg = json.loads(data)
+        except ValueError:
+            msg = None
+        if not isinstance(msg, dict) or "error" in msg:
+            raise StarterGone(f"the process starter refused: {msg.get('error') if isinstance(msg, dict) else msg}")
+        return msg
+
+    def ask(self, req, fds=(), timeout=60.0):
+        if self.ctrl is None:
+            raise StarterGone("the process starter was closed")
+        try:
+            socket.send_fds(self.ctrl, [json.dumps(req).encode()], list(fds))
+        except OSError as e:
+            raise StarterGone(f"the process starter is gone ({e})") from None
+        return self._receive(timeout)
+
+    def alive(self):
+        return self.ctrl is not None and self.proc is not None and self.proc.poll() is None
+
+    def spawn(self, *, cwd, argv, fds, script=None, code=None, limits=None, env=None):
+        """Fork a process that runs `script` (a file it can see) or `code` (as `python -c` would) with
+        `argv`, in `cwd`, with `env` (else the starter's own), the descriptors `fds` ({number in the
+        process: ours}) and no other, under `limits` ({"RLIMIT_DATA": bytes, ...})."""
+        targets, ours = zip(*sorted(fds.items())) if fds else ((), ())
+        msg = self.ask({"op": "spawn", "cwd": cwd, "env": env if env is not None else (self.env or dict(os.environ)),
+                        "argv": argv, "script": script, "code": code, "fds": list(targets),
+                        "limits": limits or {}}, tuple(ours))
+        return Forked(self, int(msg["pid"]))
+
+    def own(self, folder):
+        """A folder made in the scratch by this process, made the sandbox's user's (who owns the scratch)."""
+        if self.sandboxed and os.geteuid() == 0:
+            os.chown(folder, 65534, 65534)
+
+    def kill_all(self):
+        """Every process of the sandbox but the starter: killed and reaped (refused without a sandbox)."""
+        self.ask({"op": "killall"}, timeout=60)
+
+    def close(self):
+        """The socket closed and the starter (with, in a sandbox, everything it holds) killed; idempotent."""
+        import subprocess
+
+        if self.ctrl is not None:
+            self.ctrl.close()
+            self.ctrl = None
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        if not self._log.closed:
+            self._log.close()
 
 
 if __name__ == "__main__":
