@@ -331,7 +331,7 @@ def test_in_the_sandbox_the_course_and_package_are_out_of_reach():
     instructor source, rewriting the grader's own files: none of it works in the sandbox."""
     scores = _graded_with(LAB, "ex1-solution", WRAP_VRAMLAB_1)
     assert scores["ex1-test"][0] == 0 and "vramlab" in scores["ex1-test"][2], scores["ex1-test"]
-    probe = solutions()["ex1-solution"] + f'''
+    probe = f'''
 _found = []
 for _p in ({str(INSTRUCTOR_SOURCE)!r}, {str(ROOT / "labs" / "tools.py")!r}, {str(ROOT / "src" / "vramlab" / "grading" / "memory.py")!r}):
     try:
@@ -341,7 +341,7 @@ for _p in ({str(INSTRUCTOR_SOURCE)!r}, {str(ROOT / "labs" / "tools.py")!r}, {str
         pass
 if _found:
     raise SystemExit(f"reachable: {{_found}}")
-'''
+''' + solutions()["ex1-solution"]  # (before the answer: what it finds leaves the answer undefined)
     before = INSTRUCTOR_SOURCE.read_bytes()
     scores = _graded_with(LAB, "ex1-solution", probe)
     assert tools.total(scores) == (21, 21), scores
