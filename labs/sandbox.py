@@ -28,7 +28,7 @@ from typing import Any
 
 from answer_worker import MAX_FRAME  # the one bound on a message, both ways
 from vramlab.grading.run import ANSWER_PACKAGES, sandbox_env, tail as file_tail
-from vramlab.grading.starter import Starter, StarterGone
+from vramlab.grading.starter import SANDBOX_UID, Starter, StarterGone
 
 LABS = Path(__file__).resolve().parent
 ROOT = LABS.parent
@@ -87,7 +87,7 @@ def hidden_paths() -> list[Path]:
     return [p.resolve() for p in out if p.exists()]
 
 
-_UNPRIVILEGED = 65534  # "nobody": the answer's uid, in the sandbox (and on the host when the grader is root)
+_UNPRIVILEGED = SANDBOX_UID  # "nobody": the answer's uid, in the sandbox (and on the host when the grader is root)
 
 
 def staged_paths() -> list[Path]:

@@ -18,6 +18,7 @@ labs/tools.py sources`, which writes the .ipynb sources nbgrader reads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import hashlib
@@ -268,15 +269,17 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
     vramlab.grading.run.SANDBOX_PREFIX[:] = prefix  # labs 2-4's checks run the answer's ranks in it too
     vramlab.grading.run.RANK_LIMITS.clear()  # ... under the answer worker's limits and --timeout
     vramlab.grading.run.RANK_LIMITS.update(timeout=timeout, memory_bytes=int(memory_gib * 2**30))
-    starter = None
     try:
-        with tempfile.TemporaryDirectory(prefix="vramlab-grade-") as scratch:
+        # (the starter closed, and with it its sandbox's processes, before the scratch directory goes)
+        with tempfile.TemporaryDirectory(prefix="vramlab-grade-") as scratch, contextlib.ExitStack() as closing:
+            starter = None
             if prefix:  # one process imports the lab's modules once; each test cell's process is forked from it
                 try:
                     starter = sb.Starter(scratch, prefix, sb.preamble_modules(preamble), env=sb.sandbox_env(scratch))
+                    closing.callback(starter.close)
                     vramlab.grading.run.STARTER[:] = [starter]  # labs 1, 6 and 7's check programs are forked there too
                 except sb.StarterGone:
-                    starter = None  # (each process then starts an interpreter of its own, as without a sandbox)
+                    pass  # (each process then starts an interpreter of its own, as without a sandbox)
             for i, cell in enumerate(nb.cells):
                 if not _graded(cell):
                     continue
@@ -302,11 +305,7 @@ def grade(submission: Any, lab: str, *, timeout: float = 600, memory_gib: float 
                     worker.close()
                 report["outputs"][gid] = out[-MAX_OUTPUT_CHARS:]
                 scores[gid] = (points if ok else 0, points, why)
-            if starter is not None:
-                starter.close()
     finally:
-        if starter is not None:
-            starter.close()
         vramlab.grading.run.STARTER.clear()
         vramlab.grading.run.SANDBOX_PREFIX[:] = saved_prefix
         vramlab.grading.run.RANK_LIMITS.clear()

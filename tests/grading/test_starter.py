@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -31,11 +30,11 @@ def test_the_process_starter_refuses_to_kill_outside_a_sandbox(tmp_path):
         assert json.loads(ours.recv(1 << 16))["init"] is False
         socket.send_fds(ours, [json.dumps({"op": "killall"}).encode()], [])
         assert "not the sandbox's init" in json.loads(ours.recv(1 << 16))["error"]
-        out = open(tmp_path / "out.txt", "wb+")
         code = ("import os, sys\nprint(sys.argv, os.getcwd(), os.environ.get('HOME'), "
                 "sorted(int(d) for d in os.listdir('/proc/self/fd')))")
-        socket.send_fds(ours, [json.dumps({"op": "spawn", "cwd": str(tmp_path), "env": {"HOME": str(tmp_path)},
-                                           "argv": ["-c", "a"], "code": code, "fds": [1]}).encode()], [out.fileno()])
+        with open(tmp_path / "out.txt", "wb+") as out:  # (the fork holds its own descriptor of it)
+            socket.send_fds(ours, [json.dumps({"op": "spawn", "cwd": str(tmp_path), "env": {"HOME": str(tmp_path)},
+                                               "argv": ["-c", "a"], "code": code, "fds": [1]}).encode()], [out.fileno()])
         pid = json.loads(ours.recv(1 << 16))["pid"]
         for _ in range(500):
             socket.send_fds(ours, [json.dumps({"op": "status", "pid": pid}).encode()], [])

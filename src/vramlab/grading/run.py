@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+from .starter import apply_limits  # (standard library only: imported before any fork that uses it)
+
 # the packages whose functions answer the exercises: graded answers cannot import them (the programs'
 # processes, and labs/sandbox.py's answer process)
 ANSWER_PACKAGES: tuple[str, ...] = ("vramlab", "transformers", "peft", "deepspeed", "accelerate", "bitsandbytes")
@@ -123,16 +125,7 @@ def go_between(fds: tuple[int, ...] = ()) -> list[str]:
 
 def _rank_limits() -> None:
     """In a program's process (before exec, inherited by what it starts): the answer worker's limits."""
-    import resource
-
-    mem = int(RANK_LIMITS.get("memory_bytes") or 0)
-    for limit, value in ((resource.RLIMIT_FSIZE, 64 << 20), (resource.RLIMIT_CORE, 0),
-                         (resource.RLIMIT_DATA, mem if mem > 0 else None)):
-        if value is not None:
-            try:
-                resource.setrlimit(limit, (value, value))
-            except (ValueError, OSError):
-                pass
+    apply_limits(_limits())
 
 
 def read_regular(path: str, limit: int) -> bytes:
@@ -194,10 +187,10 @@ def run_program(harness: str, fn: Callable, cases: list, *, what: str, timeout: 
     group of its own that is killed afterwards whatever happened, under the answer worker's limits
     (RANK_LIMITS, set by the grader: data, file size, no core files) and the grader's --timeout where
     it is longer than the check's own; its output goes to files of which only the last 64 KiB are
-    read."""
+    read. It is forked from a starter where there is one (the grading's, in its sandbox, `STARTER`;
+    without a sandbox, this process's own), in a folder of the starter's scratch."""
     import json
     import re
-    import signal
     import subprocess
     import sys
     import tempfile
@@ -205,27 +198,32 @@ def run_program(harness: str, fn: Callable, cases: list, *, what: str, timeout: 
     source = cell_source(fn)
     timeout = max(timeout, float(RANK_LIMITS.get("timeout") or 0))
     starter = STARTER[0] if STARTER else None if SANDBOX_PREFIX else _own_starter()
-    if starter is not None:
-        return _run_forked(starter, harness, source, fn.__name__, cases, what=what, timeout=timeout,
-                           on_timeout=on_timeout)
-    with tempfile.TemporaryDirectory() as tmp:
+    args = [harness, json.dumps(cases)]
+    with tempfile.TemporaryDirectory(prefix="program-", dir=starter.scratch if starter else None) as tmp:
+        if starter is not None:
+            starter.own(tmp)
         _stage(tmp, source, [fn.__name__])
         with open(os.path.join(tmp, "ranks.out"), "wb") as out, open(os.path.join(tmp, "ranks.err"), "wb+") as err_file:
-            proc = subprocess.Popen([*(SANDBOX_PREFIX or go_between()), os.path.abspath(sys.executable), *launch("cases"),
-                                     harness, json.dumps(cases), f"{tmp}/out"],
-                                    stdout=out, stderr=err_file, start_new_session=True, cwd=tmp, env=_rank_env(tmp),
-                                    preexec_fn=_rank_limits)
+            if starter is not None:
+                try:
+                    proc = starter.spawn(cwd=tmp, argv=["-c", *args, f"{tmp}/out"], code=_LAUNCH.format(program="cases"),
+                                         env=sandbox_env(tmp) if starter.sandboxed else None,
+                                         fds={1: out.fileno(), 2: err_file.fileno()}, limits=_limits())
+                except RuntimeError as e:
+                    raise AssertionError(f"the {what} could not be started: {e}") from None
+            else:
+                proc = subprocess.Popen([*(SANDBOX_PREFIX or go_between()), os.path.abspath(sys.executable),
+                                         *launch("cases"), *args, f"{tmp}/out"],
+                                        stdout=out, stderr=err_file, start_new_session=True, cwd=tmp,
+                                        env=_rank_env(tmp), preexec_fn=_rank_limits)
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
                 raise AssertionError(re.sub(r"within \d+ s", f"within {timeout:.0f} s", on_timeout)) from None
+            except RuntimeError:  # the starter ended (the program killed its parent): its report says the rest
+                pass
             finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError, OSError):
-                    pass
+                _stop(proc)
             err = tail(err_file.fileno(), 64 << 10)
         reports = _report(f"{tmp}/out", err)
     if not isinstance(reports, list):
@@ -234,63 +232,27 @@ def run_program(harness: str, fn: Callable, cases: list, *, what: str, timeout: 
 
 
 def _limits() -> dict[str, int]:
-    """`_rank_limits` as the process starter applies them ({resource name: bytes})."""
+    """The answer worker's limits as a program's or a rank's process gets them ({resource name: value})."""
     mem = int(RANK_LIMITS.get("memory_bytes") or 0)
     return {"RLIMIT_FSIZE": 64 << 20, "RLIMIT_CORE": 0, **({"RLIMIT_DATA": mem} if mem > 0 else {})}
 
 
-def _run_forked(starter: Any, harness: str, source: str, name: str, cases: list, *, what: str, timeout: float,
-                on_timeout: str) -> list:
-    """`run_program` with its process forked by a starter (the grading's, in its sandbox; else this
-    process's own): a folder of the starter's scratch, the same program, limits and reading of its report."""
-    import tempfile
-
-    import shutil
-
-    tmp = tempfile.mkdtemp(prefix="program-", dir=starter.scratch)
-    try:
-        starter.own(tmp)
-        _stage(tmp, source, [name])
-        return _forked_program(starter, tmp, harness, cases, what=what, timeout=timeout, on_timeout=on_timeout)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _forked_program(starter: Any, tmp: str, harness: str, cases: list, *, what: str, timeout: float,
-                    on_timeout: str) -> list:
-    import json
-    import re
+def _stop(proc: Any) -> None:
+    """A program's or a rank's process group killed and the process reaped, whatever happened: a process
+    started here (`subprocess.Popen`) or forked by a starter (`starter.Forked`; its pid is this namespace's
+    unless the starter is sandboxed, so its group is killed here too, even when the starter is gone)."""
     import signal
     import subprocess
 
-    with open(os.path.join(tmp, "ranks.out"), "wb") as out, open(os.path.join(tmp, "ranks.err"), "wb+") as err_file:
+    if not getattr(getattr(proc, "starter", None), "sandboxed", False):
         try:
-            proc = starter.spawn(cwd=tmp, argv=["-c", harness, json.dumps(cases), f"{tmp}/out"],
-                                 code=_LAUNCH.format(program="cases"), env=sandbox_env(tmp) if starter.sandboxed else None,
-                                 fds={1: out.fileno(), 2: err_file.fileno()}, limits=_limits())
-        except RuntimeError as e:
-            raise AssertionError(f"the {what} could not be started: {e}") from None
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(re.sub(r"within \d+ s", f"within {timeout:.0f} s", on_timeout)) from None
-        except RuntimeError:  # the starter ended (the program killed its parent): its report says the rest
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
             pass
-        finally:
-            if not starter.sandboxed:  # (this namespace's pid: its group killed even if the starter is gone)
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            try:
-                proc.kill()
-            except RuntimeError:
-                pass
-        err = tail(err_file.fileno(), 64 << 10)
-    reports = _report(f"{tmp}/out", err)
-    if not isinstance(reports, list):
-        raise AssertionError(f"the {what} did not finish" + (f": {reports['error']}" if isinstance(reports, dict) else ""))
-    return reports
+    try:
+        proc.wait() if isinstance(proc, subprocess.Popen) else proc.kill()
+    except RuntimeError:  # (the starter ended: a process killed its parent; its group was killed above)
+        pass
 
 
 def _report(path: str, err: str) -> Any:
@@ -579,7 +541,6 @@ def run_world(harness: str, world: int, case: Any, *, source: str, names: list[s
     dicts and the harness's marks]."""
     import json
     import re
-    import signal
     import socket
     import subprocess
     import sys
@@ -636,14 +597,7 @@ def run_world(harness: str, world: int, case: Any, *, source: str, names: list[s
         return reports
     finally:
         for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # (a fork of this process's starter: a pid of this namespace too)
-            except (ProcessLookupError, PermissionError, OSError):
-                pass
-            try:
-                p.wait() if isinstance(p, subprocess.Popen) else p.kill()
-            except RuntimeError:  # (the starter ended: a rank killed its parent; killed above all the same)
-                pass
+            _stop(p)
         for s in [*socks, *errs]:
             s.close()
 

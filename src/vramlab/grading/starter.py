@@ -39,6 +39,7 @@ import socket
 import sys
 
 RECV = 1 << 20  # bytes of one request at most
+SANDBOX_UID = 65534  # "nobody": the uid that what runs in the grader's sandbox has (labs/sandbox.py)
 
 
 def _dumpable(on):
@@ -50,7 +51,8 @@ def _dumpable(on):
         pass
 
 
-def _limits(limits):
+def apply_limits(limits):
+    """Resource limits ({"RLIMIT_DATA": bytes, ...}) set on this process, soft and hard; what cannot be set is left."""
     import resource
 
     for name, value in (limits or {}).items():
@@ -92,7 +94,7 @@ def _child(req, fds, ctrl):
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
-        _limits(req.get("limits"))
+        apply_limits(req.get("limits"))
         import random
 
         random.seed()  # (a fork shares the starter's state: each process draws its own, as a fresh one does)
@@ -152,7 +154,7 @@ def main():
                 return
             if pid in live:
                 live.discard(pid)
-                done[pid] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+                done[pid] = os.waitstatus_to_exitcode(status)
 
     def reply(obj):
         ctrl.sendall(json.dumps(obj).encode())
@@ -193,7 +195,7 @@ def main():
                     try:
                         _, status = os.waitpid(pid, 0)
                         live.discard(pid)
-                        done[pid] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+                        done[pid] = os.waitstatus_to_exitcode(status)
                     except ChildProcessError:
                         live.discard(pid)
                 reply({"code": done.get(pid)})
@@ -259,14 +261,13 @@ class Starter:
     `scratch`: its folder, which it and what it forks see; `env`: its environment (and its forks')."""
 
     def __init__(self, scratch, prefix, modules, *, env=None, timeout=300.0):
+        import shutil
         import subprocess
 
         self.scratch, self.sandboxed, self.env = scratch, bool(prefix), env
         self.ctrl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = None
-        script = os.path.join(scratch, "starter.py")
-        with open(__file__, "rb") as src, open(script, "wb") as dst:
-            dst.write(src.read())
+        script = shutil.copyfile(__file__, os.path.join(scratch, "starter.py"))  # (the sandbox shows no vramlab)
         self._log = open(os.path.join(scratch, "starter-output.txt"), "wb+")
         try:
             self.proc = subprocess.Popen([*prefix, os.path.abspath(sys.executable), "-I", script, str(theirs.fileno()),
@@ -330,7 +331,7 @@ class Starter:
     def own(self, folder):
         """A folder made in the scratch by this process, made the sandbox's user's (who owns the scratch)."""
         if self.sandboxed and os.geteuid() == 0:
-            os.chown(folder, 65534, 65534)
+            os.chown(folder, SANDBOX_UID, SANDBOX_UID)
 
     def kill_all(self):
         """Every process of the sandbox but the starter: killed and reaped (refused without a sandbox)."""
